@@ -1,0 +1,41 @@
+"""The ``graphswap`` console script: one sub-command per module, imported by name.
+
+Each sub-command module defines ``add_parser(subparsers)`` and keeps its heavy
+imports (torch, transformers) inside the function that runs, so that ``--help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+_COMMAND_MODULES = (
+    "graphswap.cli._train",
+    "graphswap.cli._graph",
+    "graphswap.cli._plan",
+    "graphswap.cli._memory",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="graphswap",
+        description="Activation swap for transformer training.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from graphswap.cli import main
+
+sys.exit(main())

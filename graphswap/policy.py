@@ -1,0 +1,84 @@
+"""Which saved tensors move to host memory.
+
+A policy is any callable ``Tensor -> CheckpointPolicy``. The names follow
+``torch.utils.checkpoint.CheckpointPolicy``, extended with ``MUST_SWAP``. Whatever a
+policy answers, the runtime never swaps parameters, buffers or views of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import torch
+
+MIN_SWAP_TENSOR_BYTES = 1 << 20
+"""Tensors smaller than this stay on device: below ~1 MiB a copy costs more in launch
+and bookkeeping than the memory it frees."""
+
+
+class CheckpointPolicy(enum.Enum):
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
+    MUST_SWAP = 4
+
+
+SwapPolicy = Callable[[torch.Tensor], CheckpointPolicy]
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def owns_storage(t: torch.Tensor) -> bool:
+    """True when ``t`` covers its whole storage, so moving it frees all of it.
+
+    A slice or a view of a larger tensor shares storage with tensors the policy
+    cannot see; swapping it would copy bytes without freeing any.
+    """
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return False
+    if t.layout is not torch.strided:
+        return False
+    return t.untyped_storage().nbytes() == tensor_nbytes(t)
+
+
+def is_parameter_like(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()`` as saved by ``F.linear``)."""
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    base = t._base
+    return base is not None and isinstance(base, torch.nn.Parameter)
+
+
+def size_threshold_policy(min_bytes: int = MIN_SWAP_TENSOR_BYTES) -> SwapPolicy:
+    """A policy that swaps grad-requiring tensors of 2+ dims that own their storage
+    and hold at least ``min_bytes`` bytes."""
+    if min_bytes < 0:
+        raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+
+    def policy(t: torch.Tensor) -> CheckpointPolicy:
+        if (
+            not t.requires_grad
+            or t.dim() < 2
+            or is_parameter_like(t)
+            or not owns_storage(t)
+            or tensor_nbytes(t) < min_bytes
+        ):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SWAP
+
+    policy.__name__ = policy.__qualname__ = f"size_threshold_policy({min_bytes})"
+    return policy
+
+
+qwen3_attention_swap_policy: SwapPolicy = size_threshold_policy(MIN_SWAP_TENSOR_BYTES)
+qwen3_attention_swap_policy.__name__ = qwen3_attention_swap_policy.__qualname__ = (
+    "qwen3_attention_swap_policy"
+)
+
+
+def policy_name(policy: SwapPolicy) -> str:
+    return getattr(policy, "__name__", type(policy).__name__)
