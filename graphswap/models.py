@@ -34,7 +34,10 @@ def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> Q
 
 
 def build_model(
-    config: Qwen3MoeConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    config: Qwen3MoeConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
     """Instantiate ``Qwen3MoeForCausalLM``; on ``meta`` no memory is allocated."""
     from transformers import Qwen3MoeForCausalLM

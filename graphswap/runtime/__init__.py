@@ -1,0 +1,24 @@
+"""The swap runtime: managers, wrappers, copy engines, host pool."""
+
+from graphswap.runtime.manager import GroupInfo, SwapIntegrityError, SwapManager
+from graphswap.runtime.stats import GroupStats, SwapStats
+from graphswap.runtime.wrapper import (
+    is_swap_wrapped,
+    original_type,
+    swap_manager_of,
+    swap_wrapper,
+    unwrap_swap,
+)
+
+__all__ = [
+    "GroupInfo",
+    "GroupStats",
+    "SwapIntegrityError",
+    "SwapManager",
+    "SwapStats",
+    "is_swap_wrapped",
+    "original_type",
+    "swap_manager_of",
+    "swap_wrapper",
+    "unwrap_swap",
+]

@@ -1,0 +1,95 @@
+"""swap_wrapper: install activation swap on a module without replacing the object.
+
+Like FSDP2's ``fully_shard``, the module's class is swapped for a generated
+subclass whose ``forward`` runs under the manager's saved-tensor hooks. The object,
+its parameters, buffers, FQNs, ``state_dict`` keys, attributes and ``isinstance``
+all stay as they were, and ``unwrap_swap`` restores the exact original type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphswap.policy import SwapPolicy, qwen3_attention_swap_policy
+from graphswap.runtime.manager import SwapManager
+
+_STATE_ATTR = "_graphswap_swap_state"
+_CLASS_CACHE: dict[type, type] = {}
+
+
+@dataclass(frozen=True)
+class _SwapState:
+    manager: SwapManager
+    original_type: type
+
+
+class SwapWrapped:
+    """Marker base of every generated swap class; its forward installs the hooks."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state: _SwapState = self.__dict__[_STATE_ATTR]
+        return state.manager.run_forward(self, super().forward, args, kwargs)  # type: ignore[arg-type,misc]
+
+
+def _swap_class(cls: type) -> type:
+    swap_cls = _CLASS_CACHE.get(cls)
+    if swap_cls is None:
+        swap_cls = type(f"Swap{cls.__name__}", (SwapWrapped, cls), {"__module__": cls.__module__})
+        _CLASS_CACHE[cls] = swap_cls
+    return swap_cls
+
+
+def is_swap_wrapped(module: torch.nn.Module) -> bool:
+    return isinstance(module, SwapWrapped)
+
+
+def original_type(module: torch.nn.Module) -> type:
+    """The class the module had before ``swap_wrapper``."""
+    state = module.__dict__.get(_STATE_ATTR)
+    return state.original_type if state is not None else type(module)
+
+
+def swap_manager_of(module: torch.nn.Module) -> SwapManager | None:
+    state = module.__dict__.get(_STATE_ATTR)
+    return state.manager if state is not None else None
+
+
+def swap_wrapper(
+    module: torch.nn.Module,
+    *,
+    manager: SwapManager,
+    policy: SwapPolicy = qwen3_attention_swap_policy,
+    name: str | None = None,
+) -> torch.nn.Module:
+    """Make ``module`` swap the tensors it saves for backward, as ``policy`` decides.
+
+    Returns the same object, now an instance of a generated ``Swap<Class>`` subclass
+    registered with ``manager`` under ``name`` (default: class name and index).
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"swap_wrapper expects an nn.Module, got {type(module).__name__}")
+    if is_swap_wrapped(module):
+        raise ValueError(
+            f"{type(module).__name__} is already swap-wrapped; call unwrap_swap(module) first"
+        )
+    if not callable(policy):
+        raise TypeError(f"policy must be a callable Tensor -> CheckpointPolicy, got {policy!r}")
+    cls = type(module)
+    manager.register(module, name or f"{cls.__name__}_{len(manager.groups())}", policy)
+    module.__dict__[_STATE_ATTR] = _SwapState(manager, cls)
+    module.__class__ = _swap_class(cls)
+    return module
+
+
+def unwrap_swap(module: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``swap_wrapper``: the original class, unregistered, links dropped."""
+    state: _SwapState | None = module.__dict__.get(_STATE_ATTR)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not swap-wrapped; nothing to unwrap")
+    state.manager.unregister(module)
+    module.__class__ = state.original_type
+    del module.__dict__[_STATE_ATTR]
+    return module

@@ -1,0 +1,331 @@
+"""Runtime semantics of the swap on CPU: numbers, lifetimes, order, guards."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphswap import CheckpointPolicy, SwapIntegrityError, SwapManager, swap_wrapper
+from graphswap.policy import qwen3_attention_swap_policy, size_threshold_policy
+
+VOCAB = 512
+swap_everything = size_threshold_policy(0)
+
+
+def wrap_attention(model: torch.nn.Module, manager: SwapManager, policies=None) -> list:
+    layers = model.model.layers
+    attns = [
+        swap_wrapper(
+            layer.self_attn,
+            manager=manager,
+            name=f"model.layers.{i}.self_attn",
+            policy=policies[i] if policies else qwen3_attention_swap_policy,
+        )
+        for i, layer in enumerate(layers)
+    ]
+    for prev, nxt in itertools.pairwise(attns):
+        manager.set_forward_prefetch_layer(prev, nxt)
+    return attns
+
+
+def train(model: torch.nn.Module, steps: int, seq: int = 512) -> tuple[list[float], list]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    losses, grads = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2, seq), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def test_three_steps_bitwise_equal_to_unwrapped(tiny_model) -> None:
+    base_losses, base_grads = train(tiny_model(), steps=3)
+    model = tiny_model()
+    manager = SwapManager()
+    wrap_attention(model, manager)
+    losses, grads = train(model, steps=3)
+
+    assert losses == base_losses
+    for step_grads, step_base in zip(grads, base_grads, strict=True):
+        assert step_grads.keys() == step_base.keys()
+        for name, grad in step_grads.items():
+            assert torch.equal(grad, step_base[name]), name
+    stats = manager.stats
+    assert stats.offloaded_bytes > 0
+    assert stats.reloaded_bytes == stats.offloaded_bytes
+    assert stats.prefetch_misses == 0
+    assert stats.per_group["model.layers.3.self_attn"].offloaded_bytes == 0
+    assert stats.per_group["model.layers.3.self_attn"].kept_bytes > 0
+
+
+def recording(policy: Callable, record: list) -> Callable:
+    def wrapped(t: torch.Tensor) -> CheckpointPolicy:
+        decision = policy(t)
+        if decision is CheckpointPolicy.MUST_SWAP:
+            record.append(StorageWeakRef(t.untyped_storage()))
+        return decision
+
+    return wrapped
+
+
+def test_swapped_storages_are_freed_after_forward_except_last_layer(tiny_model) -> None:
+    model = tiny_model()
+    records: list[list] = [[] for _ in model.model.layers]
+    manager = SwapManager()
+    wrap_attention(model, manager, [recording(qwen3_attention_swap_policy, r) for r in records])
+    ids = torch.randint(0, VOCAB, (2, 512))
+    loss = model(input_ids=ids, labels=ids).loss
+    manager.synchronize()
+    gc.collect()
+
+    for layer, refs in enumerate(records[:-1]):
+        assert refs, f"layer {layer} swapped nothing"
+        assert all(ref.expired() for ref in refs), f"layer {layer} kept a swapped storage"
+    assert records[-1] and not any(ref.expired() for ref in records[-1])
+    loss.backward()
+
+
+def test_prefetch_is_issued_when_next_layer_backward_begins(tiny_model) -> None:
+    model = tiny_model()
+    manager = SwapManager(trace=True)
+    wrap_attention(model, manager)
+    ids = torch.randint(0, VOCAB, (2, 512))
+    model(input_ids=ids, labels=ids).loss.backward()
+    events = list(manager.events)
+    name = "model.layers.{}.self_attn".format
+
+    for i in range(1, 4):
+        begin = events.index(("backward_begin", name(i)))
+        prefetch = events.index(("prefetch", name(i - 1)))
+        first_unpack = events.index(("unpack", name(i - 1)))
+        assert begin < prefetch < first_unpack
+        assert events[begin + 1] == ("prefetch", name(i - 1))
+    assert ("prefetch", name(3)) not in events
+    assert manager.prefetch_schedule() == [(name(i), name(i - 1)) for i in (3, 2, 1)]
+
+
+def test_prefetch_depth_two(tiny_model) -> None:
+    _, base = train(tiny_model(), steps=1)
+    model = tiny_model()
+    manager = SwapManager(prefetch_depth=2)
+    wrap_attention(model, manager)
+    _, grads = train(model, steps=1)
+    name = "model.layers.{}.self_attn".format
+    assert manager.prefetch_schedule() == [
+        (name(3), name(2)),
+        (name(3), name(1)),
+        (name(2), name(0)),
+    ]
+    assert manager.stats.prefetch_misses == 0
+    assert all(torch.equal(grads[0][k], base[0][k]) for k in base[0])
+
+
+def test_unlinked_module_reloads_synchronously_as_a_miss() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    manager = SwapManager()
+    swap_wrapper(lin, manager=manager, policy=swap_everything)
+    x = torch.randn(1024, 256, requires_grad=True)
+    (lin(x) ** 2).sum().backward()
+    stats = manager.stats
+    assert stats.offloaded_tensors == 1 and stats.prefetch_misses == 1 and stats.prefetch_hits == 0
+    expected = x.grad.clone()
+    x.grad = None
+    lin_plain = torch.nn.Linear(256, 256)
+    lin_plain.load_state_dict(lin.state_dict())
+    (lin_plain(x) ** 2).sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
+class Tanh(torch.nn.Module):
+    """Saves its own output: the tensor a caller may modify in place."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.fail = fail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))
+        if self.fail:
+            raise RuntimeError("boom inside forward")
+        return y
+
+
+def test_in_place_modification_after_pack_is_an_error() -> None:
+    module = Tanh()
+    swap_wrapper(module, manager=SwapManager(), policy=swap_everything, name="act")
+    y = module(torch.randn(32, 64, requires_grad=True))
+    y.add_(1)
+    with pytest.raises(SwapIntegrityError, match=r"\(32, 64\).*'act'.*in-place"):
+        y.sum().backward()
+
+
+def test_parameters_are_never_swapped_whatever_the_policy() -> None:
+    lin = torch.nn.Linear(512, 512)
+    manager = SwapManager()
+    swap_wrapper(lin, manager=manager, policy=lambda t: CheckpointPolicy.MUST_SWAP)
+    x = torch.randn(8, 512)
+    lin(x).sum().backward()
+    stats = manager.stats
+    assert (stats.offloaded_tensors, stats.offloaded_bytes) == (1, x.numel() * 4)
+    assert lin.weight.grad is not None
+
+
+class Gram(torch.nn.Module):
+    """``h @ h.t()`` saves two aliases of one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h @ h.t()
+
+
+def test_aliases_are_copied_once_and_restored_with_their_layout() -> None:
+    torch.manual_seed(0)
+    plain = Gram()
+    module = Gram()
+    module.load_state_dict(plain.state_dict())
+    manager = SwapManager()
+    swap_wrapper(module, manager=manager, policy=swap_everything)
+    x = torch.randn(128, 64)
+    module(x).pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    assert manager.stats.offloaded_tensors == 1
+    assert torch.equal(module.lin.weight.grad, plain.lin.weight.grad)
+
+
+def test_retain_graph_backward_twice(tiny_model) -> None:
+    model = tiny_model()
+    manager = SwapManager()
+    wrap_attention(model, manager)
+    ids = torch.randint(0, VOCAB, (2, 512))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    first = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    loss.backward()
+    assert all(torch.equal(p.grad, first[n]) for n, p in model.named_parameters())
+    stats = manager.stats
+    assert stats.reloaded_bytes == 2 * stats.offloaded_bytes
+    assert stats.prefetch_misses == 0
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_forward_creates_nothing(tiny_model, mode) -> None:
+    model = tiny_model()
+    manager = SwapManager(trace=True)
+    wrap_attention(model, manager)
+    with mode():
+        model(input_ids=torch.randint(0, VOCAB, (2, 512)))
+    stats = manager.stats
+    assert stats.offloaded_tensors == stats.kept_tensors == 0
+    assert stats.host_reserved_bytes == 0
+    assert list(manager.events) == []
+
+
+def test_exception_in_forward_removes_hooks_and_releases_group() -> None:
+    module = Tanh(fail=True)
+    manager = SwapManager()
+    swap_wrapper(module, manager=manager, policy=swap_everything)
+    x = torch.randn(32, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        module(x)
+    gc.collect()
+    manager.synchronize()
+    offloaded = manager.stats.offloaded_tensors
+    assert offloaded == 2
+    assert manager.stats.host_in_use_bytes == 0
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        torch.tanh(x).sum().backward()
+    assert manager.stats.offloaded_tensors == offloaded
+    assert len(packed) == 1
+
+
+def test_two_forwards_before_one_backward(tiny_model) -> None:
+    """Gradient accumulation with both graphs alive: groups pair up per forward."""
+    ids = [
+        torch.randint(0, VOCAB, (2, 512), generator=torch.Generator().manual_seed(s))
+        for s in (1, 2)
+    ]
+
+    def accumulate(model: torch.nn.Module) -> dict:
+        losses = [model(input_ids=i, labels=i).loss for i in ids]
+        losses[1].backward()
+        losses[0].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    base = accumulate(tiny_model())
+    model = tiny_model()
+    manager = SwapManager()
+    wrap_attention(model, manager)
+    grads = accumulate(model)
+    assert all(torch.equal(grads[n], base[n]) for n in base)
+    assert manager.stats.prefetch_misses == 0
+
+
+def test_exhausted_pool_keeps_tensors_on_device(tiny_model) -> None:
+    _, base = train(tiny_model(), steps=1)
+    model = tiny_model()
+    manager = SwapManager(max_host_bytes=3 * 2**20)
+    wrap_attention(model, manager)
+    _, grads = train(model, steps=1)
+    stats = manager.stats
+    assert stats.pool_exhausted > 0
+    assert stats.offloaded_bytes > 0
+    assert stats.host_reserved_bytes <= 3 * 2**20
+    assert all(torch.equal(grads[0][k], base[0][k]) for k in base[0])
+
+
+def test_host_memory_and_objects_flat_across_steps(tiny_model) -> None:
+    model = tiny_model()
+    manager = SwapManager()
+    wrap_attention(model, manager)
+    train(model, steps=1, seq=256)
+    gc.collect()
+    reserved = manager.stats.host_reserved_bytes
+    objects = len(gc.get_objects())
+    train(model, steps=20, seq=256)
+    gc.collect()
+    stats = manager.stats
+    assert reserved > 0
+    assert stats.host_reserved_bytes == reserved
+    assert stats.host_in_use_bytes == 0
+    assert stats.peak_host_bytes <= reserved
+    assert len(gc.get_objects()) - objects < 500
+
+
+def test_linking_requires_wrapped_modules_and_refuses_cycles() -> None:
+    manager = SwapManager()
+    a, b, c = (swap_wrapper(torch.nn.Linear(2, 2), manager=manager) for _ in range(3))
+    with pytest.raises(ValueError, match="not swap-wrapped"):
+        manager.set_forward_prefetch_layer(a, torch.nn.Linear(2, 2))
+    manager.set_forward_prefetch_layer(a, b)
+    manager.set_forward_prefetch_layer(b, c)
+    with pytest.raises(ValueError, match="already linked"):
+        manager.set_forward_prefetch_layer(a, c)
+    with pytest.raises(ValueError, match="cycle"):
+        manager.set_forward_prefetch_layer(c, a)
+    assert [g.keep_on_device for g in manager.groups()] == [False, False, True]
+    assert manager.links == [("Linear_0", "Linear_1"), ("Linear_1", "Linear_2")]
+
+
+def test_invalid_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        SwapManager(prefetch_depth=0)
+    with pytest.raises(ValueError, match="max_host_bytes"):
+        SwapManager(max_host_bytes=-1)

@@ -1,0 +1,79 @@
+import inspect
+
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+from graphswap import SwapManager, swap_wrapper, unwrap_swap
+from graphswap.runtime import is_swap_wrapped, original_type
+
+
+def test_wrap_keeps_identity_names_and_attributes(tiny_model) -> None:
+    model = tiny_model()
+    keys = list(model.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+    attn = model.model.layers[0].self_attn
+    wrapped = swap_wrapper(attn, manager=SwapManager(), name="model.layers.0.self_attn")
+
+    assert wrapped is attn is model.model.layers[0].self_attn
+    assert isinstance(wrapped, Qwen3MoeAttention)
+    assert type(wrapped) is not Qwen3MoeAttention
+    assert original_type(wrapped) is Qwen3MoeAttention
+    assert is_swap_wrapped(wrapped)
+    assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.named_parameters()] == names
+    assert wrapped.head_dim == 64 and wrapped.layer_idx == 0
+    assert wrapped.q_proj is model.model.layers[0].self_attn.q_proj
+
+
+def test_forward_outputs_unchanged_with_hf_kwargs(tiny_model) -> None:
+    model = tiny_model()
+    attn = model.model.layers[1].self_attn
+    hidden = torch.randn(2, 64, 128, requires_grad=True)
+    pos = model.model.rotary_emb(hidden, torch.arange(64)[None])
+    expected = attn(hidden, position_embeddings=pos, attention_mask=None)
+    swap_wrapper(attn, manager=SwapManager(keep_last=False))
+    got = attn(hidden, position_embeddings=pos, attention_mask=None)
+    assert torch.equal(expected[0], got[0])
+    assert torch.equal(expected[1], got[1])
+
+
+def test_unwrap_restores_exact_type(tiny_model) -> None:
+    attn = tiny_model().model.layers[0].self_attn
+    manager = SwapManager()
+    swap_wrapper(attn, manager=manager)
+    assert unwrap_swap(attn) is attn
+    assert type(attn) is Qwen3MoeAttention
+    assert manager.groups() == []
+    assert "_graphswap_swap_state" not in attn.__dict__
+
+
+def test_wrapping_twice_is_refused(tiny_model) -> None:
+    attn = tiny_model().model.layers[0].self_attn
+    swap_wrapper(attn, manager=SwapManager())
+    with pytest.raises(ValueError, match="already swap-wrapped"):
+        swap_wrapper(attn, manager=SwapManager())
+
+
+def test_unwrap_of_plain_module_is_refused() -> None:
+    with pytest.raises(ValueError, match="not swap-wrapped"):
+        unwrap_swap(torch.nn.Linear(2, 2))
+
+
+def test_generated_class_is_shared_per_type(tiny_model) -> None:
+    layers = tiny_model().model.layers
+    manager = SwapManager()
+    a = swap_wrapper(layers[0].self_attn, manager=manager)
+    b = swap_wrapper(layers[1].self_attn, manager=manager)
+    assert type(a) is type(b)
+    assert type(a).__name__ == "SwapQwen3MoeAttention"
+    assert "hidden_states" in inspect.signature(Qwen3MoeAttention.forward).parameters
+
+
+def test_duplicate_names_are_refused(tiny_model) -> None:
+    layers = tiny_model().model.layers
+    manager = SwapManager()
+    swap_wrapper(layers[0].self_attn, manager=manager, name="attn")
+    with pytest.raises(ValueError, match="already registered"):
+        swap_wrapper(layers[1].self_attn, manager=manager, name="attn")
+    assert type(layers[1].self_attn) is Qwen3MoeAttention
