@@ -1,10 +1,20 @@
 """graphswap: activation swap for transformer training.
 
 Importing this package has no side effects: it does not touch CUDA, query the
-platform, or import transformers model code.
+platform, or import transformers model code. The application layer (``models``,
+``train``, ``cli``) and the pass plan (``passes``) are imported by name.
 """
 
 from graphswap.policy import MIN_SWAP_TENSOR_BYTES, CheckpointPolicy, qwen3_attention_swap_policy
+from graphswap.rewrite import (
+    AlreadyTransformedError,
+    NoMatchError,
+    RewriteError,
+    RewriteReport,
+    rewrite,
+    unrewrite,
+)
+from graphswap.rules import Rule, available_rules, get_rule, register_rule
 from graphswap.runtime import (
     SwapIntegrityError,
     SwapManager,
@@ -15,11 +25,21 @@ from graphswap.runtime import (
 
 __all__ = [
     "MIN_SWAP_TENSOR_BYTES",
+    "AlreadyTransformedError",
     "CheckpointPolicy",
+    "NoMatchError",
+    "RewriteError",
+    "RewriteReport",
+    "Rule",
     "SwapIntegrityError",
     "SwapManager",
     "SwapStats",
+    "available_rules",
+    "get_rule",
     "qwen3_attention_swap_policy",
+    "register_rule",
+    "rewrite",
     "swap_wrapper",
+    "unrewrite",
     "unwrap_swap",
 ]

@@ -159,6 +159,7 @@ class SwapManager:
             _default_max_host_bytes() if max_host_bytes is None else max_host_bytes
         )
         self._slots: dict[torch.nn.Module, _Slot] = {}
+        self._registered = 0
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}
         self._latest: dict[torch.nn.Module, _Group] = {}
@@ -170,15 +171,18 @@ class SwapManager:
             collections.deque(maxlen=TRACE_LIMIT) if trace else None
         )
 
-    def register(self, module: torch.nn.Module, name: str, policy: SwapPolicy) -> None:
+    def register(self, module: torch.nn.Module, name: str | None, policy: SwapPolicy) -> None:
+        """Called by ``swap_wrapper``; ``name`` defaults to the class name and a counter."""
+        cls = type(module)
+        name = name or f"{cls.__name__}_{self._registered}"
         if module in self._slots:
             raise ValueError(f"module {name!r} is already registered with this SwapManager")
         if any(slot.name == name for slot in self._slots.values()):
             raise ValueError(f"a module named {name!r} is already registered; pass a unique name")
-        cls = type(module)
         self._slots[module] = _Slot(
-            module, name, len(self._slots), policy, f"{cls.__module__}.{cls.__qualname__}"
+            module, name, self._registered, policy, f"{cls.__module__}.{cls.__qualname__}"
         )
+        self._registered += 1
         self._stats[name] = GroupStats()
 
     def unregister(self, module: torch.nn.Module) -> None:
@@ -290,6 +294,7 @@ class SwapManager:
         self._poll()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack):
             out = forward(*args, **kwargs)
+        self._poll()
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(
@@ -332,6 +337,7 @@ class SwapManager:
     def _offload(
         self, group: _Group, storage: torch.UntypedStorage, device: torch.device
     ) -> _Entry | None:
+        self._poll()
         engine = self._engine(device)
         host = self._pool.acquire(storage.nbytes(), pin=engine.pin)
         if host is None:

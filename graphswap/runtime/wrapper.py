@@ -78,7 +78,7 @@ def swap_wrapper(
     if not callable(policy):
         raise TypeError(f"policy must be a callable Tensor -> CheckpointPolicy, got {policy!r}")
     cls = type(module)
-    manager.register(module, name or f"{cls.__name__}_{len(manager.groups())}", policy)
+    manager.register(module, name, policy)
     module.__dict__[_STATE_ATTR] = _SwapState(manager, cls)
     module.__class__ = _swap_class(cls)
     return module

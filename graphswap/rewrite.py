@@ -1,0 +1,525 @@
+"""``rewrite(model, rules)``: apply declarative rules to a module tree, all or nothing.
+
+The failure modes of rewrite libraries are the design input here: every match is
+collected on the untouched tree before anything changes; a rule that matches nothing,
+two rules that claim overlapping modules, and a model that an earlier transform
+already changed (wrapped, sharded, compiled, checkpointed) are errors that name the
+module and the fix. A failure half-way restores the model, and a successful rewrite
+can be undone exactly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import itertools
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch.fx
+from torch import nn
+
+from graphswap.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
+from graphswap.rules import (
+    AlreadyTransformedError,
+    HierarchyError,
+    NoMatchError,
+    RewriteError,
+    Rule,
+    RuleConflictError,
+    RuleContext,
+    UnknownRuleError,
+    get_rule,
+    qualified_name,
+)
+from graphswap.runtime import SwapManager, is_swap_wrapped
+
+__all__ = [
+    "AlreadyTransformedError",
+    "HierarchyError",
+    "ModuleChange",
+    "NoMatchError",
+    "RewriteError",
+    "RewriteReport",
+    "RuleConflictError",
+    "RuleReport",
+    "UnknownRuleError",
+    "rewrite",
+    "unrewrite",
+]
+
+_STATE_ATTR = "_graphswap_rewrite"
+"""The attribute on a rewritten model that holds its report, for ``unrewrite``."""
+
+
+@dataclass(frozen=True)
+class ModuleChange:
+    fqn: str
+    old_type: str
+    new_type: str
+    in_place: bool
+    """True when the module object was kept and its class changed (a wrapper)."""
+
+
+@dataclass(frozen=True)
+class RuleReport:
+    rule: str
+    changes: tuple[ModuleChange, ...]
+    links: tuple[tuple[str, str], ...]
+    """``(prev, next)`` in forward order, as linked into the prefetch graph."""
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(change.fqn for change in self.changes)
+
+    def __str__(self) -> str:
+        if not self.changes:
+            return f"{self.rule}: matched nothing (strict=False)"
+        verb = "wrapped" if all(c.in_place for c in self.changes) else "replaced"
+        return (
+            f"{self.rule}: {_plural(len(self.changes), 'module')} {verb}, "
+            f"{_plural(len(self.links), 'prefetch link')}"
+        )
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+@dataclass(frozen=True)
+class _Applied:
+    """One replacement, with what undoing it needs."""
+
+    rule: Rule
+    fqn: str
+    original: nn.Module
+    original_type: type
+    replacement: nn.Module
+
+    @property
+    def change(self) -> ModuleChange:
+        return ModuleChange(
+            fqn=self.fqn,
+            old_type=qualified_name(self.original_type),
+            new_type=qualified_name(type(self.replacement)),
+            in_place=self.replacement is self.original,
+        )
+
+
+@dataclass(eq=False)
+class RewriteReport:
+    """What ``rewrite`` changed: per rule the modules and links, the prefetch graph,
+    and the ``SwapManager`` the replacements are registered with."""
+
+    rules: tuple[RuleReport, ...]
+    graph: nx.DiGraph = field(repr=False)
+    manager: SwapManager = field(repr=False)
+    dry_run: bool
+    _applied: tuple[_Applied, ...] = field(repr=False)
+    _model: weakref.ref[nn.Module] = field(repr=False)
+    _undone: bool = field(default=False, init=False, repr=False)
+
+    def __str__(self) -> str:
+        lines = [str(r) for r in self.rules]
+        if self.dry_run:
+            lines = [f"dry run, nothing changed: {line}" for line in lines]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "rules": [
+                {
+                    "rule": r.rule,
+                    "changes": [
+                        {
+                            "fqn": c.fqn,
+                            "old_type": c.old_type,
+                            "new_type": c.new_type,
+                            "in_place": c.in_place,
+                        }
+                        for c in r.changes
+                    ],
+                    "links": [list(link) for link in r.links],
+                }
+                for r in self.rules
+            ],
+            "prefetch_graph": graph_to_dict(self.graph),
+        }
+
+    def undo(self) -> None:
+        """Put the original modules back: same objects, same classes."""
+        if self.dry_run:
+            raise RewriteError("this report is from a dry run, which changed nothing to undo")
+        if self._undone:
+            raise RewriteError("this rewrite was already undone")
+        model = self._model()
+        if model is None:
+            raise RewriteError("the rewritten model no longer exists; nothing to undo")
+        _restore_all(model, self._applied)
+        if getattr(model, _STATE_ATTR, None) is self:
+            delattr(model, _STATE_ATTR)
+        _recompile(model)
+        self._undone = True
+
+
+def rewrite(
+    model: nn.Module,
+    rules: str | Rule | Sequence[str | Rule],
+    *,
+    dry_run: bool = False,
+    strict: bool = True,
+    manager: SwapManager | None = None,
+) -> RewriteReport:
+    """Apply ``rules`` (registered names or ``Rule`` objects) to ``model``, all or nothing.
+
+    ``strict``: a rule that matches nothing raises ``NoMatchError``. ``dry_run``: the
+    rewrite is applied and undone, so the report is the one a real run returns (and a
+    run that would fail fails), the model is left as it was and the report's manager
+    holds no modules. ``manager``: the ``SwapManager`` to register with, a
+    fresh one by default; it must be empty (one manager per model).
+    A ``torch.fx.GraphModule`` is rewritten through its submodules and recompiled.
+    """
+    resolved = _resolve_rules(rules)
+    _refuse_transformed(model, resolved)
+    manager = SwapManager() if manager is None else manager
+    if manager.groups():
+        raise RewriteError(
+            f"the SwapManager passed to rewrite() already has "
+            f"{_plural(len(manager.groups()), 'registered module')}; use one SwapManager per "
+            "model (omit manager= to get a fresh one)"
+        )
+    modules = list(model.named_modules())
+    plan = [(rule, _collect(rule, modules, strict)) for rule in resolved]
+    _check_conflicts(plan)
+    for rule, matches in plan:
+        if matches and rule.validate is not None:
+            rule.validate(model)
+    applied, links = _apply(model, plan, manager)
+    try:
+        graph = build_prefetch_graph(manager)
+    except PrefetchGraphError as exc:
+        _restore_all(model, applied)
+        raise RewriteError(f"{exc}; the model was restored") from exc
+    report = RewriteReport(
+        rules=tuple(
+            RuleReport(
+                rule=rule.name,
+                changes=tuple(a.change for a in applied if a.rule is rule),
+                links=links[rule.name],
+            )
+            for rule, _ in plan
+        ),
+        graph=graph,
+        manager=manager,
+        dry_run=dry_run,
+        _applied=tuple(applied),
+        _model=weakref.ref(model),
+    )
+    if dry_run:
+        _restore_all(model, applied)
+    else:
+        setattr(model, _STATE_ATTR, report)
+        _recompile(model)
+    return report
+
+
+def unrewrite(model: nn.Module) -> RewriteReport:
+    """Undo the ``rewrite`` applied to ``model``; returns its (now undone) report."""
+    report = getattr(model, _STATE_ATTR, None)
+    if not isinstance(report, RewriteReport):
+        raise RewriteError(
+            f"{qualified_name(type(model))} was not rewritten by graphswap.rewrite(); "
+            "there is nothing to undo"
+        )
+    report.undo()
+    return report
+
+
+def _resolve_rules(rules: str | Rule | Sequence[str | Rule]) -> list[Rule]:
+    items = [rules] if isinstance(rules, (str, Rule)) else list(rules)
+    if not items:
+        raise RewriteError("rewrite() needs at least one rule; e.g. rules=['qwen3_attn_swap']")
+    resolved = [item if isinstance(item, Rule) else get_rule(item) for item in items]
+    names = [rule.name for rule in resolved]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise RuleConflictError(f"rules listed more than once: {', '.join(duplicates)}")
+    return resolved
+
+
+def _collect(
+    rule: Rule, modules: list[tuple[str, nn.Module]], strict: bool
+) -> list[tuple[str, nn.Module]]:
+    """The rule's matches in forward (registration) order."""
+    targets = rule.resolve_targets()
+    matches = [(fqn, m) for fqn, m in modules if rule.matches(fqn, m, targets)]
+    if not matches and strict:
+        raise NoMatchError(_no_match_message(rule, targets, modules))
+    return matches
+
+
+def _no_match_message(
+    rule: Rule, targets: tuple[type, ...], modules: list[tuple[str, nn.Module]]
+) -> str:
+    kind = "type (or subclass)" if rule.match_subclasses else "exact type"
+    wanted = " or ".join(qualified_name(t) for t in targets)
+    where = f" at FQNs matching {rule.fqn_pattern!r}" if rule.fqn_pattern else ""
+    nearest = _nearest_types(rule, targets, modules)
+    found = (
+        "nearest types in the model:\n" + "\n".join(f"  - {line}" for line in nearest)
+        if nearest
+        else f"no module type in the model resembles it ({len(modules)} modules, root "
+        f"{qualified_name(type(modules[0][1]))})"
+    )
+    return (
+        f"rule {rule.name!r} matched no module: it wants {kind} {wanted}{where}; {found}\n"
+        "fix: pass a model that contains that type, or strict=False to skip rules "
+        "that match nothing"
+    )
+
+
+def _nearest_types(
+    rule: Rule, targets: tuple[type, ...], modules: list[tuple[str, nn.Module]], limit: int = 5
+) -> list[str]:
+    """Types that look like what the rule wanted: subclasses of it, types at the FQNs
+    it names, and types with a similar class name."""
+    by_type: dict[type, list[str]] = {}
+    for fqn, module in modules:
+        by_type.setdefault(type(module), []).append(fqn)
+    target_names = [t.__name__ for t in targets]
+    ranked: list[tuple[tuple[int, float, int], str]] = []
+    for order, (cls, fqns) in enumerate(by_type.items()):
+        similarity = max(
+            difflib.SequenceMatcher(None, cls.__name__, name).ratio() for name in target_names
+        )
+        in_place = rule.fqn_pattern is not None and any(
+            fnmatch.fnmatchcase(f, rule.fqn_pattern) for f in fqns
+        )
+        if issubclass(cls, targets):
+            rank, reason = 0, f"a subclass of {', '.join(target_names)}"
+        elif in_place:
+            rank, reason = 1, f"at an FQN matching {rule.fqn_pattern!r}"
+        elif similarity >= 0.6:
+            rank, reason = 2, "a similar name"
+        else:
+            continue
+        more = f" (+{len(fqns) - 1} more)" if len(fqns) > 1 else ""
+        line = f"{qualified_name(cls)} at {fqns[0]!r}{more}: {reason}"
+        ranked.append(((rank, -similarity, order), line))
+    return [line for _, line in sorted(ranked)[:limit]]
+
+
+def _check_conflicts(plan: list[tuple[Rule, list[tuple[str, nn.Module]]]]) -> None:
+    claimed: dict[str, str] = {}
+    for rule, matches in plan:
+        for fqn, _ in matches:
+            if fqn in claimed:
+                raise RuleConflictError(
+                    f"{fqn!r} is claimed by rules {claimed[fqn]!r} and {rule.name!r}; "
+                    "a module can be replaced by one rule only"
+                )
+            claimed[fqn] = rule.name
+    for fqn, rule_name in claimed.items():
+        if not fqn:
+            continue
+        parts = fqn.split(".")
+        for depth in range(len(parts)):
+            ancestor = ".".join(parts[:depth])
+            if ancestor in claimed:
+                raise RuleConflictError(
+                    f"rule {claimed[ancestor]!r} replaces {ancestor or '<root>'!r} and rule "
+                    f"{rule_name!r} replaces {fqn!r} inside it; nested replacements "
+                    "cannot be undone reliably, narrow one rule's fqn_pattern"
+                )
+
+
+def _apply(
+    model: nn.Module, plan: list[tuple[Rule, list[tuple[str, nn.Module]]]], manager: SwapManager
+) -> tuple[list[_Applied], dict[str, tuple[tuple[str, str], ...]]]:
+    applied: list[_Applied] = []
+    links: dict[str, tuple[tuple[str, str], ...]] = {}
+    where = ""
+    try:
+        for rule, matches in plan:
+            done: list[_Applied] = []
+            for index, (fqn, module) in enumerate(matches):
+                where = f"rule {rule.name!r} on {fqn!r}"
+                record = _replace(model, rule, fqn, module, RuleContext(rule, fqn, index, manager))
+                applied.append(record)
+                done.append(record)
+            where = f"rule {rule.name!r} while linking"
+            links[rule.name] = _link(rule, done, manager)
+    except Exception as exc:
+        _restore_all(model, applied)
+        if isinstance(exc, RewriteError):
+            raise
+        raise RewriteError(
+            f"{where} failed ({type(exc).__name__}: {exc}); the model was restored"
+        ) from exc
+    return applied, links
+
+
+def _replace(
+    model: nn.Module, rule: Rule, fqn: str, module: nn.Module, ctx: RuleContext
+) -> _Applied:
+    original_type = type(module)
+    replacement = rule.factory(module, ctx)
+    if not isinstance(replacement, nn.Module):
+        raise RewriteError(
+            f"rule {rule.name!r}: the factory returned {type(replacement).__name__} for "
+            f"{fqn!r}; it must return an nn.Module"
+        )
+    record = _Applied(rule, fqn, module, original_type, replacement)
+    if replacement is module:
+        if rule.restore is None:
+            raise RewriteError(
+                f"rule {rule.name!r} changed {fqn!r} in place but has no restore, so that "
+                "module stays changed (the other matches were restored); give the rule a "
+                "restore function so that its rewrites can be undone"
+            )
+    else:
+        _set_submodule(model, fqn, replacement)
+    return record
+
+
+def _link(rule: Rule, done: list[_Applied], manager: SwapManager) -> tuple[tuple[str, str], ...]:
+    if rule.link == "none":
+        return ()
+    pairs = list(itertools.pairwise(done))
+    for prev, nxt in pairs:
+        manager.set_forward_prefetch_layer(prev.replacement, nxt.replacement)
+    return tuple((prev.fqn, nxt.fqn) for prev, nxt in pairs)
+
+
+def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    if not fqn:
+        raise RewriteError(
+            "a rule matched the root module and returned a new object; the root can only "
+            "be changed in place"
+        )
+    parent_fqn, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_fqn), name, module)
+
+
+def _restore_all(model: nn.Module, applied: Sequence[_Applied]) -> None:
+    """Undo ``applied`` in reverse order, then check every original is back."""
+    failures: list[str] = []
+    for record in reversed(applied):
+        try:
+            if record.rule.restore is not None:
+                record.rule.restore(record.replacement)
+            if record.replacement is not record.original:
+                _set_submodule(model, record.fqn, record.original)
+        except Exception as exc:
+            failures.append(f"{record.fqn!r} ({type(exc).__name__}: {exc})")
+    for record in applied:
+        current = model.get_submodule(record.fqn)
+        if current is not record.original or type(current) is not record.original_type:
+            failures.append(
+                f"{record.fqn!r} is {qualified_name(type(current))}, expected the original "
+                f"{qualified_name(record.original_type)}"
+            )
+    if failures:
+        raise RewriteError(
+            f"could not restore {len(failures)} module(s): {'; '.join(failures[:3])}"
+        )
+
+
+def _recompile(model: nn.Module) -> None:
+    if isinstance(model, torch.fx.GraphModule):
+        model.recompile()
+
+
+_FOUND: dict[str, str] = {
+    "swap": "module {fqn} is already swap-wrapped",
+    "compile": "module {fqn} is compiled (torch.compile)",
+    "fsdp": "module {fqn} is already fully_shard-ed (FSDP2)",
+    "sharded": "parameter {fqn} is a DTensor: the model is already sharded",
+    "activation_checkpointing": "module {fqn} is activation-checkpoint-wrapped",
+}
+"""What each earlier transform looks like, in the order they are reported."""
+
+
+def _refuse_transformed(model: nn.Module, rules: list[Rule]) -> None:
+    """Exact-type rules need the untouched model: refuse one that an earlier
+    transform changed, naming the first changed module and the fix."""
+    previous = getattr(model, _STATE_ATTR, None)
+    if isinstance(previous, RewriteReport):
+        raise AlreadyTransformedError(
+            f"the model was already rewritten ({'; '.join(str(r) for r in previous.rules)}); "
+            "rewriting twice would wrap wrappers: call graphswap.unrewrite(model) first"
+        )
+    findings: dict[str, list[str]] = {}
+    for kind, fqn in _transformations(model):
+        findings.setdefault(kind, []).append(fqn)
+    for kind, found in _FOUND.items():
+        if kind in findings:
+            fqns = findings[kind]
+            more = f" (and {len(fqns) - 1} more)" if len(fqns) > 1 else ""
+            raise AlreadyTransformedError(
+                f"{found.format(fqn=repr(fqns[0] or '<root>'))}{more}; {_fix(kind, rules)}"
+            )
+
+
+def _fix(kind: str, rules: list[Rule]) -> str:
+    names = ", ".join(repr(r.name) for r in rules)
+    if kind == "swap":
+        return (
+            "rewriting twice would wrap wrappers: call graphswap.unrewrite(model) or "
+            "graphswap.runtime.unwrap_swap(module) first"
+        )
+    if kind in ("compile", "activation_checkpointing"):
+        excluding = [repr(r.name) for r in rules if kind in r.excludes]
+        if excluding:
+            undo = (
+                "rewrite the model before torch.compile (the original of torch.compile(m) "
+                "is its ._orig_mod) and do not compile it"
+                if kind == "compile"
+                else "turn checkpointing off (model.activation_checkpointing_disable() for "
+                "Hugging Face models, or build without checkpoint_wrapper)"
+            )
+            return f"{', '.join(excluding)} cannot be combined with {kind}: {undo}"
+        return f"rewrite the model first ({names}), then apply {kind}"
+    passes = "fully_shard" if kind == "fsdp" else "tensor/expert/context parallel and FSDP"
+    return f"{names} must run before {passes}: rewrite the unsharded model, then shard it"
+
+
+def _loaded_class(module_name: str, class_name: str) -> type | None:
+    """A class only if its module is already imported: no instance can exist otherwise,
+    and the check stays free of heavy imports (dynamo, FSDP)."""
+    module = sys.modules.get(module_name)
+    return getattr(module, class_name, None) if module is not None else None
+
+
+def _transformations(model: nn.Module) -> Iterator[tuple[str, str]]:
+    """``(kind, fqn)`` for every trace of an earlier transform."""
+    compiled = _loaded_class("torch._dynamo.eval_frame", "OptimizedModule")
+    fsdp = _loaded_class("torch.distributed.fsdp", "FSDPModule")
+    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
+    checkpoint_wrapper = _loaded_class(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"
+    )
+    for fqn, module in model.named_modules():
+        if is_swap_wrapped(module):
+            yield "swap", fqn
+        if (compiled is not None and isinstance(module, compiled)) or getattr(
+            module, "_compiled_call_impl", None
+        ) is not None:
+            yield "compile", fqn
+        if fsdp is not None and isinstance(module, fsdp):
+            yield "fsdp", fqn
+        if (
+            (checkpoint_wrapper is not None and isinstance(module, checkpoint_wrapper))
+            or hasattr(module, "_checkpoint_wrapped_module")
+            or getattr(module, "gradient_checkpointing", False) is True
+        ):
+            yield "activation_checkpointing", fqn
+    if dtensor is not None:
+        for fqn, param in model.named_parameters():
+            if isinstance(param, dtensor):
+                yield "sharded", fqn

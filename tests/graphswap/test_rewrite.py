@@ -1,0 +1,479 @@
+"""rewrite(): exact matches, all-or-nothing application, loud refusals, exact undo."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeAttention,
+    Qwen3MoeDecoderLayer,
+)
+
+from graphswap.models import build_model
+from graphswap.presets import qwen3_moe_config
+from graphswap.rewrite import (
+    AlreadyTransformedError,
+    HierarchyError,
+    NoMatchError,
+    RewriteError,
+    RewriteReport,
+    RuleConflictError,
+    rewrite,
+    unrewrite,
+)
+from graphswap.rules import Rule, RuleContext
+from graphswap.runtime import SwapManager, is_swap_wrapped, swap_wrapper, unwrap_swap
+
+ATTN = "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeAttention"
+
+
+def meta_model(layers: int = 48) -> nn.Module:
+    return build_model(qwen3_moe_config("graph-default", num_hidden_layers=layers), device="meta")
+
+
+def attn_fqns(layers: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn" for i in range(layers)]
+
+
+def snapshot(model: nn.Module) -> dict[str, tuple[type, int]]:
+    """Every module's exact type and identity, by FQN."""
+    return {fqn: (type(m), id(m)) for fqn, m in model.named_modules()}
+
+
+def assert_untouched(model: nn.Module, before: dict[str, tuple[type, int]]) -> None:
+    assert snapshot(model) == before
+    assert not any(is_swap_wrapped(m) for m in model.modules())
+    assert not hasattr(model, "_graphswap_rewrite")
+
+
+class SubAttention(Qwen3MoeAttention):
+    """A user subclass: must not be matched by an exact-type rule."""
+
+
+def swap_rule(name: str, **overrides: object) -> Rule:
+    def factory(module: nn.Module, ctx: RuleContext) -> nn.Module:
+        return swap_wrapper(module, manager=ctx.manager, name=ctx.fqn)
+
+    fields: dict[str, object] = {
+        "name": name,
+        "description": f"test rule {name}",
+        "targets": (ATTN,),
+        "factory": factory,
+        "restore": unwrap_swap,
+        **overrides,
+    }
+    return Rule(**fields)  # type: ignore[arg-type]
+
+
+def test_48_layers_wraps_attention_only_and_keeps_names() -> None:
+    model = meta_model(48)
+    before = snapshot(model)
+    state_keys = list(model.state_dict())
+    params = [(n, id(p)) for n, p in model.named_parameters()]
+
+    report = rewrite(model, ["qwen3_attn_swap"])
+
+    (rule_report,) = report.rules
+    assert list(rule_report.fqns) == attn_fqns(48)
+    assert len(rule_report.links) == 47
+    assert rule_report.links[0] == ("model.layers.0.self_attn", "model.layers.1.self_attn")
+    assert {c.old_type for c in rule_report.changes} == {
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention"
+    }
+    assert all(c.in_place and c.new_type != c.old_type for c in rule_report.changes)
+    assert str(report) == "qwen3_attn_swap: 48 modules wrapped, 47 prefetch links"
+    assert len(report.manager.groups()) == 48
+    assert report.graph.number_of_nodes() == 48
+    assert report.graph.number_of_edges() == 47
+
+    after = snapshot(model)
+    wrapped = set(attn_fqns(48))
+    for fqn, (cls, ident) in before.items():
+        assert after[fqn][1] == ident, fqn
+        if fqn in wrapped:
+            assert after[fqn][0] is not cls
+            assert isinstance(model.get_submodule(fqn), Qwen3MoeAttention)
+        else:
+            assert after[fqn][0] is cls, f"{fqn} was touched"
+    assert list(model.state_dict()) == state_keys
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params
+    assert model.model.layers[3].self_attn.layer_idx == 3
+
+    report.undo()
+    assert_untouched(model, before)
+    assert all(type(model.get_submodule(f)) is Qwen3MoeAttention for f in wrapped)
+
+
+def test_report_to_dict_is_json_and_complete() -> None:
+    report = rewrite(meta_model(3), "qwen3_attn_swap")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["dry_run"] is False
+    (rule,) = data["rules"]
+    assert rule["rule"] == "qwen3_attn_swap"
+    assert [c["fqn"] for c in rule["changes"]] == attn_fqns(3)
+    assert rule["links"] == [list(pair) for pair in report.rules[0].links]
+    assert len(data["prefetch_graph"]["nodes"]) == 3
+    assert [(e["source"], e["target"]) for e in data["prefetch_graph"]["edges"]] == [
+        ("model.layers.1.self_attn", "model.layers.0.self_attn"),
+        ("model.layers.2.self_attn", "model.layers.1.self_attn"),
+    ]
+
+
+def test_qwen3_moe_model_root_is_accepted() -> None:
+    inner = meta_model(2).model
+    report = rewrite(inner, "qwen3_attn_swap")
+    assert list(report.rules[0].fqns) == ["layers.0.self_attn", "layers.1.self_attn"]
+
+
+def test_unrewrite_restores_and_allows_a_second_rewrite() -> None:
+    model = meta_model(4)
+    before = snapshot(model)
+    rewrite(model, "qwen3_attn_swap")
+    report = unrewrite(model)
+    assert isinstance(report, RewriteReport)
+    assert_untouched(model, before)
+    with pytest.raises(RewriteError, match="already undone"):
+        report.undo()
+    assert str(rewrite(model, "qwen3_attn_swap")) == (
+        "qwen3_attn_swap: 4 modules wrapped, 3 prefetch links"
+    )
+
+
+def test_unrewrite_of_untouched_model_raises() -> None:
+    with pytest.raises(RewriteError, match=r"was not rewritten by graphswap\.rewrite"):
+        unrewrite(meta_model(2))
+
+
+def test_dry_run_changes_nothing_and_reports_the_same() -> None:
+    model = meta_model(6)
+    before = snapshot(model)
+    dry = rewrite(model, "qwen3_attn_swap", dry_run=True)
+    assert_untouched(model, before)
+    assert str(dry).startswith("dry run, nothing changed: qwen3_attn_swap: 6 modules wrapped")
+    with pytest.raises(RewriteError, match="dry run"):
+        dry.undo()
+    real = rewrite(model, "qwen3_attn_swap")
+    assert {**dry.to_dict(), "dry_run": False} == real.to_dict()
+
+
+def test_subclass_does_not_match_and_the_error_says_what_was_found() -> None:
+    model = meta_model(2)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = SubAttention
+    before = snapshot(model)
+    with pytest.raises(NoMatchError) as info:
+        rewrite(model, "qwen3_attn_swap")
+    message = str(info.value)
+    assert "'qwen3_attn_swap' matched no module" in message
+    assert (
+        "exact type transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention" in message
+    )
+    assert f"{SubAttention.__module__}.SubAttention at 'model.layers.0.self_attn'" in message
+    assert "a subclass of Qwen3MoeAttention" in message
+    assert "(+1 more)" in message
+    assert isinstance(info.value, ValueError)
+    assert_untouched(model, before)
+
+
+def test_subclass_matches_when_the_rule_says_so() -> None:
+    model = meta_model(2)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = SubAttention
+    report = rewrite(model, [swap_rule("any_attention", match_subclasses=True)])
+    assert report.rules[0].changes[0].old_type.endswith("SubAttention")
+
+
+def test_no_match_in_an_unrelated_model() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(NoMatchError, match="no module type in the model resembles it"):
+        rewrite(model, "qwen3_attn_swap")
+    report = rewrite(model, "qwen3_attn_swap", strict=False)
+    assert str(report) == "qwen3_attn_swap: matched nothing (strict=False)"
+    assert report.graph.number_of_nodes() == 0
+
+
+def test_one_subclassed_layer_is_a_hierarchy_error_naming_it() -> None:
+    model = meta_model(3)
+    model.model.layers[1].self_attn.__class__ = SubAttention
+    before = snapshot(model)
+    with pytest.raises(HierarchyError, match=r"'model\.layers\.1\.self_attn'.*SubAttention"):
+        rewrite(model, "qwen3_attn_swap")
+    assert_untouched(model, before)
+
+
+def test_missing_attention_is_a_hierarchy_error() -> None:
+    model = meta_model(3)
+    model.model.layers[2].self_attn = nn.Identity()
+    with pytest.raises(HierarchyError, match=r"'model\.layers\.2\.self_attn'.*Identity"):
+        rewrite(model, "qwen3_attn_swap")
+
+
+def test_layers_must_be_a_module_list() -> None:
+    model = meta_model(2)
+    model.model.layers = nn.Sequential(*model.model.layers)
+    with pytest.raises(HierarchyError, match=r"'model\.layers' must be a torch\.nn\.ModuleList"):
+        rewrite(model, "qwen3_attn_swap")
+
+
+def test_root_must_be_a_qwen3_moe_model() -> None:
+    with pytest.raises(HierarchyError, match=r"root module.*Sequential"):
+        rewrite(nn.Sequential(meta_model(2)), "qwen3_attn_swap")
+
+
+def test_rewriting_twice_is_refused() -> None:
+    model = meta_model(2)
+    rewrite(model, "qwen3_attn_swap")
+    after = snapshot(model)
+    with pytest.raises(AlreadyTransformedError, match=r"already rewritten.*unrewrite\(model\)"):
+        rewrite(model, "qwen3_attn_swap")
+    assert snapshot(model) == after
+
+
+def test_a_hand_wrapped_module_is_refused() -> None:
+    model = meta_model(2)
+    swap_wrapper(model.model.layers[1].self_attn, manager=SwapManager())
+    with pytest.raises(
+        AlreadyTransformedError, match=r"'model\.layers\.1\.self_attn' is already swap-wrapped"
+    ):
+        rewrite(model, "qwen3_attn_swap")
+    assert type(model.model.layers[0].self_attn) is Qwen3MoeAttention
+
+
+@pytest.fixture(scope="module")
+def cpu_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A gloo world of one CPU process, for real FSDP2 / tensor parallel calls."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        store = Path(tmp_path_factory.mktemp("gloo")) / "store"
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
+    if dist.get_world_size() != 1:
+        pytest.skip("needs a world of one process")
+    yield init_device_mesh("cpu", (1,))
+    if owned:
+        dist.destroy_process_group()
+
+
+def tiny_cpu(layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(qwen3_moe_config("tiny", num_hidden_layers=layers))
+
+
+def test_fully_sharded_model_is_refused(cpu_mesh: object) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_cpu()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=cpu_mesh)
+    fully_shard(model, mesh=cpu_mesh)
+    before = snapshot(model)
+    with pytest.raises(
+        AlreadyTransformedError, match=r"fully_shard-ed.*must run before fully_shard"
+    ):
+        rewrite(model, "qwen3_attn_swap")
+    assert snapshot(model) == before
+
+
+def test_tensor_parallel_model_is_refused(cpu_mesh: object) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = tiny_cpu()
+    parallelize_module(model, cpu_mesh, {"model.layers.0.self_attn.q_proj": ColwiseParallel()})
+    before = snapshot(model)
+    with pytest.raises(
+        AlreadyTransformedError,
+        match=r"parameter 'model\.layers\.0\.self_attn\.q_proj\.weight' is a DTensor",
+    ):
+        rewrite(model, "qwen3_attn_swap")
+    assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_compiled_model_is_refused(how: str) -> None:
+    model = tiny_cpu()
+    if how == "torch.compile":
+        model = torch.compile(model)
+    else:
+        model.compile()
+    before = snapshot(model)
+    with pytest.raises(
+        AlreadyTransformedError, match=r"is compiled.*cannot be combined with compile"
+    ):
+        rewrite(model, "qwen3_attn_swap")
+    assert snapshot(model) == before
+
+
+def test_activation_checkpointed_model_is_refused() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = tiny_cpu()
+    model.model.layers[1] = checkpoint_wrapper(model.model.layers[1])
+    with pytest.raises(
+        AlreadyTransformedError,
+        match=r"'model\.layers\.1' is activation-checkpoint-wrapped.*activation_checkpointing",
+    ):
+        rewrite(model, "qwen3_attn_swap")
+
+    model = tiny_cpu()
+    model.activation_checkpointing_enable()
+    with pytest.raises(AlreadyTransformedError, match="activation_checkpointing_disable"):
+        rewrite(model, "qwen3_attn_swap")
+
+
+def test_factory_failing_half_way_restores_the_model() -> None:
+    def flaky(module: nn.Module, ctx: RuleContext) -> nn.Module:
+        if ctx.index == 2:
+            raise RuntimeError("out of host memory")
+        return swap_wrapper(module, manager=ctx.manager, name=ctx.fqn)
+
+    model = meta_model(4)
+    before = snapshot(model)
+    manager = SwapManager()
+    with pytest.raises(RewriteError, match=r"'flaky' on 'model\.layers\.2\.self_attn'") as info:
+        rewrite(model, [swap_rule("flaky", factory=flaky)], manager=manager)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "restored" in str(info.value)
+    assert_untouched(model, before)
+    assert manager.groups() == []
+
+
+class Tagged(nn.Module):
+    """An out-of-place replacement that keeps the original as a child."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+def tag_rule(name: str, link: str) -> Rule:
+    return Rule(
+        name=name,
+        description="replace decoder layers by a new object",
+        targets=("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeDecoderLayer",),
+        factory=lambda module, ctx: Tagged(module),
+        link=link,  # type: ignore[arg-type]
+    )
+
+
+def test_out_of_place_replacement_and_undo() -> None:
+    model = meta_model(3)
+    before = snapshot(model)
+    report = rewrite(model, [tag_rule("tag_layers", "none")])
+    assert str(report) == "tag_layers: 3 modules replaced, 0 prefetch links"
+    assert all(type(layer) is Tagged for layer in model.model.layers)
+    change = report.rules[0].changes[0]
+    assert (change.in_place, change.new_type) == (False, f"{__name__}.Tagged")
+    report.undo()
+    assert_untouched(model, before)
+
+
+def test_linking_failure_restores_out_of_place_replacements() -> None:
+    model = meta_model(3)
+    before = snapshot(model)
+    with pytest.raises(RewriteError, match=r"while linking.*not swap-wrapped"):
+        rewrite(model, [tag_rule("tag_linked", "sequential")])
+    assert_untouched(model, before)
+    assert all(type(layer) is Qwen3MoeDecoderLayer for layer in model.model.layers)
+
+
+def test_two_rules_claiming_one_module_conflict() -> None:
+    model = meta_model(2)
+    before = snapshot(model)
+    with pytest.raises(
+        RuleConflictError, match=r"'model\.layers\.0\.self_attn' is claimed by rules"
+    ):
+        rewrite(model, ["qwen3_attn_swap", swap_rule("second_swap")])
+    assert_untouched(model, before)
+
+
+def test_ancestor_and_descendant_conflict() -> None:
+    model = meta_model(2)
+    with pytest.raises(RuleConflictError, match=r"replaces 'model\.layers\.0'.*inside it"):
+        rewrite(model, [tag_rule("tag_layers", "none"), "qwen3_attn_swap"])
+
+
+def test_rule_lists_are_checked() -> None:
+    model = meta_model(2)
+    with pytest.raises(RewriteError, match="at least one rule"):
+        rewrite(model, [])
+    with pytest.raises(RuleConflictError, match="more than once: qwen3_attn_swap"):
+        rewrite(model, ["qwen3_attn_swap", "qwen3_attn_swap"])
+    with pytest.raises(KeyError, match="did you mean 'qwen3_attn_swap'"):
+        rewrite(model, ["qwen3_attn"])
+
+
+def test_a_used_manager_is_refused() -> None:
+    manager = SwapManager()
+    swap_wrapper(nn.Linear(2, 2), manager=manager, name="elsewhere")
+    with pytest.raises(RewriteError, match="already has 1 registered module;"):
+        rewrite(meta_model(2), "qwen3_attn_swap", manager=manager)
+
+
+def test_in_place_factory_without_restore_is_rejected() -> None:
+    model = meta_model(2)
+    with pytest.raises(RewriteError, match="in place but has no restore, so that module stays"):
+        rewrite(model, [swap_rule("no_restore", restore=None)])
+    assert not hasattr(model, "_graphswap_rewrite")
+
+
+class AttentionStack(nn.Module):
+    """Runs each layer's attention: traceable by torch.fx with attention as a leaf."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.model = hf_model.model
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for layer in self.model.layers:
+            h = h + layer.self_attn(h, (cos, sin), None)[0]
+        return h
+
+
+class AttentionLeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return type(m) is Qwen3MoeAttention or super().is_leaf_module(m, module_qualified_name)
+
+
+def test_graph_module_is_rewritten_and_recompiled() -> None:
+    hf_model = tiny_cpu()
+    stack = AttentionStack(hf_model)
+    gm = torch.fx.GraphModule(stack, AttentionLeafTracer().trace(stack))
+    before = snapshot(gm)
+    h = torch.randn(1, 5, hf_model.config.hidden_size, requires_grad=True)
+    cos, sin = hf_model.model.rotary_emb(h, torch.arange(5)[None])
+    expected = gm(h, cos, sin)
+
+    report = rewrite(gm, "qwen3_attn_swap")
+    assert str(report) == "qwen3_attn_swap: 2 modules wrapped, 1 prefetch link"
+    assert all(is_swap_wrapped(gm.get_submodule(f)) for f in attn_fqns(2))
+    got = gm(h, cos, sin)
+    assert torch.equal(got, expected)
+    got.sum().backward()
+
+    report.undo()
+    assert snapshot(gm) == before
+
+
+def test_swapped_training_step_is_bitwise_identical(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain_grads = step(tiny_model(num_hidden_layers=2))
+    swapped = tiny_model(num_hidden_layers=2)
+    rewrite(swapped, "qwen3_attn_swap")
+    loss, grads = step(swapped)
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
