@@ -1,0 +1,213 @@
+"""The trainer's settings and the strict YAML resolver that fills them.
+
+Every setting is a typed field of :class:`TrainerConfig`; the resolver refuses what it
+does not understand (unknown keys, wrong types, values outside a ``Literal``) instead
+of dropping it, because a dropped setting is how the origin silently lost its module
+replacement (P1). Every error message starts with the key path, so the user knows which
+line to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from graphswap.presets import preset_names
+
+ActivationSwap = Literal["none", "attention"]
+AttnImplementation = Literal["eager", "sdpa"]
+DType = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+"""PyYAML follows YAML 1.1, which reads ``1e-3`` (no dot) as a string; such text is
+accepted for float settings because it is unambiguously a number."""
+
+
+class ConfigError(ValueError):
+    """A setting the trainer cannot accept; ``key`` names it, the message starts with it."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {detail}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything ``graphswap train`` reads; ``examples/train.yaml`` lists every key."""
+
+    activation_swap: ActivationSwap = "none"
+    model: str = "tiny"
+    model_path: str | None = None
+    num_layers: int | None = None
+    attn_implementation: AttnImplementation = "eager"
+    seq_len: int = 512
+    batch_size: int = 2
+    steps: int = 10
+    lr: float = 1e-3
+    dtype: DType = "float32"
+    device: Device = "auto"
+    seed: int = 0
+    compile: bool = False
+    activation_checkpointing: bool = False
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    fsdp: bool = False
+    swap_prefetch_depth: int = 1
+    data: str | None = None
+    output_dir: str = "out"
+
+    def __post_init__(self) -> None:
+        hints = _field_types()
+        for field in dataclasses.fields(self):
+            value = _checked(field.name, getattr(self, field.name), hints[field.name])
+            object.__setattr__(self, field.name, value)
+        for key in ("seq_len", "batch_size", "steps", "tp_size", "cp_size", "ep_size", "pp_size"):
+            _check_at_least(key, getattr(self, key), 1)
+        _check_at_least("swap_prefetch_depth", self.swap_prefetch_depth, 1)
+        if self.swap_prefetch_depth != 1 and self.activation_swap == "none":
+            raise ConfigError(
+                "swap_prefetch_depth",
+                f"is {self.swap_prefetch_depth} but activation_swap: none, so it would change"
+                " nothing; set activation_swap: attention or leave swap_prefetch_depth at 1",
+            )
+        _check_at_least("seed", self.seed, 0)
+        if self.num_layers is not None:
+            _check_at_least("num_layers", self.num_layers, 1)
+        if not self.lr > 0:
+            raise ConfigError("lr", f"must be > 0, got {self.lr!r}")
+        if self.model not in preset_names():
+            raise ConfigError(
+                "model",
+                f"unknown preset {self.model!r}; allowed values: {', '.join(preset_names())}",
+            )
+        for key in ("model_path", "data", "output_dir"):
+            if getattr(self, key) == "":
+                raise ConfigError(key, "must not be empty; leave it out or give a path")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+
+def resolve_config(
+    source: str | Path | Mapping[str, Any] | None = None, overrides: Iterable[str] = ()
+) -> TrainerConfig:
+    """Build a :class:`TrainerConfig` from a YAML file (or a mapping) plus ``key=value``
+    overrides, each value read with ``yaml.safe_load``; raises :class:`ConfigError`."""
+    values = dict(_load(source))
+    for override in overrides:
+        key, value = _parse_override(override)
+        values[key] = value
+    known = TrainerConfig.keys()
+    for key in values:
+        _check_known_key(key, known)
+    hints = _field_types()
+    return TrainerConfig(**{key: _coerce(value, hints[key]) for key, value in values.items()})
+
+
+def _load(source: str | Path | Mapping[str, Any] | None) -> Mapping[Any, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        path = Path(source)
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise ConfigError("<file>", f"cannot read {str(path)!r}: {error}") from error
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError("<file>", f"{str(path)!r} is not valid YAML: {error}") from error
+        if data is None:
+            return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("<root>", f"expected a mapping of settings, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(repr(key), "setting names must be strings")
+    return data
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(key or override, f"override {override!r} must look like key=value")
+    try:
+        return key, yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(key, f"cannot read override value {text!r}: {error}") from error
+
+
+def _check_known_key(key: str, known: tuple[str, ...]) -> None:
+    if key in known:
+        return
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(key, f"unknown key; {hint}valid keys: {', '.join(known)}")
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainerConfig)
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    """Turn YAML 1.1 float text (``1e-3``) into a float where a float is expected;
+    everything else is passed on unchanged and type-checked by ``TrainerConfig``."""
+    if annotation is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
+        return float(value)
+    return value
+
+
+def _checked(key: str, value: Any, annotation: Any) -> Any:
+    """``value`` if it has the field's type (an int is widened to float), else raise."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed or type(value) is not type(allowed[0]):
+            shown = "null" if value is None else repr(value)
+            hint = ""
+            if value is None and "none" in allowed:
+                hint = " (YAML null means no value; write none to turn it off)"
+            raise ConfigError(
+                key, f"got {shown}; allowed values: {', '.join(repr(a) for a in allowed)}{hint}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return value
+        (annotation,) = (option for option in options if option is not type(None))
+    if annotation is float and type(value) is int:
+        return float(value)
+    if type(value) is not annotation:
+        raise ConfigError(
+            key,
+            f"expected {_type_name(annotation)}, got {type(value).__name__} {value!r}",
+        )
+    return value
+
+
+def _type_name(annotation: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        annotation, str(annotation)
+    )
+
+
+def _check_at_least(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {value}")

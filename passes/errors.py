@@ -1,0 +1,33 @@
+"""Typed errors of the pass plan; every message names the setting to change."""
+
+from __future__ import annotations
+
+
+class PlanError(ValueError):
+    """A pass plan the trainer refuses to run."""
+
+
+class PassOrderError(PlanError):
+    """Two passes run in the wrong order (at plan time), or the model shows that an
+    earlier transformation already happened (at apply time)."""
+
+
+class PassConflictError(PlanError):
+    """Two passes that exclude each other are both asked for."""
+
+
+class PassSettingError(PlanError):
+    """A plan and its config disagree: a pass the config does not enable, or a setting
+    whose pass is missing from the plan (the origin's dropped setting, P1)."""
+
+
+class PassRequirementError(PlanError):
+    """A pass needs something the run does not have, such as a distributed world."""
+
+
+class PassNotImplementedError(PlanError, NotImplementedError):
+    """A declared pass that graphswap checks but cannot apply yet."""
+
+
+class PassPostconditionError(RuntimeError):
+    """A pass ran but the model does not show its effect: never a silent no-op (I2)."""

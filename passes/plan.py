@@ -1,0 +1,219 @@
+"""The pass plan: which passes run, in which order, and whether that order is legal.
+
+A plan is checked as data (a networkx graph of the declared constraints) before any
+pass touches the model, and it is never re-sorted behind the user's back: a wrong
+order is an error that says how to fix it (I5, I6).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import networkx as nx
+
+from passes.errors import PassConflictError, PassOrderError, PassSettingError, PlanError
+from passes.specs import CANONICAL_ORDER, PassSpec, pass_specs
+
+if TYPE_CHECKING:
+    from graphswap.config import TrainerConfig
+
+
+def plan(config: TrainerConfig) -> Plan:
+    """The passes ``config`` asks for, in canonical order (not yet checked)."""
+    return Plan(tuple(spec for spec in pass_specs().values() if spec.enabled_by(config)), config)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An ordered tuple of passes for one config; :meth:`check` decides if it may run."""
+
+    passes: tuple[PassSpec, ...]
+    config: TrainerConfig
+
+    def __post_init__(self) -> None:
+        names = [spec.name for spec in self.passes]
+        for name in names:
+            if names.count(name) > 1:
+                raise PlanError(f"pass {name!r} appears {names.count(name)} times in the plan")
+
+    @classmethod
+    def from_names(
+        cls,
+        names: Iterable[str],
+        config: TrainerConfig,
+        *,
+        specs: Mapping[str, PassSpec] | None = None,
+    ) -> Plan:
+        """A plan in exactly the given order, so that any order can be expressed and checked."""
+        known = pass_specs() if specs is None else specs
+        chosen = []
+        for name in names:
+            if name not in known:
+                raise PlanError(f"unknown pass {name!r}; declared passes: {', '.join(known)}")
+            chosen.append(known[name])
+        return cls(tuple(chosen), config)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.passes)
+
+    def position(self, name: str) -> int:
+        """1-based position of a pass, as messages show it."""
+        return self.names.index(name) + 1
+
+    def label(self, name: str) -> str:
+        return f"{name} (position {self.position(name)})"
+
+    @functools.cached_property
+    def graph(self) -> nx.DiGraph:
+        """Nodes: the plan's passes; edge ``a -> b``: a must run before b."""
+        graph = nx.DiGraph()
+        for position, spec in enumerate(self.passes, start=1):
+            graph.add_node(
+                spec.name,
+                position=position,
+                setting=spec.setting_text(self.config),
+                implemented=spec.implemented,
+                summary=spec.summary,
+            )
+        for spec in self.passes:
+            for later in spec.must_run_before:
+                self._add_constraint(graph, spec.name, later, declared_by=spec.name)
+            for earlier in spec.must_run_after:
+                self._add_constraint(graph, earlier, spec.name, declared_by=spec.name)
+        return graph
+
+    def _add_constraint(self, graph: nx.DiGraph, first: str, then: str, declared_by: str) -> None:
+        if first in graph and then in graph and not graph.has_edge(first, then):
+            satisfied = self.position(first) < self.position(then)
+            graph.add_edge(first, then, declared_by=declared_by, satisfied=satisfied)
+
+    def check(self) -> Plan:
+        """Raise a :class:`PlanError` subclass unless the plan may run; return ``self``."""
+        self._check_settings()
+        self._check_exclusions()
+        self._check_cycles()
+        self._check_order()
+        return self
+
+    def _check_settings(self) -> None:
+        for spec in self.passes:
+            if not spec.enabled_by(self.config):
+                raise PassSettingError(
+                    f"{self.label(spec.name)} is in the plan but {spec.setting_text(self.config)}"
+                    f" does not enable it; remove {spec.name} from the plan or change"
+                    f" {spec.setting}"
+                )
+        for spec in pass_specs().values():
+            if spec.name not in self.names and spec.enabled_by(self.config):
+                raise PassSettingError(
+                    f"{spec.setting_text(self.config)} asks for the {spec.name} pass but the"
+                    f" plan does not contain it; add {spec.name} or set {spec.off_text()}"
+                )
+
+    def _check_exclusions(self) -> None:
+        for a, b in itertools.combinations(self.passes, 2):
+            if b.name in a.excludes or a.name in b.excludes:
+                declaring, excluded = (a, b) if b.name in a.excludes else (b, a)
+                raise PassConflictError(
+                    f"{declaring.setting_text(self.config)} excludes"
+                    f" {excluded.setting_text(self.config)}; set {declaring.off_text()} or"
+                    f" {excluded.off_text()} ({self.label(declaring.name)} and"
+                    f" {self.label(excluded.name)} cannot run together)"
+                )
+
+    def _check_cycles(self) -> None:
+        try:
+            cycle = nx.find_cycle(self.graph)
+        except nx.NetworkXNoCycle:
+            return
+        path = " -> ".join(self.label(first) for first, _ in cycle)
+        settings = " or ".join(
+            self.passes[self.position(first) - 1].off_text() for first, _ in cycle
+        )
+        raise PassOrderError(
+            f"the constraints of {path} -> {cycle[0][0]} form a cycle, so no order satisfies"
+            f" them; turn one of these passes off: set {settings}"
+        )
+
+    def _check_order(self) -> None:
+        violations = [
+            (first, then)
+            for first, then, satisfied in self.graph.edges(data="satisfied")
+            if not satisfied
+        ]
+        if not violations:
+            return
+        first, then = min(violations, key=lambda e: (self.position(e[1]), self.position(e[0])))
+        first_spec = self.passes[self.position(first) - 1]
+        then_spec = self.passes[self.position(then) - 1]
+        raise PassOrderError(
+            f"{self.label(first)} must run before {self.label(then)}: move {first} ahead of"
+            f" {then} (passes.plan orders them {_canonical(self.names)}) or turn one off: set"
+            f" {first_spec.off_text()} or {then_spec.off_text()}"
+        )
+
+    def to_text(self) -> str:
+        if not self.passes:
+            return "plan: no passes (the config enables none)\n"
+        width = max(len(name) for name in self.names)
+        lines = ["plan:"]
+        for spec in self.passes:
+            note = "" if spec.implemented else "  [declared, not implemented]"
+            lines.append(
+                f"  {self.position(spec.name)}. {spec.name:<{width}}"
+                f"  {spec.setting_text(self.config)}  {spec.summary}{note}"
+            )
+        edges = sorted(self.graph.edges, key=lambda e: (self.position(e[0]), self.position(e[1])))
+        if edges:
+            lines.append("constraints (must run before):")
+            lines.extend(f"  {first} -> {then}" for first, then in edges)
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> str:
+        data = {
+            "passes": [
+                {
+                    "position": self.position(spec.name),
+                    "name": spec.name,
+                    "setting": spec.setting,
+                    "value": getattr(self.config, spec.setting),
+                    "implemented": spec.implemented,
+                    "summary": spec.summary,
+                }
+                for spec in self.passes
+            ],
+            "constraints": [
+                {"before": first, "after": then, "declared_by": attrs["declared_by"]}
+                for first, then, attrs in sorted(
+                    self.graph.edges(data=True),
+                    key=lambda e: (self.position(e[0]), self.position(e[1])),
+                )
+            ],
+        }
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def to_dot(self) -> str:
+        """Solid edges: the plan's order; dashed edges: declared constraints."""
+        lines = ["digraph plan {", "  rankdir=LR;", "  node [shape=box];"]
+        for spec in self.passes:
+            label = f"{self.position(spec.name)}. {spec.name}\\n{spec.setting_text(self.config)}"
+            style = "" if spec.implemented else ", style=dashed"
+            lines.append(f'  "{spec.name}" [label="{label}"{style}];')
+        for first, then in itertools.pairwise(self.names):
+            lines.append(f'  "{first}" -> "{then}";')
+        for first, then in sorted(
+            self.graph.edges, key=lambda e: (self.position(e[0]), self.position(e[1]))
+        ):
+            lines.append(f'  "{first}" -> "{then}" [style=dashed, constraint=false];')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+
+def _canonical(names: tuple[str, ...]) -> str:
+    return " -> ".join(name for name in CANONICAL_ORDER if name in names)

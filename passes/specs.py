@@ -1,0 +1,173 @@
+"""Every model-infrastructure pass, declared as data.
+
+Ordering and exclusions live here, not in code paths, so that a plan can be checked
+before anything touches the model. The swap pass takes its constraints from the
+rewrite rule's own metadata (``graphswap.rules``): one source of truth.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from passes.errors import PlanError
+
+if TYPE_CHECKING:
+    from graphswap.config import TrainerConfig
+
+SWAP_RULE = "qwen3_attn_swap"
+"""The rewrite rule the swap pass applies."""
+
+CANONICAL_ORDER: tuple[str, ...] = (
+    "pipeline_parallel",
+    "swap",
+    "tensor_parallel",
+    "context_parallel",
+    "expert_parallel",
+    "activation_checkpointing",
+    "compile",
+    "fsdp",
+)
+"""The order ``passes.plan`` emits. Pipeline parallel splits the model into stages
+first (as in torchtitan); every other pass then runs per stage."""
+
+DISTRIBUTED = "distributed"
+"""Requirement: an initialized process group (or a device mesh) whose world the
+pass's size divides."""
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One pass: its constraints and the config setting that turns it on.
+
+    ``off_value`` is the setting's value that disables the pass; any other value
+    enables it. Constraints name other passes; those absent from a plan are ignored.
+    """
+
+    name: str
+    setting: str
+    off_value: Any
+    summary: str
+    must_run_before: tuple[str, ...] = ()
+    must_run_after: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    implemented: bool = True
+
+    def enabled_by(self, config: TrainerConfig) -> bool:
+        return getattr(config, self.setting) != self.off_value
+
+    def setting_text(self, config: TrainerConfig) -> str:
+        """``key: value`` as the user wrote it in YAML."""
+        return f"{self.setting}: {yaml_value(getattr(config, self.setting))}"
+
+    def off_text(self) -> str:
+        return f"{self.setting}: {yaml_value(self.off_value)}"
+
+
+def yaml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+_AFTER_SHARDING = ("activation_checkpointing", "compile", "fsdp")
+
+
+def _static_specs() -> tuple[PassSpec, ...]:
+    return (
+        PassSpec(
+            name="pipeline_parallel",
+            setting="pp_size",
+            off_value=1,
+            summary="split the decoder layers into pipeline stages",
+            must_run_before=(
+                "tensor_parallel",
+                "context_parallel",
+                "expert_parallel",
+                *_AFTER_SHARDING,
+            ),
+            requires=(DISTRIBUTED,),
+            implemented=False,
+        ),
+        PassSpec(
+            name="tensor_parallel",
+            setting="tp_size",
+            off_value=1,
+            summary="shard attention heads over the tp mesh (q/k/v colwise, o rowwise)",
+            must_run_before=_AFTER_SHARDING,
+            requires=(DISTRIBUTED,),
+        ),
+        PassSpec(
+            name="context_parallel",
+            setting="cp_size",
+            off_value=1,
+            summary="shard the sequence dimension of attention over the cp mesh",
+            must_run_before=_AFTER_SHARDING,
+            requires=(DISTRIBUTED,),
+            implemented=False,
+        ),
+        PassSpec(
+            name="expert_parallel",
+            setting="ep_size",
+            off_value=1,
+            summary="place MoE experts on different ranks of the ep mesh",
+            must_run_before=_AFTER_SHARDING,
+            must_run_after=("tensor_parallel",),
+            requires=(DISTRIBUTED,),
+            implemented=False,
+        ),
+        PassSpec(
+            name="activation_checkpointing",
+            setting="activation_checkpointing",
+            off_value=False,
+            summary="recompute each decoder layer in backward (torch checkpoint_wrapper)",
+            must_run_before=("compile", "fsdp"),
+        ),
+        PassSpec(
+            name="compile",
+            setting="compile",
+            off_value=False,
+            summary="torch.compile each decoder layer",
+            must_run_before=("fsdp",),
+        ),
+        PassSpec(
+            name="fsdp",
+            setting="fsdp",
+            off_value=False,
+            summary="FSDP2 fully_shard each decoder layer and the root",
+            requires=(DISTRIBUTED,),
+        ),
+    )
+
+
+def _swap_spec() -> PassSpec:
+    from graphswap.rules import get_rule
+
+    rule = get_rule(SWAP_RULE)
+    return PassSpec(
+        name="swap",
+        setting="activation_swap",
+        off_value="none",
+        summary=f"rewrite attention into swap-wrapped modules (rule {SWAP_RULE!r})",
+        must_run_before=tuple(rule.must_run_before),
+        excludes=tuple(rule.excludes),
+    )
+
+
+@functools.cache
+def pass_specs() -> Mapping[str, PassSpec]:
+    """All declared passes by name, in canonical order."""
+    specs = {spec.name: spec for spec in (*_static_specs(), _swap_spec())}
+    return {name: specs[name] for name in CANONICAL_ORDER}
+
+
+def get_spec(name: str) -> PassSpec:
+    specs = pass_specs()
+    if name not in specs:
+        raise PlanError(f"unknown pass {name!r}; declared passes: {', '.join(specs)}")
+    return specs[name]

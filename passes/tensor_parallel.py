@@ -1,0 +1,89 @@
+"""Tensor parallel: shard the attention heads of every decoder layer over a 1-D mesh.
+
+q/k/v are column-parallel and o row-parallel, so each rank computes its local heads
+and one all-reduce joins them. HF's ``Qwen3MoeAttention`` infers the head count from
+the projection's width (``view(..., -1, head_dim)``) and only reads
+``num_key_value_groups``, which is unchanged when both head counts divide by
+``tp_size``, so no module attribute needs rewriting. The per-head q/k norms hold
+weights shared by all heads: they run as sequence-parallel over the head dimension so
+that their gradients are summed over ranks instead of staying partial.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from passes.errors import PassPostconditionError, PassRequirementError
+from passes.layout import decoder_layers
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+_COLWISE = ("q_proj", "k_proj", "v_proj")
+_ROWWISE = ("o_proj",)
+_HEAD_NORMS = ("q_norm", "k_norm")
+_HEAD_DIM = 2
+"""The head dimension of ``(batch, seq, heads, head_dim)``, where the q/k norms run."""
+
+
+def check_heads_divisible(model: nn.Module, tp_size: int) -> None:
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if heads is None or kv_heads is None:
+        raise PassRequirementError(
+            f"tp_size: {tp_size} needs model.config.num_attention_heads and"
+            " num_key_value_heads to split the heads; pass a Hugging Face model"
+        )
+    if heads % tp_size or kv_heads % tp_size:
+        fitting = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
+        raise PassRequirementError(
+            f"tp_size: {tp_size} must divide num_attention_heads ({heads}) and"
+            f" num_key_value_heads ({kv_heads}); set tp_size to one of"
+            f" {', '.join(map(str, fitting))}"
+        )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    check_heads_divisible(model, tp_mesh.size())
+    plan = {
+        **{name: ColwiseParallel() for name in _COLWISE},
+        **{name: RowwiseParallel() for name in _ROWWISE},
+        **{
+            name: SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)
+            for name in _HEAD_NORMS
+        },
+    }
+    _, layers = decoder_layers(model)
+    for layer in layers:
+        parallelize_module(layer.self_attn, tp_mesh, plan)
+    verify_tensor_parallel(model, tp_mesh)
+
+
+def verify_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    expected = {
+        **{name: Shard(0) for name in _COLWISE},
+        **{name: Shard(1) for name in _ROWWISE},
+        **{name: Replicate() for name in _HEAD_NORMS},
+    }
+    fqn, layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
+        for name, placement in expected.items():
+            weight = layer.self_attn.get_submodule(name).weight
+            if not isinstance(weight, DTensor) or weight.placements != (placement,):
+                found = weight.placements if isinstance(weight, DTensor) else "a plain tensor"
+                raise PassPostconditionError(
+                    f"after tensor_parallel {fqn}.{index}.self_attn.{name}.weight is {found},"
+                    f" expected {placement} over the tp mesh (tp_size: {tp_mesh.size()})"
+                )

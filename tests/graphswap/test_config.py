@@ -1,0 +1,152 @@
+"""TrainerConfig and the strict YAML resolver: nothing the user writes is dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from graphswap.config import ConfigError, TrainerConfig, resolve_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.yaml"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_default_activation_swap_is_none() -> None:
+    assert TrainerConfig().activation_swap == "none"
+    assert resolve_config({}).activation_swap == "none"
+    assert resolve_config(None).activation_swap == "none"
+
+
+@pytest.mark.parametrize("value", ["none", "attention"])
+def test_yaml_values_accepted(tmp_path: Path, value: str) -> None:
+    path = _write(tmp_path, f"activation_swap: {value}\n")
+    assert resolve_config(path).activation_swap == value
+
+
+def test_example_lists_every_key_with_defaults() -> None:
+    import yaml
+
+    data = yaml.safe_load(EXAMPLE.read_text())
+    assert list(data) != [] and set(data) == set(TrainerConfig.keys())
+    assert resolve_config(EXAMPLE) == TrainerConfig()
+    assert "activation_swap: none  # attention, none" in EXAMPLE.read_text()
+
+
+def test_illegal_value_lists_allowed_values(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_config(_write(tmp_path, "activation_swap: attn\n"))
+    assert str(info.value) == ("activation_swap: got 'attn'; allowed values: 'none', 'attention'")
+    assert info.value.key == "activation_swap"
+
+
+@pytest.mark.parametrize("text", ["activation_swap: null\n", "activation_swap: ~\n"])
+def test_yaml_null_is_not_none(tmp_path: Path, text: str) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^activation_swap: got null; allowed values: "
+        r"'none', 'attention' \(YAML null means no value",
+    ):
+        resolve_config(_write(tmp_path, text))
+
+
+def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_config(_write(tmp_path, "activation_swp: attention\n"))
+    assert str(info.value).startswith(
+        "activation_swp: unknown key; did you mean 'activation_swap'? valid keys: "
+    )
+
+
+def test_unknown_key_without_close_match() -> None:
+    with pytest.raises(ConfigError, match=r"^zzz: unknown key; valid keys: activation_swap, "):
+        resolve_config({"zzz": 1})
+
+
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        ({"tp_size": "two"}, "tp_size: expected an integer, got str 'two'"),
+        ({"tp_size": 2.0}, "tp_size: expected an integer, got float 2.0"),
+        ({"tp_size": True}, "tp_size: expected an integer, got bool True"),
+        ({"compile": 1}, "compile: expected true or false, got int 1"),
+        ({"compile": "yes please"}, "compile: expected true or false, got str 'yes please'"),
+        ({"lr": "fast"}, "lr: expected a number, got str 'fast'"),
+        ({"output_dir": 3}, "output_dir: expected a string, got int 3"),
+        ({"num_layers": "4"}, "num_layers: expected an integer, got str '4'"),
+        ({"activation_swap": True}, "activation_swap: got True; allowed values: "),
+        ({"dtype": "fp16"}, "dtype: got 'fp16'; allowed values: 'float32', 'bfloat16'"),
+    ],
+)
+def test_wrong_type_names_the_key(mapping: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_config(mapping)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        ({"tp_size": 0}, "tp_size: must be >= 1, got 0"),
+        ({"pp_size": -2}, "pp_size: must be >= 1, got -2"),
+        ({"seq_len": 0}, "seq_len: must be >= 1, got 0"),
+        ({"swap_prefetch_depth": 0}, "swap_prefetch_depth: must be >= 1, got 0"),
+        ({"swap_prefetch_depth": 2}, "swap_prefetch_depth: is 2 but activation_swap: none"),
+        ({"num_layers": 0}, "num_layers: must be >= 1, got 0"),
+        ({"seed": -1}, "seed: must be >= 0, got -1"),
+        ({"lr": 0}, "lr: must be > 0, got 0.0"),
+        ({"model": "qwen9"}, "model: unknown preset 'qwen9'; allowed values: "),
+        ({"output_dir": ""}, "output_dir: must not be empty"),
+    ],
+)
+def test_value_checks_name_the_key(mapping: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_config(mapping)
+    assert str(info.value).startswith(message)
+
+
+def test_direct_construction_is_checked_too() -> None:
+    with pytest.raises(ConfigError, match=r"^activation_swap: got 'yes'"):
+        TrainerConfig(activation_swap="yes")  # type: ignore[arg-type]
+    assert isinstance(TrainerConfig(lr=1).lr, float)
+
+
+def test_yaml_11_float_text_is_a_float(tmp_path: Path) -> None:
+    assert resolve_config(_write(tmp_path, "lr: 1e-3\n")).lr == pytest.approx(1e-3)
+    assert resolve_config({}, ["lr=3e-4"]).lr == pytest.approx(3e-4)
+
+
+def test_overrides_win_and_are_validated(tmp_path: Path) -> None:
+    path = _write(tmp_path, "activation_swap: none\ntp_size: 2\n")
+    config = resolve_config(path, ["activation_swap=attention", "tp_size=4", "data=/x/y.txt"])
+    assert (config.activation_swap, config.tp_size, config.data) == ("attention", 4, "/x/y.txt")
+    assert resolve_config(path, ["model_path=null"]).model_path is None
+    with pytest.raises(ConfigError, match=r"^activation_swap: got null"):
+        resolve_config(path, ["activation_swap="])
+    with pytest.raises(ConfigError, match=r"^tp_sise: unknown key; did you mean 'tp_size'"):
+        resolve_config(path, ["tp_sise=2"])
+    with pytest.raises(ConfigError, match=r"^fsdp: expected true or false"):
+        resolve_config(path, ["fsdp=maybe"])
+    with pytest.raises(ConfigError, match=r"^fsdp: override 'fsdp' must look like key=value"):
+        resolve_config(path, ["fsdp"])
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^<file>: cannot read"):
+        resolve_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"^<root>: expected a mapping"):
+        resolve_config(_write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match=r"^<file>: .* is not valid YAML"):
+        resolve_config(_write(tmp_path, "a: [\n"))
+    assert resolve_config(_write(tmp_path, "")) == TrainerConfig()
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainerConfig().tp_size = 2  # type: ignore[misc]

@@ -1,0 +1,153 @@
+"""Two-process gloo worlds on CPU: swap composed with tensor parallel and with FSDP2
+trains like one process.
+
+Tolerances: the distributed runs reduce partial sums across ranks (the row-parallel
+o_proj all-reduce, FSDP's gradient reduce-scatter, the loss average), which changes
+the order of fp32 additions. That costs a few ulps per reduction: measured ~1e-7
+relative on the losses, ~1e-9 absolute on the parameters. Losses are compared at
+rtol 1e-5; since a wrong gradient on a small set of weights barely moves the loss
+(an unsummed q_norm gradient under tensor parallel shifts it by ~2e-6 relative), every
+parameter after the last step is compared too, at atol 1e-6, where that bug is ~1e-4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from graphswap.config import TrainerConfig
+
+WORLD = 2
+STEPS = 3
+BATCH = 2
+SEQ = 256
+"""Long enough that each layer's eager attention probabilities (>= 1 MiB per rank)
+pass the swap policy's size threshold, so the swap really moves tensors."""
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-6
+
+
+def batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 512, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def build() -> nn.Module:
+    from graphswap.models import build_model
+    from graphswap.presets import qwen3_moe_config
+
+    torch.manual_seed(0)
+    return build_model(qwen3_moe_config("tiny", attn_implementation="eager", use_cache=False))
+
+
+def train(model: nn.Module, rows: slice, world: int) -> list[float]:
+    """Plain SGD; the reported loss is averaged over ranks, as the trainer reports it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for ids in batches():
+        ids = ids[rows]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reported = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(reported)
+            reported /= world
+        losses.append(reported.item())
+    return losses
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded copies of all parameters (a collective when they are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def _worker(rank: int, init_method: str, config: TrainerConfig, queue: Any, out: Path) -> None:
+    import passes
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
+    try:
+        model = build()
+        result = passes.apply_model_infrastructure(model, config)
+        assert result.report is not None
+        if config.fsdp:
+            per_rank = BATCH // WORLD
+            rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        else:
+            rows = slice(None)
+        losses = train(model, rows, WORLD)
+        params = full_parameters(model)
+        if rank == 0:
+            torch.save(params, out)
+        stats = result.report.manager.stats
+        queue.put((rank, result.applied, losses, stats.offloaded_bytes, stats.reloaded_bytes))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(
+    config: TrainerConfig, tmp_path: Path
+) -> tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]:
+    """Per-rank results sorted by rank, and rank 0's final parameters."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    out = tmp_path / "params.pt"
+    workers = mp.start_processes(
+        _worker,
+        args=(init_method, config, queue, out),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
+    while not workers.join():
+        pass
+    return sorted(queue.get() for _ in range(WORLD)), torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, no swap, no sharding: what both worlds must reproduce."""
+    model = build()
+    losses = train(model, slice(None), world=1)
+    return losses, full_parameters(model)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("config", "applied"),
+    [
+        (TrainerConfig(activation_swap="attention", tp_size=2), ("swap", "tensor_parallel")),
+        (TrainerConfig(activation_swap="attention", fsdp=True), ("swap", "fsdp")),
+    ],
+    ids=["swap+tp", "swap+fsdp"],
+)
+def test_two_ranks_train_like_one(
+    config: TrainerConfig,
+    applied: tuple[str, ...],
+    reference: tuple[list[float], dict[str, torch.Tensor]],
+    tmp_path: Path,
+) -> None:
+    reference_losses, reference_params = reference
+    results, params = run_world(config, tmp_path)
+    assert [rank for rank, *_ in results] == [0, 1]
+    for _, ran, losses, offloaded, reloaded in results:
+        assert ran == applied
+        assert offloaded > 0 and reloaded == offloaded, "the swap moved nothing"
+        assert losses == pytest.approx(reference_losses, rel=LOSS_RTOL)
+    assert params.keys() == reference_params.keys()
+    for name, expected in reference_params.items():
+        torch.testing.assert_close(
+            params[name], expected, rtol=0, atol=PARAM_ATOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
