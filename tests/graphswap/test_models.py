@@ -1,0 +1,55 @@
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+from graphswap.config import TrainerConfig
+from graphswap.models import build, from_config, from_pretrained, load_hf_config
+from graphswap.presets import qwen3_moe_config
+from graphswap.runtime import is_swap_wrapped
+
+
+def attention_types(model: torch.nn.Module) -> set[type]:
+    return {type(layer.self_attn) for layer in model.model.layers}
+
+
+def test_from_config_threads_activation_swap() -> None:
+    plain = from_config(qwen3_moe_config("tiny", num_hidden_layers=2))
+    swapped = from_config(
+        qwen3_moe_config("tiny", num_hidden_layers=2), activation_swap="attention"
+    )
+    assert attention_types(plain) == {Qwen3MoeAttention}
+    assert all(is_swap_wrapped(layer.self_attn) for layer in swapped.model.layers)
+
+
+def test_contradicting_swap_settings_are_an_error() -> None:
+    with pytest.raises(ValueError, match="contradicts"):
+        from_config(
+            qwen3_moe_config("tiny", num_hidden_layers=2),
+            activation_swap="none",
+            trainer_config=TrainerConfig(activation_swap="attention"),
+        )
+
+
+def test_from_pretrained_loads_local_weights_and_swaps(tmp_path) -> None:
+    torch.manual_seed(0)
+    source = from_config(qwen3_moe_config("tiny", num_hidden_layers=2))
+    source.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, activation_swap="attention")
+    assert all(is_swap_wrapped(layer.self_attn) for layer in loaded.model.layers)
+    for (name, p), (_, q) in zip(source.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_load_hf_config_rejects_missing_and_foreign_configs(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        load_hf_config(tmp_path)
+
+
+def test_build_exposes_the_swap_manager() -> None:
+    built = build(TrainerConfig(activation_swap="attention", num_layers=3))
+    assert built.swap_manager is not None
+    assert len(built.swap_manager.links) == 2
+    assert build(TrainerConfig(num_layers=3)).swap_manager is None
