@@ -1,0 +1,154 @@
+"""``graphswap plan-memory``: what activation swap saves on a model, predicted without a GPU.
+
+The model is built and traced on the meta device (see ``graphswap.planner``), so a
+235B-parameter config costs neither memory nor a download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphswap.planner import MemoryPlan
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from graphswap.presets import preset_names
+
+    parser = subparsers.add_parser(
+        "plan-memory",
+        help="predict per-layer saved activations and what swap saves (no GPU needed)",
+        description=(
+            "Trace one forward pass of a Qwen3-MoE model on the meta device, attribute every "
+            "tensor autograd saves to its decoder layer, and predict the peak saved-activation "
+            "memory with and without attention swap, and whether each prefetch hides behind "
+            "backward compute."
+        ),
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--model", metavar="DIR", help="local Hugging Face checkpoint folder (config.json only)"
+    )
+    source.add_argument("--preset", choices=preset_names(), help="embedded model shape")
+    parser.add_argument("--seq", type=_positive_int, required=True, metavar="N", help="tokens")
+    parser.add_argument("--batch", type=_positive_int, default=1, metavar="B")
+    parser.add_argument(
+        "--layers", type=_positive_int, metavar="N", help="override the number of decoder layers"
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=_positive_float,
+        default=None,
+        metavar="GBPS",
+        help="host link bandwidth per direction in GB/s (default 50)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=_positive_float,
+        default=None,
+        metavar="T",
+        help="sustained compute in TFLOP/s used for layer time (default 400)",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument(
+        "--attn-implementation",
+        default="eager",
+        metavar="NAME",
+        help="attention kernel to trace (default eager, the one swap is built for)",
+    )
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="also draw the memory timeline (needs matplotlib)"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from graphswap.models import load_hf_config
+    from graphswap.planner import DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, plan_memory
+    from graphswap.presets import qwen3_moe_config
+
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    if args.model is not None:
+        config = load_hf_config(args.model, attn_implementation=args.attn_implementation)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+    else:
+        config = qwen3_moe_config(
+            args.preset, attn_implementation=args.attn_implementation, **overrides
+        )
+    plan = plan_memory(
+        config,
+        seq=args.seq,
+        batch=args.batch,
+        bandwidth_gbps=args.bandwidth or DEFAULT_BANDWIDTH_GBPS,
+        tflops=args.tflops or DEFAULT_TFLOPS,
+        dtype=getattr(torch, args.dtype),
+        attn_implementation=args.attn_implementation,
+    )
+    if args.plot:
+        try:
+            plot_timeline(plan, Path(args.plot))
+        except ModuleNotFoundError as error:
+            if error.name != "matplotlib":
+                raise
+            print(
+                f"error: --plot {args.plot} needs matplotlib, which is not installed; "
+                "install it with: pip install graphswap[plot]",
+                file=sys.stderr,
+            )
+            return 2
+    if args.format == "json":
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.format_table())
+        if args.plot:
+            print(f"timeline written to {args.plot}")
+    return 0
+
+
+def plot_timeline(plan: MemoryPlan, path: Path) -> None:
+    """Resident saved bytes through one step, with and without swap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = plan.timeline()
+    gib = float(1 << 30)
+    xs = range(len(points))
+    fig, ax = plt.subplots(figsize=(max(8.0, len(points) * 0.08), 4.5))
+    ax.plot(xs, [p.without_swap_bytes / gib for p in points], label="without swap")
+    ax.plot(xs, [p.with_swap_bytes / gib for p in points], label="with attention swap")
+    step = max(1, len(points) // 24)
+    ax.set_xticks(list(xs)[::step], [p.label for p in points][::step], rotation=90)
+    ax.set_xlabel("forward (F<i>) then backward (B<i>) of each decoder layer")
+    ax.set_ylabel("saved activations on device [GiB]")
+    ax.set_title(f"seq={plan.seq} batch={plan.batch} {plan.dtype} {plan.attn_implementation}")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
