@@ -194,7 +194,7 @@ def format_summary(results: list[TrainResult]) -> str:
         ("swap reloaded / step", [_per_step(r, "reloaded_bytes") for r in results]),
         ("swap kept on device / step", [_per_step(r, "kept_bytes") for r in results]),
         (
-            "prefetch hits/misses",
+            "prefetch hits/misses (all steps)",
             [
                 f"{r.swap.get('prefetch_hits', 0)}/{r.swap.get('prefetch_misses', 0)}"
                 for r in results

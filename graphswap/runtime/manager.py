@@ -294,6 +294,8 @@ class SwapManager:
         self._poll()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack):
             out = forward(*args, **kwargs)
+        for engine in list(self._engines.values()):
+            engine.progress()
         self._poll()
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs:
