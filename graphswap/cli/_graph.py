@@ -10,16 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from graphswap.cli._args import positive_int
+
 DEFAULT_PRESET = "graph-default"
 DEFAULT_RULE = "qwen3_attn_swap"
 FORMATS = ("dot", "json", "svg", "png")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--layers",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="number of decoder layers (overrides the preset or config.json)",
     )

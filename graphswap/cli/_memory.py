@@ -1,5 +1,7 @@
 """``graphswap plan-memory``: what activation swap saves on a model, predicted without a GPU.
 
+from graphswap.cli._args import positive_int, positive_float
+
 The model is built and traced on the meta device (see ``graphswap.planner``), so a
 235B-parameter config costs neither memory nor a download.
 """
@@ -12,24 +14,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from graphswap.cli._args import positive_float, positive_int
+
 if TYPE_CHECKING:
     from graphswap.planner import MemoryPlan
 
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,21 +40,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model", metavar="DIR", help="local Hugging Face checkpoint folder (config.json only)"
     )
     source.add_argument("--preset", choices=preset_names(), help="embedded model shape")
-    parser.add_argument("--seq", type=_positive_int, required=True, metavar="N", help="tokens")
-    parser.add_argument("--batch", type=_positive_int, default=1, metavar="B")
+    parser.add_argument("--seq", type=positive_int, required=True, metavar="N", help="tokens")
+    parser.add_argument("--batch", type=positive_int, default=1, metavar="B")
     parser.add_argument(
-        "--layers", type=_positive_int, metavar="N", help="override the number of decoder layers"
+        "--layers", type=positive_int, metavar="N", help="override the number of decoder layers"
     )
     parser.add_argument(
         "--bandwidth",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="GBPS",
         help="host link bandwidth per direction in GB/s (default 50)",
     )
     parser.add_argument(
         "--tflops",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="T",
         help="sustained compute in TFLOP/s used for layer time (default 400)",

@@ -8,6 +8,7 @@ all stay as they were, and ``unwrap_swap`` restores the exact original type.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,17 +28,23 @@ class _SwapState:
 
 
 class SwapWrapped:
-    """Marker base of every generated swap class; its forward installs the hooks."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state: _SwapState = self.__dict__[_STATE_ATTR]
-        return state.manager.run_forward(self, super().forward, args, kwargs)  # type: ignore[arg-type,misc]
+    """Marker base of every generated swap class."""
 
 
 def _swap_class(cls: type) -> type:
+    """``Swap<cls>``: its forward runs the original under the manager's hooks and
+    carries the original's signature (HF inspects ``forward`` parameters)."""
     swap_cls = _CLASS_CACHE.get(cls)
     if swap_cls is None:
-        swap_cls = type(f"Swap{cls.__name__}", (SwapWrapped, cls), {"__module__": cls.__module__})
+        original = cls.forward
+
+        @functools.wraps(original)
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            state: _SwapState = self.__dict__[_STATE_ATTR]
+            return state.manager.run_forward(self, functools.partial(original, self), args, kwargs)
+
+        namespace = {"__module__": cls.__module__, "forward": forward}
+        swap_cls = type(f"Swap{cls.__name__}", (SwapWrapped, cls), namespace)
         _CLASS_CACHE[cls] = swap_cls
     return swap_cls
 
