@@ -141,6 +141,10 @@ class SwapManager:
     device, since its backward starts right after forward. ``max_host_bytes``:
     cap of the host pool (default: half of physical memory); past it tensors stay
     on device and ``pool_exhausted`` counts them. ``trace``: record events.
+
+    Every forward of a wrapped module opens its own group, linked to the group its
+    prev module opened last, so several forwards before one backward (gradient
+    accumulation with all graphs alive) prefetch within their own pass.
     """
 
     def __init__(

@@ -43,7 +43,7 @@ def _swap_class(cls: type) -> type:
             state: _SwapState = self.__dict__[_STATE_ATTR]
             return state.manager.run_forward(self, functools.partial(original, self), args, kwargs)
 
-        namespace = {"__module__": cls.__module__, "forward": forward}
+        namespace = {"__module__": __name__, "forward": forward}
         swap_cls = type(f"Swap{cls.__name__}", (SwapWrapped, cls), namespace)
         _CLASS_CACHE[cls] = swap_cls
     return swap_cls
