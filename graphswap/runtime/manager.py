@@ -115,13 +115,16 @@ class _Packed:
 class _Group:
     """The saved tensors of one forward call of one wrapped module."""
 
-    def __init__(self, manager: SwapManager, slot: _Slot, keep: bool) -> None:
-        self.manager = manager
+    def __init__(
+        self, slot: _Slot, *, keep: bool, prev: _Group | None, protected: set[int]
+    ) -> None:
         self.slot = slot
         self.keep = keep
+        self.prev = prev
+        """The group its prev module opened last: the one this group's backward prefetches."""
+        self.protected = protected
+        """Storages of the module's parameters and buffers: never swapped."""
         self.entries: dict[int, _Entry] = {}
-        self.prev: _Group | None = None
-        self.protected: set[int] = set()
 
     @property
     def name(self) -> str:
@@ -287,13 +290,15 @@ class SwapManager:
         """Run ``forward`` of a wrapped module under this manager's saved-tensor hooks."""
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        slot = self._slots[module]
-        group = _Group(self, slot, keep=self.is_kept(module))
         prev = self._prev.get(module)
-        group.prev = self._latest.get(prev) if prev is not None else None
-        group.protected = {
-            t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())
-        }
+        group = _Group(
+            self._slots[module],
+            keep=self.is_kept(module),
+            prev=self._latest.get(prev) if prev is not None else None,
+            protected={
+                t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())
+            },
+        )
         self._latest[module] = group
         self._poll()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack):
