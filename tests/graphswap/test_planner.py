@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -51,16 +49,10 @@ def test_prediction_matches_measured_saved_bytes_without_swap(tiny_plan, tiny_mo
 
 
 def test_prediction_matches_measured_resident_bytes_with_swap(tiny_plan, tiny_model) -> None:  # type: ignore[no-untyped-def]
-    from graphswap.runtime import SwapManager, swap_wrapper
+    from graphswap import rewrite
 
     model, ids = _tiny_inputs(tiny_model)
-    manager = SwapManager()
-    attns = [
-        swap_wrapper(layer.self_attn, manager=manager, name=f"model.layers.{i}.self_attn")
-        for i, layer in enumerate(model.model.layers)
-    ]
-    for prev, nxt in itertools.pairwise(attns):
-        manager.set_forward_prefetch_layer(prev, nxt)
+    manager = rewrite(model, rules=["qwen3_attn_swap"]).manager
     assert tiny_plan.swapped_bytes > 0
     measured = _measure_resident(model, ids, manager)
     assert measured == pytest.approx(tiny_plan.end_of_forward_with_swap_bytes, rel=0.05)
