@@ -1,5 +1,11 @@
 """The swap runtime: managers, wrappers, copy engines, host pool."""
 
+from graphswap.runtime.engines import (
+    AcceleratorCopyEngine,
+    CopyEngine,
+    HazardError,
+    SimulatedAccelerator,
+)
 from graphswap.runtime.manager import GroupInfo, SwapIntegrityError, SwapManager
 from graphswap.runtime.stats import GroupStats, SwapStats
 from graphswap.runtime.wrapper import (
@@ -11,8 +17,12 @@ from graphswap.runtime.wrapper import (
 )
 
 __all__ = [
+    "AcceleratorCopyEngine",
+    "CopyEngine",
     "GroupInfo",
     "GroupStats",
+    "HazardError",
+    "SimulatedAccelerator",
     "SwapIntegrityError",
     "SwapManager",
     "SwapStats",

@@ -1,171 +1,343 @@
-"""Copy engines: move whole storages between the compute device and host buffers.
+"""Copy engines: move whole storages between a compute device and host buffers.
 
-Each copy returns a ticket. ``wait()`` blocks the *consumer* until the copy is
-visible to it; the source of an offload is held by the ticket until the copy has
-completed and released only then.
+A copy is asynchronous. The manager drives it through four calls, and the order
+of those calls is what keeps memory correct:
+
+- ``done()`` asks, without blocking, whether the copy has completed;
+- ``fence()`` orders the compute stream after the copy (a stream wait, the host
+  does not block): from then on compute may reuse the source's memory or read a
+  reload's result;
+- ``release_source()`` drops the offload's reference to its device source; legal
+  only after ``done()`` answered True or after ``fence()``;
+- ``synchronize()`` blocks the host until the copy completed (never in the hot path).
+
+``AcceleratorCopyEngine`` runs copies on side streams of a real accelerator.
+``SimulatedAccelerator`` runs the same protocol on CPU tensors with a device that
+lags a chosen number of module boundaries behind the host, and turns every call in
+the wrong order into a ``HazardError``: the CPU test suite exercises the schedule
+a GPU runs (invariant I11).
 """
 
 from __future__ import annotations
 
+import abc
 import collections
-import threading
-from typing import Protocol
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
 
-class Ticket(Protocol):
+class HazardError(RuntimeError):
+    """An asynchronous copy was used in an order a real accelerator would corrupt."""
+
+
+class Copy(abc.ABC):
+    """One asynchronous copy: an offload (device to host) or a load (host to device)."""
+
+    @abc.abstractmethod
     def done(self) -> bool: ...
 
-    def wait(self) -> None: ...
+    @abc.abstractmethod
+    def fence(self) -> None: ...
 
+    @abc.abstractmethod
     def synchronize(self) -> None: ...
 
+    @abc.abstractmethod
+    def release_source(self) -> None: ...
 
-class LoadTicket(Ticket, Protocol):
-    def result(self) -> torch.Tensor: ...
-
-
-class CopyEngine(Protocol):
-    pin: bool
-
-    def offload(self, src: torch.Tensor, host: torch.Tensor) -> Ticket: ...
-
-    def load(self, host: torch.Tensor, after: Ticket, device: torch.device) -> LoadTicket: ...
-
-    def progress(self) -> None: ...
-
-
-class _QueuedCopy:
-    """A copy that runs when the queue reaches it; until then its source is held."""
-
-    def __init__(self, engine: CpuCopyEngine, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self._engine = engine
-        self._src: torch.Tensor | None = src
-        self._dst = dst
-
-    def run(self) -> None:
-        assert self._src is not None
-        self._dst.copy_(self._src)
-        self._src = None
-
-    def done(self) -> bool:
-        return self._src is None
-
-    def wait(self) -> None:
-        self._engine.run_until(self)
-
-    synchronize = wait
-
+    @abc.abstractmethod
     def result(self) -> torch.Tensor:
-        return self._dst
+        """The device tensor a load filled; legal only after ``fence()``."""
 
 
-class CpuCopyEngine:
-    """For CPU tensors: real copies into separate buffers, run later, in issue order.
+class CopyEngine(abc.ABC):
+    """Issues copies for every device the manager meets."""
 
-    A CPU has no copy engine: a copy costs the cores compute uses, and a side thread
-    fights the OpenMP team for them (measured on 2 cores: 1.77x step time with a
-    worker thread, against 1.03x for copies run between ops). So copies are queued
-    and run on the compute thread when someone waits for one (all earlier ones
-    first) or when the manager calls ``progress()`` between modules. A consumer that
-    forgets to wait reads a buffer that was never filled: the mistake fails tests
-    deterministically instead of passing by luck.
-    """
+    pin: bool
+    """Whether host buffers for this engine are pinned (page-locked)."""
 
-    pin = False
+    @abc.abstractmethod
+    def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
+        """Copy ``src`` (uint8, device) into ``host[: src.numel()]`` once every copy in
+        ``after`` (earlier users of the host buffer) has completed."""
 
-    def __init__(self) -> None:
-        self._queue: collections.deque[_QueuedCopy] = collections.deque()
-        self._lock = threading.RLock()
+    @abc.abstractmethod
+    def load(
+        self, host: torch.Tensor, nbytes: int, device: torch.device, after: Sequence[Copy]
+    ) -> Copy:
+        """Copy ``host[:nbytes]`` into a new uint8 tensor on ``device`` after ``after``."""
 
-    def offload(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
-        return self._enqueue(_QueuedCopy(self, src, host))
+    @abc.abstractmethod
+    def tick(self) -> None:
+        """A module boundary on the host; a simulated device advances here."""
 
-    def load(self, host: torch.Tensor, after: Ticket, device: torch.device) -> LoadTicket:
-        # FIFO: the offload that fills ``host`` runs before this copy reads it.
-        return self._enqueue(_QueuedCopy(self, host, torch.empty_like(host, device=device)))
-
-    def progress(self) -> None:
-        """Run every queued copy."""
-        with self._lock:
-            while self._queue:
-                self._queue.popleft().run()
-
-    def run_until(self, copy: _QueuedCopy) -> None:
-        with self._lock:
-            while not copy.done():
-                self._queue.popleft().run()
-
-    def _enqueue(self, copy: _QueuedCopy) -> _QueuedCopy:
-        with self._lock:
-            self._queue.append(copy)
-        return copy
+    @abc.abstractmethod
+    def capturing(self) -> bool:
+        """True while the current stream captures a graph: no copy, query or wait is legal."""
 
 
-class _EventTicket:
+class _EventCopy(Copy):
+    __slots__ = ("_device", "_event", "_hold", "_out")
+
     def __init__(
         self,
         event: torch.Event,
+        device: torch.device,
         *,
         hold: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> None:
         self._event = event
+        self._device = device
         self._hold = hold
         self._out = out
 
     def done(self) -> bool:
-        if self._event.query():
-            self._hold = None
-            return True
-        return False
+        return self._event.query()
 
-    def wait(self) -> None:
-        """Order the current (compute) stream after the copy; does not block the host."""
-        torch.accelerator.current_stream(self._event.device).wait_event(self._event)
+    def fence(self) -> None:
+        torch.accelerator.current_stream(self._device).wait_event(self._event)
 
     def synchronize(self) -> None:
         self._event.synchronize()
+
+    def release_source(self) -> None:
         self._hold = None
 
     def result(self) -> torch.Tensor:
-        assert self._out is not None
+        assert self._out is not None, "result() of an offload"
         return self._out
 
 
-class AcceleratorCopyEngine:
-    """For accelerator tensors: side streams for each direction, pinned host memory.
+class AcceleratorCopyEngine(CopyEngine):
+    """Side streams per device and direction, events, pinned host buffers.
 
-    Offload: the d2h stream waits for compute, copies, records an event; the source
-    stays referenced until that event completed (polled), so the allocator cannot
-    hand its memory to compute while the copy still reads it. Load: the destination
-    is allocated on the compute stream, the h2d stream waits for compute (the block
-    may have been used by queued kernels) and for the offload event, copies, records
-    an event that the consumer's stream waits on before reading.
+    Offload: the d2h stream waits for compute and for the host buffer's last users,
+    copies, records an event; the source stays referenced until the manager releases
+    it after a fence or a completed query. Load: the destination is allocated on the
+    compute stream; the h2d stream waits for compute (the block may still be in use by
+    queued kernels) and for the offload, copies, records an event that compute waits on
+    before reading.
     """
 
     pin = True
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._d2h = torch.Stream(device=device)
-        self._h2d = torch.Stream(device=device)
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, tuple[torch.Stream, torch.Stream]] = {}
 
-    def offload(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
-        self._d2h.wait_stream(torch.accelerator.current_stream(self.device))
-        with self._d2h:
-            host.copy_(src, non_blocking=True)
-        return _EventTicket(self._d2h.record_event(), hold=src)
+    def _streams_of(self, device: torch.device) -> tuple[torch.Stream, torch.Stream]:
+        streams = self._streams.get(device)
+        if streams is None:
+            streams = (torch.Stream(device=device), torch.Stream(device=device))
+            self._streams[device] = streams
+        return streams
 
-    def load(self, host: torch.Tensor, after: Ticket, device: torch.device) -> LoadTicket:
-        assert isinstance(after, _EventTicket)
-        dst = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        self._h2d.wait_stream(torch.accelerator.current_stream(device))
-        self._h2d.wait_event(after._event)
-        with self._h2d:
-            dst.copy_(host, non_blocking=True)
-        return _EventTicket(self._h2d.record_event(), out=dst)
+    def _issue(self, stream: torch.Stream, device: torch.device, after: Sequence[Copy]) -> None:
+        stream.wait_stream(torch.accelerator.current_stream(device))
+        for copy in after:
+            if isinstance(copy, _EventCopy):
+                stream.wait_event(copy._event)
 
-    def progress(self) -> None:
-        """Copies run on their own streams; nothing to drive from the host."""
+    def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
+        device = src.device
+        d2h, _ = self._streams_of(device)
+        self._issue(d2h, device, after)
+        with d2h:
+            host[: src.numel()].copy_(src, non_blocking=True)
+        return _EventCopy(d2h.record_event(), device, hold=src)
+
+    def load(
+        self, host: torch.Tensor, nbytes: int, device: torch.device, after: Sequence[Copy]
+    ) -> Copy:
+        _, h2d = self._streams_of(device)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._issue(h2d, device, after)
+        with h2d:
+            dst.copy_(host[:nbytes], non_blocking=True)
+        return _EventCopy(h2d.record_event(), device, out=dst)
+
+    def tick(self) -> None:
+        """Copies progress on their own streams; nothing to drive from the host."""
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class _SimCopy(Copy):
+    __slots__ = (
+        "_engine",
+        "after",
+        "conflicts",
+        "dst",
+        "due",
+        "executed",
+        "fenced",
+        "key",
+        "kind",
+        "src",
+    )
+
+    def __init__(
+        self,
+        engine: SimulatedAccelerator,
+        kind: str,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        after: Sequence[Copy],
+    ) -> None:
+        self._engine = engine
+        self.kind = kind
+        self.src: torch.Tensor | None = src
+        self.dst = dst
+        self.after = tuple(after)
+        self.due = engine.now + engine.lag
+        self.executed = False
+        self.fenced = False
+        self.key = self.dst.data_ptr() if kind == "offload" else src.data_ptr()
+        """The host buffer this copy writes (offload) or reads (load)."""
+        self.conflicts: list[_SimCopy] = []
+        """Copies issued earlier that touch the same host buffer the other way."""
+
+    def done(self) -> bool:
+        self._engine._legal("an event query")
+        return self.executed
+
+    def fence(self) -> None:
+        self._engine._legal("a stream wait")
+        self._engine._force(self)
+        self.fenced = True
+
+    def synchronize(self) -> None:
+        self._engine._legal("a synchronize")
+        self._engine._force(self)
+
+    def release_source(self) -> None:
+        if not self.executed:
+            raise HazardError(
+                f"the source of a {self.kind} was released before its copy completed:"
+                " the allocator could hand its memory to compute while the copy reads it"
+            )
+        self.src = None
+
+    def result(self) -> torch.Tensor:
+        if not self.fenced:
+            raise HazardError(
+                "a reload was read before compute waited for its copy: it may hold stale bytes"
+            )
+        return self.dst
+
+
+class SimulatedAccelerator(CopyEngine):
+    """An accelerator's side streams on CPU tensors, lagging ``lag`` module boundaries.
+
+    A copy completes when the simulated device reaches it: ``lag`` ticks after it was
+    issued (0: at once), in issue order per direction and after the copies it waits
+    for, or earlier when compute fences it. Sources are held until the manager
+    releases them. Every ordering hazard raises ``HazardError``: a source released
+    before its copy completed, a reload read without a fence, a host buffer written
+    while a copy still reads it or read before its offload wrote it, and any copy,
+    query or wait while ``capture()`` is active.
+    """
+
+    pin = False
+
+    def __init__(self, lag: int = 0) -> None:
+        if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
+            raise ValueError(f"lag must be an int >= 0, got {lag!r}")
+        self.lag = lag
+        self.now = 0
+        self._d2h: collections.deque[_SimCopy] = collections.deque()
+        self._h2d: collections.deque[_SimCopy] = collections.deque()
+        self._touching: dict[int, list[_SimCopy]] = collections.defaultdict(list)
+        self._capturing = False
+
+    def __repr__(self) -> str:
+        return f"SimulatedAccelerator(lag={self.lag})"
+
+    def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
+        self._legal("a device-to-host copy")
+        copy = _SimCopy(self, "offload", src, host[: src.numel()], after)
+        self._issue(copy)
+        self._d2h.append(copy)
+        self._advance()
+        return copy
+
+    def load(
+        self, host: torch.Tensor, nbytes: int, device: torch.device, after: Sequence[Copy]
+    ) -> Copy:
+        self._legal("a host-to-device copy")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        copy = _SimCopy(self, "load", host[:nbytes], dst, after)
+        self._issue(copy)
+        self._h2d.append(copy)
+        self._advance()
+        return copy
+
+    def tick(self) -> None:
+        self.now += 1
+        self._advance()
+
+    def capturing(self) -> bool:
+        return self._capturing
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Behave as if the current stream captured a graph."""
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def pending(self) -> int:
+        """Copies issued and not yet completed."""
+        return len(self._d2h) + len(self._h2d)
+
+    def _issue(self, copy: _SimCopy) -> None:
+        touching = self._touching[copy.key]
+        touching[:] = [c for c in touching if not c.executed]
+        copy.conflicts = [c for c in touching if c.kind != copy.kind]
+        touching.append(copy)
+
+    def _legal(self, what: str) -> None:
+        if self._capturing:
+            raise HazardError(f"{what} while the current stream captures a graph")
+
+    def _advance(self) -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            for stream in (self._h2d, self._d2h):
+                while (
+                    stream
+                    and stream[0].due <= self.now
+                    and all(isinstance(a, _SimCopy) and a.executed for a in stream[0].after)
+                ):
+                    self._execute(stream.popleft())
+                    progressed = True
+
+    def _force(self, copy: _SimCopy) -> None:
+        stream = self._d2h if copy.kind == "offload" else self._h2d
+        while not copy.executed:
+            head = stream.popleft()
+            for dep in head.after:
+                if isinstance(dep, _SimCopy) and not dep.executed:
+                    self._force(dep)
+            self._execute(head)
+
+    def _execute(self, copy: _SimCopy) -> None:
+        assert copy.src is not None
+        if any(not c.executed for c in copy.conflicts):
+            raise HazardError(
+                "a host buffer was rewritten while a reload still reads it;"
+                " an offload must wait for the buffer's last use"
+                if copy.kind == "offload"
+                else "a reload read a host buffer before its offload filled it"
+            )
+        copy.conflicts = []
+        copy.dst.copy_(copy.src)
+        copy.executed = True
+        if copy.kind == "load":
+            copy.src = None

@@ -1,15 +1,21 @@
-"""SwapManager: per-forward swap groups, layer-to-layer prefetch, host-buffer lifetimes.
+"""SwapManager: per-forward swap groups, layer-to-layer prefetch, bounded offload lag.
 
-Lifetimes follow autograd's own: a packed handle lives exactly as long as the
-saved-tensor slot that holds it. When the last handle of a copied storage dies
-(the graph was freed after backward, or a forward raised), the host buffer goes
-back to the pool. Nothing is kept per step, so memory is flat across steps.
+Lifetimes follow autograd's own. Whatever the pack hook keeps or swaps, it hands
+autograd a small handle that never refers to the tensor object it was given (that
+would form a cycle through ``grad_fn``), so a graph that is dropped unused is freed
+by reference counting alone. A swapped storage's host buffer goes back to the pool
+when the last handle aliasing it dies; nothing is kept per step.
+
+Every handle checks PyTorch's version counter on unpack, as autograd does for saved
+tensors without hooks: a saved tensor modified in place raises
+``SwapIntegrityError`` instead of giving a wrong gradient.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import threading
 import weakref
@@ -18,25 +24,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from graphswap.policy import CheckpointPolicy, SwapPolicy, is_parameter_like, policy_name
 from graphswap.runtime.engines import (
     AcceleratorCopyEngine,
+    Copy,
     CopyEngine,
-    CpuCopyEngine,
-    LoadTicket,
-    Ticket,
+    SimulatedAccelerator,
 )
-from graphswap.runtime.pool import HostPool
+from graphswap.runtime.pool import HostBuffer, HostPool, Refusal
 from graphswap.runtime.stats import GroupStats, SwapStats
 
 TRACE_LIMIT = 100_000
 
 
 class SwapIntegrityError(RuntimeError):
-    """A tensor saved for backward changed after it was packed: its gradient would be wrong."""
+    """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
 
 
 @dataclass(frozen=True)
@@ -59,41 +63,90 @@ class _Slot:
     module_type: str
 
 
+def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
+    return SwapIntegrityError(
+        f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
+        f" in-place operation (version {saved} when saved, {now} now); clone it before"
+        " modifying it in place, as plain PyTorch requires"
+    )
+
+
+class _Kept:
+    """A saved tensor that stays on device: a detached alias (same storage and version
+    counter, no ``grad_fn``) and the version it had when saved."""
+
+    __slots__ = ("alias", "name", "version")
+
+    def __init__(self, t: torch.Tensor, name: str) -> None:
+        self.alias = t.detach()
+        self.version = t._version
+        self.name = name
+
+    def unpack(self) -> torch.Tensor:
+        now = self.alias._version
+        if now != self.version:
+            raise _integrity_error(self.name, self.alias.size(), self.version, now)
+        return self.alias
+
+
 class _Entry:
-    """One storage copied to host: shared by every handle that aliases it."""
+    """One storage copied to host: shared by every handle that aliases it.
+
+    ``load`` is the reload of the current backward, ``gen`` counts reloads and
+    ``waiting`` how many live handles have not yet consumed the current one: the
+    set of consumers is fixed when the load is issued, so handles that die while
+    others unpack never cause a second reload.
+    """
 
     __slots__ = (
+        "__weakref__",
+        "buf",
         "device",
-        "host",
+        "gen",
         "load",
         "manager",
         "name",
         "nbytes",
         "offload",
+        "prefetched",
         "refs",
-        "storage_ref",
-        "unpacked",
+        "stats",
+        "waiting",
     )
 
     def __init__(
-        self, manager: SwapManager, name: str, storage: torch.UntypedStorage, host: torch.Tensor
+        self,
+        manager: SwapManager,
+        name: str,
+        stats: GroupStats,
+        device: torch.device,
+        nbytes: int,
+        buf: HostBuffer,
+        offload: Copy,
     ) -> None:
         self.manager = manager
         self.name = name
-        self.device = storage.device
-        self.nbytes = storage.nbytes()
-        self.host: torch.Tensor | None = host
-        self.storage_ref = StorageWeakRef(storage)
-        self.offload: Ticket | None = None
-        self.load: LoadTicket | None = None
+        self.stats = stats
+        self.device = device
+        self.nbytes = nbytes
+        self.buf: HostBuffer | None = buf
+        self.offload = offload
+        self.load: Copy | None = None
+        self.prefetched = False
+        self.gen = 0
+        self.waiting = 0
         self.refs = 0
-        self.unpacked = 0
 
 
-class _Packed:
-    """What autograd stores instead of a swapped tensor."""
+class _Swapped:
+    """What autograd stores instead of a swapped tensor.
 
-    __slots__ = ("dtype", "entry", "offset", "size", "source", "stride", "version")
+    The version is checked through weak references to the tensor and to its base:
+    while any alias that shares the version counter through them is alive, so is
+    the reference (PyTorch keeps a tensor's Python object alive with its views).
+    """
+
+    __slots__ = ("base", "dtype", "entry", "gen", "offset", "size", "source", "stride", "version")
 
     def __init__(self, entry: _Entry, t: torch.Tensor) -> None:
         self.entry = entry
@@ -103,22 +156,42 @@ class _Packed:
         self.offset = t.storage_offset()
         self.version = t._version
         self.source = weakref.ref(t)
+        base = t._base
+        self.base = weakref.ref(base) if base is not None else None
+        self.gen = -1
+        """The reload generation this handle consumed last (-1: none)."""
         entry.refs += 1
+        if entry.load is not None:
+            entry.waiting += 1
+
+    def check(self) -> None:
+        for ref in (self.source, self.base):
+            alias = ref() if ref is not None else None
+            if alias is not None and alias._version != self.version:
+                raise _integrity_error(self.entry.name, self.size, self.version, alias._version)
 
     def __del__(self) -> None:
-        entry = self.entry
-        entry.refs -= 1
-        if entry.refs == 0:
-            entry.manager._release(entry)
+        self.entry.manager._handle_died(self)
 
 
 class _Group:
     """The saved tensors of one forward call of one wrapped module."""
 
+    __slots__ = ("__weakref__", "entries", "keep", "prev", "protected", "seq", "slot", "stats")
+
     def __init__(
-        self, slot: _Slot, *, keep: bool, prev: _Group | None, protected: set[int]
+        self,
+        slot: _Slot,
+        seq: int,
+        stats: GroupStats,
+        *,
+        keep: bool,
+        prev: _Group | None,
+        protected: set[int],
     ) -> None:
         self.slot = slot
+        self.seq = seq
+        self.stats = stats
         self.keep = keep
         self.prev = prev
         """The group its prev module opened last: the one this group's backward prefetches."""
@@ -131,19 +204,36 @@ class _Group:
         return self.slot.name
 
 
+@dataclass
+class _InFlight:
+    seq: int
+    copy: Copy
+
+
 def _default_max_host_bytes() -> int:
     """Half of physical memory: enough for any layer stack that fits on a GPU."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 class SwapManager:
-    """Owns the swap groups of one model: links, copy engines, host pool, stats.
+    """Owns the swap groups of one model: links, copy engine, host pool, stats.
 
     ``prefetch_depth``: how many earlier layers start coming back when a layer's
     backward begins. ``keep_last``: the end of a linked chain keeps its tensors on
-    device, since its backward starts right after forward. ``max_host_bytes``:
-    cap of the host pool (default: half of physical memory); past it tensors stay
-    on device and ``pool_exhausted`` counts them. ``trace``: record events.
+    device, since its backward starts right after forward. ``max_host_bytes``: cap of
+    the host pool (default: half of physical memory); past it tensors stay on device
+    and ``pool_exhausted`` counts them. ``offload_lag``: a layer's swapped storages
+    leave device memory no later than when the forward of the wrapped module
+    ``offload_lag`` forwards later begins (0: at the end of its own forward); the
+    compute stream waits for the copy there, the host never blocks. ``engine``: the
+    copy engine (default: ``AcceleratorCopyEngine`` for accelerator tensors, a
+    ``SimulatedAccelerator(lag=0)`` for CPU tensors). ``trace``: record events.
 
     Every forward of a wrapped module opens its own group, linked to the group its
     prev module opened last, so several forwards before one backward (gradient
@@ -156,22 +246,30 @@ class SwapManager:
         prefetch_depth: int = 1,
         keep_last: bool = True,
         max_host_bytes: int | None = None,
+        offload_lag: int = 1,
+        engine: CopyEngine | None = None,
         trace: bool = False,
     ) -> None:
-        if prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_depth = _check_int("prefetch_depth", prefetch_depth, 1)
+        self.offload_lag = _check_int("offload_lag", offload_lag, 0)
+        if engine is not None and not isinstance(engine, CopyEngine):
+            raise ValueError(
+                f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine or"
+                f" SimulatedAccelerator), got {type(engine).__name__}"
+            )
         self.keep_last = keep_last
         self._pool = HostPool(
             _default_max_host_bytes() if max_host_bytes is None else max_host_bytes
         )
+        self._engine_override = engine
+        self._engines: dict[str, CopyEngine] = {}
         self._slots: dict[torch.nn.Module, _Slot] = {}
         self._registered = 0
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}
-        self._latest: dict[torch.nn.Module, _Group] = {}
-        self._engines: dict[torch.device, CopyEngine] = {}
-        self._pending: collections.deque[_Entry] = collections.deque()
+        self._latest: dict[torch.nn.Module, weakref.ref[_Group]] = {}
+        self._in_flight: dict[torch.device, collections.deque[_InFlight]] = {}
+        self._seq = 0
         self._stats: dict[str, GroupStats] = {}
         self._lock = threading.RLock()
         self.events: collections.deque[tuple[str, str]] | None = (
@@ -271,18 +369,20 @@ class SwapManager:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self._stats = {name: GroupStats() for name in self._stats}
+            for group_stats in self._stats.values():
+                for f in dataclasses.fields(GroupStats):
+                    setattr(group_stats, f.name, 0)
             self._pool.peak_in_use_bytes = self._pool.in_use_bytes
 
     def synchronize(self) -> None:
-        """Wait for every offload in flight; their sources are freed when this returns."""
-        while True:
-            with self._lock:
-                if not self._pending:
-                    return
-                entry = self._pending.popleft()
-            if entry.offload is not None:
-                entry.offload.synchronize()
+        """Block until every offload in flight completed, and free their sources."""
+        with self._lock:
+            flights = [f for queue in self._in_flight.values() for f in queue]
+            for queue in self._in_flight.values():
+                queue.clear()
+        for flight in flights:
+            flight.copy.synchronize()
+            flight.copy.release_source()
 
     def run_forward(
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -290,92 +390,126 @@ class SwapManager:
         """Run ``forward`` of a wrapped module under this manager's saved-tensor hooks."""
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        slot = self._slots[module]
+        self._seq += 1
+        seq = self._seq
+        self._boundary(seq)
         prev = self._prev.get(module)
+        prev_ref = self._latest.get(prev) if prev is not None else None
         group = _Group(
-            self._slots[module],
+            slot,
+            seq,
+            self._stats[slot.name],
             keep=self.is_kept(module),
-            prev=self._latest.get(prev) if prev is not None else None,
+            prev=prev_ref() if prev_ref is not None else None,
             protected={
                 t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())
             },
         )
-        self._latest[module] = group
-        self._poll()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack):
+        self._latest[module] = weakref.ref(group)
+        with torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self._pack, group), self._unpack
+        ):
             out = forward(*args, **kwargs)
-        for engine in list(self._engines.values()):
-            engine.progress()
-        self._poll()
+        self._boundary(seq)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda _grad: self._backward_begins(group), mode="any"
+                outputs, functools.partial(self._backward_begins, group), mode="any"
             )
         return out
 
-    def _trace(self, event: str, group: _Group) -> None:
+    def _trace(self, event: str, name: str) -> None:
         if self.events is not None:
-            self.events.append((event, group.name))
+            self.events.append((event, name))
 
     def _engine(self, device: torch.device) -> CopyEngine:
-        engine = self._engines.get(device)
+        engine = self._engines.get(device.type)
         if engine is None:
-            engine = CpuCopyEngine() if device.type == "cpu" else AcceleratorCopyEngine(device)
-            self._engines[device] = engine
+            if self._engine_override is not None:
+                engine = self._engine_override
+            elif device.type == "cpu":
+                engine = SimulatedAccelerator(lag=0)
+            else:
+                engine = AcceleratorCopyEngine()
+            self._engines[device.type] = engine
         return engine
 
+    def _boundary(self, seq: int) -> None:
+        """A module boundary: the device advances; offloads of groups ``offload_lag``
+        forwards back are fenced and their sources dropped; finished ones too."""
+        engines = list(self._engines.values())
+        if any(engine.capturing() for engine in engines):
+            return
+        for engine in engines:
+            engine.tick()
+        limit = seq - self.offload_lag
+        with self._lock:
+            for queue in self._in_flight.values():
+                while queue:
+                    head = queue[0]
+                    if head.seq <= limit:
+                        head.copy.fence()
+                    elif not head.copy.done():
+                        break
+                    head.copy.release_source()
+                    queue.popleft()
+
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
-        if type(t) is not torch.Tensor or t.device.type == "meta" or t.layout is not torch.strided:
-            return t
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in group.protected or is_parameter_like(t):
-            return t
-        entry = group.entries.get(key)
-        if entry is None:
-            if group.slot.policy(t) is not CheckpointPolicy.MUST_SWAP:
-                return t
-            entry = None if group.keep else self._offload(group, storage, t.device)
-            if entry is None:
-                with self._lock:
-                    stats = self._stats[group.name]
-                    stats.kept_tensors += 1
-                    stats.kept_bytes += storage.nbytes()
-                    stats.pool_exhausted += not group.keep
-                return t
-        return _Packed(entry, t)
+        if type(t) is torch.Tensor and t.layout is torch.strided and t.device.type != "meta":
+            storage = t.untyped_storage()
+            key = storage._cdata
+            entry = group.entries.get(key)
+            if (
+                entry is None
+                and key not in group.protected
+                and not is_parameter_like(t)
+                and group.slot.policy(t) is CheckpointPolicy.MUST_SWAP
+            ):
+                entry = self._offload(group, storage, t.device)
+            if entry is not None:
+                return _Swapped(entry, t)
+        return _Kept(t, group.slot.name)
 
     def _offload(
         self, group: _Group, storage: torch.UntypedStorage, device: torch.device
     ) -> _Entry | None:
-        self._poll()
+        nbytes = storage.nbytes()
         engine = self._engine(device)
-        host = self._pool.acquire(storage.nbytes(), pin=engine.pin)
-        if host is None:
+        reason: str | None = None
+        buf: HostBuffer | Refusal | None = None
+        if group.keep:
+            reason = "kept_last_layer"
+        elif engine.capturing():
+            reason = "kept_capturing"
+        else:
+            buf = self._pool.acquire(device, nbytes, pin=engine.pin)
+            if isinstance(buf, Refusal):
+                reason = buf.value
+        stats = group.stats
+        if reason is not None or not isinstance(buf, HostBuffer):
+            with self._lock:
+                stats.kept_tensors += 1
+                stats.kept_bytes += nbytes
+                setattr(stats, reason, getattr(stats, reason) + 1)
             return None
-        entry = _Entry(self, group.name, storage, host)
         src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        entry.offload = engine.offload(src, host)
+        copy = engine.offload(src, buf.tensor, buf.last_use)
+        entry = _Entry(self, group.slot.name, stats, device, nbytes, buf, copy)
         group.entries[storage._cdata] = entry
         with self._lock:
-            self._pending.append(entry)
-            stats = self._stats[group.name]
+            queue = self._in_flight.get(device)
+            if queue is None:
+                queue = self._in_flight[device] = collections.deque()
+            queue.append(_InFlight(group.seq, copy))
             stats.offloaded_tensors += 1
-            stats.offloaded_bytes += entry.nbytes
-        self._trace("offload", group)
+            stats.offloaded_bytes += nbytes
+        self._trace("offload", group.slot.name)
         return entry
 
-    def _poll(self) -> None:
-        """Drop the sources of finished offloads so their device memory is freed."""
-        with self._lock:
-            while self._pending and (
-                self._pending[0].offload is None or self._pending[0].offload.done()
-            ):
-                self._pending.popleft()
-
-    def _backward_begins(self, group: _Group) -> None:
-        self._trace("backward_begin", group)
-        self._poll()
+    def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
+        self._trace("backward_begin", group.name)
+        self._boundary(self._seq)
         target = group.prev
         for _ in range(self.prefetch_depth):
             if target is None:
@@ -387,54 +521,91 @@ class SwapManager:
         issued = False
         with self._lock:
             for entry in group.entries.values():
-                if entry.load is None and entry.host is not None:
+                if entry.load is None and entry.buf is not None and entry.refs:
                     self._load(entry)
+                    entry.prefetched = True
                     issued = True
         if issued:
-            self._trace("prefetch", group)
+            self._trace("prefetch", group.name)
 
-    def _load(self, entry: _Entry) -> None:
-        assert entry.host is not None and entry.offload is not None
-        entry.load = self._engine(entry.device).load(entry.host, entry.offload, entry.device)
-        entry.unpacked = 0
-        stats = self._stats[entry.name]
-        stats.reloaded_tensors += 1
-        stats.reloaded_bytes += entry.nbytes
+    def _load(self, entry: _Entry) -> Copy:
+        """Issue the reload of ``entry`` for the live handles that have not consumed one."""
+        assert entry.buf is not None
+        load = self._engine(entry.device).load(
+            entry.buf.tensor, entry.nbytes, entry.device, (entry.offload,)
+        )
+        entry.load = load
+        entry.gen += 1
+        entry.waiting = entry.refs
+        entry.prefetched = False
+        entry.stats.reloaded_tensors += 1
+        entry.stats.reloaded_bytes += entry.nbytes
+        return load
 
-    def _unpack(self, packed: Any) -> Any:
-        if not isinstance(packed, _Packed):
-            return packed
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _Kept:
+            return packed.unpack()
+        assert type(packed) is _Swapped
+        packed.check()
         entry = packed.entry
-        source = packed.source()
-        if source is not None and source._version != packed.version:
-            raise SwapIntegrityError(
-                f"a tensor of shape {tuple(packed.size)} saved for backward by {entry.name!r}"
-                " was modified by an in-place operation after it was swapped out; clone it"
-                " before modifying it, or exclude it from the swap policy"
-            )
         with self._lock:
-            if entry.load is None:
-                self._stats[entry.name].prefetch_misses += 1
-                self._load(entry)
-            elif entry.unpacked == 0:
-                self._stats[entry.name].prefetch_hits += 1
             load = entry.load
-            entry.unpacked += 1
-            if entry.unpacked >= entry.refs:
-                entry.load = None
-        if self.events is not None:
-            self.events.append(("unpack", entry.name))
-        load.wait()
+            if load is None or packed.gen == entry.gen:
+                entry.stats.prefetch_misses += 1
+                if load is None:
+                    load = self._load(entry)
+                else:
+                    load = self._engine(entry.device).load(
+                        entry.buf.tensor,  # type: ignore[union-attr]
+                        entry.nbytes,
+                        entry.device,
+                        (entry.offload,),
+                    )
+                    entry.stats.reloaded_tensors += 1
+                    entry.stats.reloaded_bytes += entry.nbytes
+            elif entry.prefetched:
+                entry.stats.prefetch_hits += 1
+                entry.prefetched = False
+            if load is entry.load:
+                packed.gen = entry.gen
+                entry.waiting -= 1
+                if entry.waiting == 0:
+                    entry.load = None
+        self._trace("unpack", entry.name)
+        load.fence()
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(load.result().untyped_storage(), packed.offset, packed.size, packed.stride)
 
+    def _handle_died(self, packed: _Swapped) -> None:
+        """A saved-tensor slot freed its handle: settle the reload and the host buffer."""
+        entry = packed.entry
+        with self._lock:
+            entry.refs -= 1
+            load = entry.load
+            if load is not None and packed.gen != entry.gen:
+                entry.waiting -= 1
+                if entry.waiting == 0:
+                    entry.load = None
+                    if not self._engine(entry.device).capturing():
+                        load.fence()
+            if entry.refs == 0:
+                self._release(entry)
+
     def _release(self, entry: _Entry) -> None:
-        """The last handle died: wait for copies touching the buffer, then pool it."""
-        host, entry.host = entry.host, None
-        if host is None:
+        """The last handle died: free the source once ordered, pool the host buffer.
+
+        Nothing here blocks the host: the compute stream waits for a copy still in
+        flight, and the next offload into the buffer waits for its last users.
+        """
+        buf, entry.buf = entry.buf, None
+        if buf is None:
             return
-        for ticket in (entry.offload, entry.load):
-            if ticket is not None:
-                ticket.synchronize()
+        last_use = [entry.offload] if entry.load is None else [entry.offload, entry.load]
+        if not self._engine(entry.device).capturing():
+            if not entry.offload.done():
+                entry.offload.fence()
+            entry.offload.release_source()
+            if entry.load is not None:
+                entry.load.fence()
         entry.load = None
-        self._pool.release(host)
+        self._pool.release(buf, last_use)

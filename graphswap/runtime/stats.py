@@ -9,9 +9,12 @@ from typing import Any
 
 @dataclass
 class GroupStats:
-    """``offloaded``/``reloaded`` count storages copied (aliases are copied once);
-    ``kept`` counts tensors the policy chose to swap that stayed on device (the kept
-    last layer, or an exhausted host pool, also counted in ``pool_exhausted``)."""
+    """``offloaded``/``reloaded`` count storages copied (aliases are copied once; a
+    storage is reloaded once per backward, however many autograd nodes saved it).
+    ``kept`` counts tensors the policy chose to swap that stayed on device, for one of
+    the reasons counted beside it: the kept last layer (``kept_last_layer``), a full
+    host pool (``pool_exhausted``), a failed host allocation (``alloc_failures``), or a
+    stream capturing a graph (``kept_capturing``)."""
 
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
@@ -21,7 +24,10 @@ class GroupStats:
     kept_bytes: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
+    kept_last_layer: int = 0
     pool_exhausted: int = 0
+    alloc_failures: int = 0
+    kept_capturing: int = 0
 
     def add(self, other: GroupStats) -> None:
         for f in dataclasses.fields(GroupStats):
@@ -30,7 +36,11 @@ class GroupStats:
 
 @dataclass
 class SwapStats(GroupStats):
-    """A snapshot: totals over all groups, host-pool figures and ``per_group``."""
+    """A snapshot: totals over all groups, host-pool figures and ``per_group``.
+
+    ``host_reserved_bytes`` counts buffers as the host allocator holds them (size
+    classes; powers of two when pinned); ``host_in_use_bytes`` the part lent to saved
+    tensors now; ``peak_host_bytes`` the most in use since the last ``reset_stats``."""
 
     peak_host_bytes: int = 0
     host_reserved_bytes: int = 0

@@ -1,48 +1,169 @@
+"""The simulated accelerator's schedule and hazards, and the host pool's classes and bounds."""
+
+import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphswap.runtime.engines import CpuCopyEngine
-from graphswap.runtime.pool import HostPool
+from graphswap.runtime import HazardError, SimulatedAccelerator
+from graphswap.runtime.pool import HostPool, Refusal, size_class
+
+CPU = torch.device("cpu")
 
 
-def test_cpu_copies_run_in_order_only_when_waited_for() -> None:
-    engine = CpuCopyEngine()
+def test_copies_complete_lag_ticks_after_issue_in_order() -> None:
+    engine = SimulatedAccelerator(lag=2)
     src = torch.arange(4096, dtype=torch.uint8)
     expected = src.clone()
     host = torch.zeros(4096, dtype=torch.uint8)
-    offload = engine.offload(src, host)
-    load = engine.load(host, offload, torch.device("cpu"))
-    assert not offload.done() and not load.done()
-    assert torch.count_nonzero(host) == 0, "a copy ran before anyone waited for it"
-
-    load.wait()
-    assert offload.done() and load.done()
+    offload = engine.offload(src, host, ())
+    engine.tick()
+    load = engine.load(host, 4096, CPU, (offload,))
+    assert not offload.done() and torch.count_nonzero(host) == 0
+    engine.tick()
+    assert offload.done()
+    assert not load.done(), "issued a tick later, it completes a tick later"
+    engine.tick()
+    assert load.done()
+    load.fence()
     assert torch.equal(load.result(), expected)
-    assert load.result().data_ptr() != host.data_ptr()
 
 
-def test_offload_source_is_held_until_its_copy_ran() -> None:
-    engine = CpuCopyEngine()
+def test_a_fence_completes_the_copy_and_everything_it_waits_for() -> None:
+    engine = SimulatedAccelerator(lag=5)
+    src = torch.full((64,), 7, dtype=torch.uint8)
+    host = torch.zeros(64, dtype=torch.uint8)
+    load = engine.load(host, 64, CPU, (engine.offload(src, host, ()),))
+    load.fence()
+    assert torch.equal(load.result(), src)
+    assert engine.pending() == 0
+
+
+def test_source_released_before_its_copy_completed_is_a_hazard() -> None:
+    engine = SimulatedAccelerator(lag=1)
     src = torch.ones(1 << 16, dtype=torch.uint8)
     ref = StorageWeakRef(src.untyped_storage())
-    offload = engine.offload(src, torch.empty_like(src))
+    offload = engine.offload(src, torch.empty_like(src), ())
+    with pytest.raises(HazardError, match="released before its copy completed"):
+        offload.release_source()
     del src
-    assert not ref.expired()
-    engine.progress()
-    assert offload.done() and ref.expired()
+    assert not ref.expired(), "the engine holds the source until it is released"
+    offload.fence()
+    offload.release_source()
+    assert ref.expired()
 
 
-def test_pool_reuses_exact_sizes_and_respects_its_cap() -> None:
-    pool = HostPool(max_bytes=3000)
-    a = pool.acquire(1000, pin=False)
-    assert a is not None
-    pool.release(a)
-    assert pool.acquire(1000, pin=False) is a
-    b = pool.acquire(1500, pin=False)
-    assert b is not None
-    assert pool.acquire(1000, pin=False) is None
-    pool.release(b)
-    c = pool.acquire(2000, pin=False)
-    assert c is not None, "idle buffers of other sizes are dropped to make room"
-    assert pool.reserved_bytes == 3000
-    assert pool.peak_in_use_bytes == 3000
+def test_reading_a_reload_without_a_fence_is_a_hazard() -> None:
+    engine = SimulatedAccelerator(lag=0)
+    host = torch.zeros(16, dtype=torch.uint8)
+    load = engine.load(
+        host, 16, CPU, (engine.offload(torch.ones(16, dtype=torch.uint8), host, ()),)
+    )
+    assert load.done()
+    with pytest.raises(HazardError, match="before compute waited"):
+        load.result()
+
+
+def test_rewriting_a_host_buffer_a_reload_still_reads_is_a_hazard() -> None:
+    engine = SimulatedAccelerator(lag=1)
+    host = torch.zeros(16, dtype=torch.uint8)
+    first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
+    load = engine.load(host, 16, CPU, (first,))
+    engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, ())
+    with pytest.raises(HazardError, match="rewritten while a reload still reads it"):
+        engine.tick()
+    engine = SimulatedAccelerator(lag=1)
+    first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
+    load = engine.load(host, 16, CPU, (first,))
+    engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, (load,))
+    engine.tick()
+    load.fence()
+    assert torch.equal(load.result(), torch.ones(16, dtype=torch.uint8))
+
+
+def test_reading_a_host_buffer_before_its_offload_is_a_hazard() -> None:
+    engine = SimulatedAccelerator(lag=3)
+    host = torch.zeros(16, dtype=torch.uint8)
+    engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
+    load = engine.load(host, 16, CPU, ())
+    with pytest.raises(HazardError, match="before its offload filled it"):
+        load.fence()
+
+
+def test_nothing_is_legal_while_capturing() -> None:
+    engine = SimulatedAccelerator(lag=1)
+    offload = engine.offload(
+        torch.ones(8, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8), ()
+    )
+    with engine.capture():
+        assert engine.capturing()
+        for call in (offload.done, offload.fence):
+            with pytest.raises(HazardError, match="captures a graph"):
+                call()
+        with pytest.raises(HazardError, match="captures a graph"):
+            engine.offload(torch.ones(8, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8), ())
+    assert not engine.capturing()
+
+
+@pytest.mark.parametrize("lag", [-1, 1.5, True])
+def test_simulated_lag_must_be_a_non_negative_int(lag) -> None:
+    with pytest.raises(ValueError, match="lag must be an int >= 0"):
+        SimulatedAccelerator(lag=lag)
+
+
+def test_size_classes_bound_the_slack() -> None:
+    assert size_class(1, pinned=False) == 4096
+    assert size_class(3 << 20, pinned=True) == 4 << 20
+    for n in (4097, 5000, (1 << 20) + 1, 3_000_000, 123_456_789):
+        c = size_class(n, pinned=False)
+        assert n <= c <= n * 1.125
+        assert size_class(c, pinned=False) == c
+        p = size_class(n, pinned=True)
+        assert p >= n and p & (p - 1) == 0 and p < 2 * n
+
+
+def test_pool_reuses_a_class_and_respects_its_cap() -> None:
+    pool = HostPool(max_bytes=3 << 20)
+    a = pool.acquire(CPU, 1_000_000, pin=False)
+    assert not isinstance(a, Refusal)
+    pool.release(a, ())
+    b = pool.acquire(CPU, 1_010_000, pin=False)
+    assert b is a, "a nearby size reuses the same class"
+    assert pool.acquire(CPU, 3 << 20, pin=False) is Refusal.POOL_FULL
+    pool.release(b, ())
+    c = pool.acquire(CPU, 2 << 20, pin=False)
+    assert not isinstance(c, Refusal)
+    assert pool.reserved_bytes <= 3 << 20
+
+
+def test_pool_keeps_buffers_per_device() -> None:
+    pool = HostPool(max_bytes=1 << 30)
+    a = pool.acquire(torch.device("cpu", 0), 1 << 20, pin=False)
+    assert not isinstance(a, Refusal)
+    pool.release(a, ())
+    b = pool.acquire(torch.device("meta"), 1 << 20, pin=False)
+    assert b is not a
+
+
+def test_pool_trims_idle_buffers_to_twice_the_peak_in_use() -> None:
+    pool = HostPool(max_bytes=1 << 40)
+    for n in range(1, 200):
+        buf = pool.acquire(CPU, n * 50_000, pin=False)
+        assert not isinstance(buf, Refusal)
+        pool.release(buf, ())
+        assert pool.reserved_bytes <= 2 * pool.peak_in_use_bytes
+
+
+def test_failed_allocation_is_a_refusal(monkeypatch) -> None:
+    pool = HostPool(max_bytes=1 << 30)
+
+    def fail(nbytes: int, pin: bool) -> torch.Tensor:
+        raise torch.OutOfMemoryError("no pinned memory left")
+
+    monkeypatch.setattr(pool, "_allocate", fail)
+    assert pool.acquire(CPU, 1 << 20, pin=True) is Refusal.ALLOC_FAILED
+    assert pool.reserved_bytes == pool.in_use_bytes == 0
+
+
+def test_pool_cap_must_be_non_negative() -> None:
+    with pytest.raises(ValueError, match="max_host_bytes"):
+        HostPool(-1)

@@ -1,0 +1,181 @@
+"""A wrapped model behaves exactly as the plain one, whatever users do in whatever order.
+
+A stateful property test drives a swap-wrapped tiny Qwen3-MoE and an unwrapped copy
+through random sequences of forwards (with and without grad, new sequence lengths),
+backwards (with and without ``retain_graph``), dropped graphs, forwards that raise and
+in-place changes to saved tensors; with the default CPU engine and with simulated
+accelerators that lag. After every action the two agree bit for bit, raise together,
+and once no graph is alive the swap holds no host buffer and no object of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from graphswap import SwapIntegrityError, SwapManager, swap_wrapper
+from graphswap.models import build_model
+from graphswap.policy import size_threshold_policy
+from graphswap.presets import qwen3_moe_config
+from graphswap.runtime import SimulatedAccelerator
+
+LAYERS = 3
+swap_above_1k = size_threshold_policy(1024)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(
+        qwen3_moe_config("tiny", attn_implementation="eager", num_hidden_layers=LAYERS)
+    )
+
+
+class SwapVsPlain(RuleBasedStateMachine):
+    engine_lag: int | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = make_model()
+        self.swap = make_model()
+        engine = None if self.engine_lag is None else SimulatedAccelerator(lag=self.engine_lag)
+        self.manager = SwapManager(engine=engine)
+        attns = [
+            swap_wrapper(layer.self_attn, manager=self.manager, name=f"l{i}", policy=swap_above_1k)
+            for i, layer in enumerate(self.swap.model.layers)
+        ]
+        for prev, nxt in itertools.pairwise(attns):
+            self.manager.set_forward_prefetch_layer(prev, nxt)
+        self.graphs: list[tuple] = []
+        self.entries: list[weakref.ref] = []
+        offload = self.manager._offload
+
+        def recording_offload(*args):
+            entry = offload(*args)
+            if entry is not None:
+                self.entries.append(weakref.ref(entry))
+            return entry
+
+        self.manager._offload = recording_offload
+
+    def run_both(self, fn) -> list:
+        results = []
+        for model in (self.plain, self.swap):
+            try:
+                results.append(fn(model))
+            except RuntimeError as error:
+                # The traceback's frames would hold the graph in a cycle through ``results``.
+                results.append(error.with_traceback(None))
+        return results
+
+    def check_errors(self, plain, swap) -> bool:
+        """True when both raised; plain PyTorch's error must be matched by graphswap's."""
+        plain_failed = isinstance(plain, RuntimeError)
+        assert plain_failed == isinstance(swap, RuntimeError), (plain, swap)
+        if plain_failed and "inplace operation" in str(plain):
+            assert isinstance(swap, SwapIntegrityError), swap
+        return plain_failed
+
+    def check_grads(self) -> None:
+        for (name, p), q in zip(self.plain.named_parameters(), self.swap.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), name
+
+    @initialize(seq=st.integers(16, 40), seed=st.integers(0, 3))
+    def first_forward(self, seq: int, seed: int) -> None:
+        self.forward(seq, seed)
+
+    @rule(seq=st.integers(16, 40), seed=st.integers(0, 3))
+    def forward(self, seq: int, seed: int) -> None:
+        ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(seed))
+        plain, swap = self.run_both(
+            lambda m: m(input_ids=ids, labels=ids, output_attentions=True, use_cache=False)
+        )
+        assert torch.equal(plain.loss, swap.loss)
+        self.graphs.append((plain, swap))
+
+    @rule(seq=st.integers(16, 48))
+    def forward_no_grad(self, seq: int) -> None:
+        ids = torch.arange(seq).remainder(512)[None]
+        with torch.no_grad():
+            plain, swap = self.run_both(lambda m: m(input_ids=ids, use_cache=False).logits)
+        assert torch.equal(plain, swap)
+
+    @rule(layer=st.integers(0, LAYERS - 1))
+    def forward_raises_half_way(self, layer: int) -> None:
+        def boom(*_args) -> None:
+            raise RuntimeError("boom")
+
+        hooks = [
+            m.model.layers[layer].mlp.register_forward_hook(boom) for m in (self.plain, self.swap)
+        ]
+        ids = torch.arange(32)[None]
+        try:
+            plain, swap = self.run_both(lambda m: m(input_ids=ids, labels=ids, use_cache=False))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert self.check_errors(plain, swap)
+
+    @precondition(lambda self: self.graphs)
+    @rule(
+        pick=st.integers(0, 7),
+        retain=st.booleans(),
+        modify=st.sets(st.integers(0, LAYERS - 1), max_size=LAYERS),
+    )
+    def backward(self, pick: int, retain: bool, modify: set[int]) -> None:
+        """Backward, after an in-place change to the saved attentions of ``modify``."""
+        index = pick % len(self.graphs)
+        self.modify_saved_tensors_in_place(index, modify)
+        outs = dict(zip((self.plain, self.swap), self.graphs[index], strict=True))
+        plain, swap = self.run_both(lambda m: outs[m].loss.backward(retain_graph=retain))
+        failed = self.check_errors(plain, swap)
+        self.check_grads()
+        if failed or not retain:
+            del self.graphs[index]
+
+    @precondition(lambda self: self.graphs)
+    @rule(pick=st.integers(0, 7))
+    def drop_graph(self, pick: int) -> None:
+        del self.graphs[pick % len(self.graphs)]
+
+    def modify_saved_tensors_in_place(self, index: int, layers: set[int]) -> None:
+        for out in self.graphs[index]:
+            for layer in layers:
+                out.attentions[layer].mul_(0.5)
+
+    @invariant()
+    def nothing_outlives_its_graph(self) -> None:
+        if self.graphs:
+            return
+        assert self.manager.stats.host_in_use_bytes == 0
+        assert all(ref() is None for ref in self.entries)
+
+
+@pytest.mark.parametrize("engine_lag", [None, 1, 3], ids=["cpu", "sim1", "sim3"])
+def test_swap_behaves_as_plain_pytorch(engine_lag: int | None) -> None:
+    machine = type(f"SwapVsPlain_{engine_lag}", (SwapVsPlain,), {"engine_lag": engine_lag})
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=10,
+            stateful_step_count=12,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

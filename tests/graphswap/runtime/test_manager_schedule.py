@@ -1,0 +1,88 @@
+"""The schedule a GPU runs, on CPU: a simulated device that lags behind the host."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
+from graphswap.models import build_model
+from graphswap.policy import qwen3_attention_swap_policy
+from graphswap.presets import qwen3_moe_config
+from graphswap.runtime import SimulatedAccelerator
+
+LAYERS = 6
+
+
+def recording(record: list[tuple[StorageWeakRef, int]]) -> Callable:
+    """The stock policy, noting what it chose to swap: weak references to the storages,
+    an account of residency that does not ask the runtime."""
+
+    def policy(t: torch.Tensor) -> CheckpointPolicy:
+        decision = qwen3_attention_swap_policy(t)
+        if decision is CheckpointPolicy.MUST_SWAP:
+            storage = t.untyped_storage()
+            record.append((StorageWeakRef(storage), storage.nbytes()))
+        return decision
+
+    return policy
+
+
+def resident_at_each_layer(engine_lag: int, offload_lag: int) -> tuple[list[int], int, int]:
+    """Swapped bytes of earlier layers still alive when each attention's forward is
+    called, and the largest and smallest layer's swappable bytes."""
+    torch.manual_seed(0)
+    model = build_model(
+        qwen3_moe_config("tiny", attn_implementation="sdpa", num_hidden_layers=LAYERS)
+    )
+    manager = SwapManager(engine=SimulatedAccelerator(lag=engine_lag), offload_lag=offload_lag)
+    records: list[list[tuple[StorageWeakRef, int]]] = [[] for _ in range(LAYERS)]
+    attns = [
+        swap_wrapper(layer.self_attn, manager=manager, name=f"l{i}", policy=recording(records[i]))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    for prev, nxt in itertools.pairwise(attns):
+        manager.set_forward_prefetch_layer(prev, nxt)
+    resident: list[int] = []
+
+    def measure(index: int) -> Callable:
+        def hook(_module: torch.nn.Module, _args: tuple) -> None:
+            resident.append(
+                sum(n for layer in records[:index] for ref, n in layer if not ref.expired())
+            )
+
+        return hook
+
+    for i, attn in enumerate(attns):
+        attn.register_forward_pre_hook(measure(i))
+    ids = torch.randint(0, 512, (2, 1024), generator=torch.Generator().manual_seed(1))
+    # use_cache=False: a KV cache would hold keys and values whatever the swap does.
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    sizes = [sum(n for _, n in layer) for layer in records[:-1]]
+    loss.backward()
+    stats = manager.stats
+    assert stats.reloaded_bytes == stats.offloaded_bytes > 0
+    assert stats.prefetch_misses == 0
+    return resident, max(sizes), min(sizes)
+
+
+@pytest.mark.parametrize("engine_lag", [0, 3, 100])
+@pytest.mark.parametrize("offload_lag", [0, 1, 2])
+def test_swapped_bytes_leave_within_the_offload_lag(engine_lag: int, offload_lag: int) -> None:
+    resident, largest, smallest = resident_at_each_layer(engine_lag, offload_lag)
+    assert max(resident) <= (offload_lag + 1) * largest
+    if engine_lag == 100:
+        # The device never finishes on its own: only the lag bound frees memory, and
+        # exactly offload_lag layers are still in flight when a layer begins.
+        assert resident[LAYERS - 1] >= offload_lag * smallest
+        assert resident[LAYERS - 1] <= offload_lag * largest
+
+
+def test_without_fences_a_lagging_device_frees_nothing_during_forward() -> None:
+    """What the bound prevents: with an unbounded lag every layer stays resident."""
+    resident, _, smallest = resident_at_each_layer(engine_lag=100, offload_lag=LAYERS + 10)
+    assert resident[LAYERS - 1] >= (LAYERS - 1) * smallest
