@@ -49,7 +49,7 @@ class TrainerConfig:
     model: str = "tiny"
     model_path: str | None = None
     num_layers: int | None = None
-    attn_implementation: AttnImplementation = "eager"
+    attn_implementation: AttnImplementation = "sdpa"
     seq_len: int = 512
     batch_size: int = 2
     steps: int = 10

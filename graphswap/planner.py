@@ -1,30 +1,28 @@
 """Predict what activation swap saves on a model, without a GPU.
 
-The model is built on the ``meta`` device and run forward once under saved-tensor
-hooks: every tensor autograd saves is recorded with the decoder layer (and whether
-the attention) that saved it, and the swap policy is asked about it, exactly as the
-runtime would. Storage sizes come from the meta tensors, so nothing is allocated and
-a 94-layer model at 32k tokens traces in a few seconds. FLOPs come from the config.
+The saved tensors come from a meta-device trace of one forward
+(:mod:`graphswap.saved_tensors`): attention runs the kernel the training device will
+run, and under tensor parallelism the model is one rank's share. Per decoder layer the
+plan sums the saved and the swappable bytes and sets the copy time at a link bandwidth
+against the backward compute it hides behind; FLOPs come from the config.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphswap.policy import (
-    CheckpointPolicy,
-    SwapPolicy,
-    is_parameter_like,
-    policy_name,
-    qwen3_attention_swap_policy,
+from graphswap.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
+from graphswap.policy import SwapPolicy, policy_name, qwen3_attention_swap_policy
+from graphswap.saved_tensors import (
+    EMBED,
+    HEAD,
+    SavedTensor,
+    SavedTensorTrace,
+    trace_saved_tensors,
 )
 
 if TYPE_CHECKING:
@@ -35,9 +33,6 @@ DEFAULT_BANDWIDTH_GBPS = 50.0
 
 DEFAULT_TFLOPS = 400.0
 """Sustained (not peak) bf16 throughput of one H100/H200-class GPU, ~40% of peak."""
-
-EMBED = "embed"
-HEAD = "head"
 
 _ASSUMPTIONS = (
     "MoE experts: every token is routed to top_k experts; the grouped_mm experts path saves "
@@ -66,10 +61,15 @@ class LayerPlan:
     """Backward compute the prefetch of this layer runs behind (the next layer's)."""
     kept: bool
     """Last layer in forward order: stays on device, nothing is copied."""
+    saved_tensors: tuple[SavedTensor, ...] = field(default=(), repr=False, compare=False)
+    """Every save of the layer's forward, in saving order (see ``graphswap.saved_tensors``)."""
 
     @property
     def prefetch_hides(self) -> bool:
         return self.kept or self.copy_seconds <= self.overlap_seconds
+
+
+_LAYER_SUMMARY_FIELDS = tuple(f for f in dataclasses.fields(LayerPlan) if f.name != "saved_tensors")
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,11 @@ class MemoryPlan:
     layers: tuple[LayerPlan, ...]
     embed_saved_bytes: int
     head_saved_bytes: int
+    device: str = "cuda"
+    attn_kernel: str | None = None
+    """The sdpa kernel traced; ``None`` for eager attention."""
+    tp: int = 1
+    """Tensor-parallel ranks: the bytes and FLOPs are one rank's."""
     assumptions: tuple[str, ...] = _ASSUMPTIONS
 
     @property
@@ -172,11 +177,17 @@ class MemoryPlan:
             "batch": self.batch,
             "dtype": self.dtype,
             "attn_implementation": self.attn_implementation,
+            "device": self.device,
+            "attn_kernel": self.attn_kernel,
+            "tp": self.tp,
             "policy": self.policy,
             "bandwidth_gbps": self.bandwidth_gbps,
             "tflops": self.tflops,
             "layers": [
-                {**dataclasses.asdict(layer), "prefetch_hides": layer.prefetch_hides}
+                {
+                    **{f.name: getattr(layer, f.name) for f in _LAYER_SUMMARY_FIELDS},
+                    "prefetch_hides": layer.prefetch_hides,
+                }
                 for layer in self.layers
             ],
             "embed_saved_bytes": self.embed_saved_bytes,
@@ -196,8 +207,10 @@ class MemoryPlan:
             f"{'overlap ms':>10}  prefetch"
         )
         lines = [
-            f"seq={self.seq} batch={self.batch} dtype={self.dtype} "
-            f"attn={self.attn_implementation} policy={self.policy} "
+            f"seq={self.seq} batch={self.batch} dtype={self.dtype} device={self.device} "
+            f"attn={self.attn_implementation}"
+            + ("" if self.attn_kernel is None else f" kernel={self.attn_kernel}")
+            + f" tp={self.tp} policy={self.policy} "
             f"link={self.bandwidth_gbps:g} GB/s compute={self.tflops:g} TFLOP/s",
             header,
             "-" * len(header),
@@ -257,124 +270,6 @@ def layer_forward_flops(config: Qwen3MoeConfig, *, seq: int, batch: int, moe: bo
     return float(projections + scores + mlp)
 
 
-@dataclass
-class _StorageRecord:
-    """Every save of one storage; swappable only if each save would be swapped."""
-
-    nbytes: int
-    scope: str
-    swappable: bool
-
-
-class _ShapeOnlyGroupedMM(TorchDispatchMode):
-    """On meta, ``_grouped_mm`` rejects non-bf16 inputs (a CUDA kernel limit it checks).
-
-    Its output shape is all the trace needs; autograd above this mode still records the
-    op and saves its inputs, so saved bytes are exact.
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default and args[0].device.type == "meta":
-            mat_a, mat_b = args[0], args[1]
-            if mat_a.dim() == 2 and mat_b.dim() == 3:
-                return torch.empty(
-                    mat_a.shape[0], mat_b.shape[-1], dtype=mat_a.dtype, device=mat_a.device
-                )
-        return func(*args, **kwargs)
-
-
-class SavedTensorCollector:
-    """Records each tensor autograd saves, attributed to the running decoder layer.
-
-    Scopes are ``embed`` (before the first layer), ``model.layers.<i>`` and ``head``
-    (after the last). Storages of parameters and buffers are never counted.
-    """
-
-    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = qwen3_attention_swap_policy):
-        self.model = model
-        self.policy = policy
-        self.records: dict[int, _StorageRecord] = {}
-        self._held: list[torch.Tensor] = []
-        self._scope = EMBED
-        self._in_attention = 0
-        self._param_storages = {
-            t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())
-        }
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self._param_storages or is_parameter_like(t):
-            return t
-        swap = self._in_attention > 0 and self.policy(t) is CheckpointPolicy.MUST_SWAP
-        record = self.records.get(key)
-        if record is None:
-            # Holding the tensor keeps its storage address from being reused by a later one.
-            self._held.append(t)
-            self.records[key] = _StorageRecord(storage.nbytes(), self._scope, swap)
-        else:
-            record.swappable = record.swappable and swap
-        return t
-
-    @contextmanager
-    def collect(self) -> Iterator[SavedTensorCollector]:
-        handles = []
-        layers = decoder_layers(self.model)
-        for i, layer in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(self._enter_layer(f"model.layers.{i}")))
-            handles.append(layer.register_forward_hook(self._leave_layer))
-            handles.append(layer.self_attn.register_forward_pre_hook(self._enter_attention))
-            handles.append(layer.self_attn.register_forward_hook(self._leave_attention))
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _identity):
-                yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _enter_layer(self, name: str) -> Callable[[torch.nn.Module, Any], None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self._scope = name
-
-        return hook
-
-    def _leave_layer(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._scope = HEAD  # until the next layer starts; after the last one it stays
-
-    def _enter_attention(self, module: torch.nn.Module, args: Any) -> None:
-        self._in_attention += 1
-
-    def _leave_attention(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._in_attention -= 1
-
-    def bytes_by_scope(self) -> dict[str, tuple[int, int]]:
-        """``scope -> (saved bytes, swappable bytes)``."""
-        totals: dict[str, tuple[int, int]] = {}
-        for record in self.records.values():
-            saved, swappable = totals.get(record.scope, (0, 0))
-            totals[record.scope] = (
-                saved + record.nbytes,
-                swappable + (record.nbytes if record.swappable else 0),
-            )
-        return totals
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(
-            f"{type(model).__name__} has no .model.layers: the planner expects a Hugging Face "
-            "Qwen3MoeForCausalLM (graphswap.models.build_model)"
-        )
-    return layers
-
-
 def plan_memory(
     config: Qwen3MoeConfig,
     *,
@@ -383,49 +278,44 @@ def plan_memory(
     bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS,
     tflops: float = DEFAULT_TFLOPS,
     dtype: torch.dtype = torch.bfloat16,
-    attn_implementation: str = "eager",
+    attn_implementation: str = "sdpa",
+    device: str = "cuda",
+    attn_kernel: str | None = None,
+    tp: int = 1,
     policy: SwapPolicy = qwen3_attention_swap_policy,
 ) -> MemoryPlan:
-    """Trace one forward of ``config`` on meta and predict saved memory per layer."""
-    for name, value in (("seq", seq), ("batch", batch)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    """Trace one forward of ``config`` on meta and predict one rank's saved memory per layer.
+
+    ``device``, ``attn_kernel`` and ``tp`` are those of :func:`trace_saved_tensors`; a
+    bad setting raises :class:`PlanSettingError` before any model is built.
+    """
     for name, value in (("bandwidth_gbps", bandwidth_gbps), ("tflops", tflops)):
         if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
-    experts = getattr(config, "_experts_implementation", None)
-    if experts == "eager":
-        raise ValueError(
-            "experts_implementation='eager' routes tokens with data-dependent shapes, which a "
-            "meta-device trace cannot follow; plan with experts_implementation='grouped_mm' "
-            "(the Hugging Face default), whose saved bytes match it"
-        )
-    from graphswap.models import build_model
-
-    config = copy.deepcopy(config)
-    config._attn_implementation = attn_implementation
-    model = build_model(config, device="meta", dtype=dtype).train()
-    collector = SavedTensorCollector(model, policy)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    with collector.collect(), _ShapeOnlyGroupedMM():
-        # The default cache stays on: without one, the mask code checks position ids for
-        # packed sequences, a data-dependent branch meta cannot take. Saved tensors are the same.
-        model(input_ids=ids, labels=ids)
-    by_scope = collector.bytes_by_scope()
-
-    layers = decoder_layers(model)
+            raise PlanSettingError(name, value, "must be > 0")
+    trace = trace_saved_tensors(
+        config,
+        seq=seq,
+        batch=batch,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        device=device,
+        attn_kernel=attn_kernel,
+        tp=tp,
+        policy=policy,
+    )
+    by_scope = trace.bytes_by_scope()
     flops = [
-        layer_forward_flops(config, seq=seq, batch=batch, moe=_is_moe(layer)) for layer in layers
+        layer_forward_flops(trace.rank_config, seq=seq, batch=batch, moe=layer.moe)
+        for layer in trace.layers
     ]
     bytes_per_second = bandwidth_gbps * 1e9
     plans = []
-    for i in range(len(layers)):
-        name = f"model.layers.{i}"
-        saved, swappable = by_scope.get(name, (0, 0))
-        kept = i == len(layers) - 1
+    for i, layer in enumerate(trace.layers):
+        saved, swappable = by_scope.get(layer.name, (0, 0))
+        kept = i == len(trace.layers) - 1
         plans.append(
             LayerPlan(
-                name=name,
+                name=layer.name,
                 index=i,
                 saved_bytes=saved,
                 swappable_bytes=swappable,
@@ -433,6 +323,7 @@ def plan_memory(
                 copy_seconds=0.0 if kept else swappable / bytes_per_second,
                 overlap_seconds=0.0 if kept else 2 * flops[i + 1] / (tflops * 1e12),
                 kept=kept,
+                saved_tensors=layer.saves,
             )
         )
     return MemoryPlan(
@@ -447,22 +338,27 @@ def plan_memory(
         layers=tuple(plans),
         embed_saved_bytes=by_scope.get(EMBED, (0, 0))[0],
         head_saved_bytes=by_scope.get(HEAD, (0, 0))[0],
-        assumptions=_ASSUMPTIONS + _attention_assumptions(attn_implementation),
+        device=device,
+        attn_kernel=None if trace.kernel is None else trace.kernel.name,
+        tp=tp,
+        assumptions=_ASSUMPTIONS + _trace_assumptions(trace, config),
     )
 
 
-def _attention_assumptions(attn_implementation: str) -> tuple[str, ...]:
-    if attn_implementation == "eager":
-        return ()
+def _trace_assumptions(trace: SavedTensorTrace, config: Qwen3MoeConfig) -> tuple[str, ...]:
+    attention = EAGER_ASSUMPTION if trace.kernel is None else trace.kernel.describe()
+    if trace.tp == 1:
+        return (attention,)
+    rank = trace.rank_config
     return (
-        f"attention {attn_implementation!r} is traced with the kernel the meta device picks "
-        "(sdpa: the math path, which saves the attention probabilities); a GPU's fused "
-        "kernel saves far less",
+        attention,
+        f"tensor parallel over {trace.tp} ranks: bytes and FLOPs are one rank's; its "
+        f"attention holds {rank.num_attention_heads} of {config.num_attention_heads} query "
+        f"heads and {rank.num_key_value_heads} of {config.num_key_value_heads} key/value heads "
+        "(q/k/v column-parallel, o row-parallel, as passes/tensor_parallel.py shards them); "
+        "the embedding, norms, router, experts, lm_head and loss are replicated and saved "
+        "in full on every rank",
     )
-
-
-def _is_moe(layer: torch.nn.Module) -> bool:
-    return hasattr(layer.mlp, "experts")
 
 
 def _config_summary(config: Qwen3MoeConfig) -> dict[str, Any]:

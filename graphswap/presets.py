@@ -75,8 +75,10 @@ def qwen3_moe_config(
 ) -> Qwen3MoeConfig:
     """Build a ``Qwen3MoeConfig`` from a named preset plus keyword overrides.
 
-    ``eager`` attention is the default because its saved tensors (the attention
-    probabilities) are what activation swap is for, and it is deterministic on CPU.
+    ``eager`` is this builder's default because the runtime's tests use its seq x seq
+    attention probabilities, which pass the swap threshold at short sequences; the
+    trainer (``TrainerConfig``) and ``graphswap plan-memory`` default to ``sdpa``, the
+    attention people train with.
     """
     if preset not in PRESETS:
         raise ValueError(

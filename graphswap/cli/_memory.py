@@ -1,7 +1,5 @@
 """``graphswap plan-memory``: what activation swap saves on a model, predicted without a GPU.
 
-from graphswap.cli._args import positive_int, positive_float
-
 The model is built and traced on the meta device (see ``graphswap.planner``), so a
 235B-parameter config costs neither memory nor a download.
 """
@@ -20,6 +18,21 @@ if TYPE_CHECKING:
     from graphswap.planner import MemoryPlan
 
 DTYPES = ("bfloat16", "float16", "float32")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DEVICES = ("cuda", "cpu")
+KERNELS = ("flash", "efficient", "cudnn", "math")
+"""Literal here so that ``--help`` imports no torch; the planner checks the same names."""
+
+_FLAGS = {
+    "seq": "--seq",
+    "batch": "--batch",
+    "bandwidth_gbps": "--bandwidth",
+    "tflops": "--tflops",
+    "attn_implementation": "--attn-implementation",
+    "device": "--device",
+    "attn_kernel": "--attn-kernel",
+    "tp": "--tp",
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Trace one forward pass of a Qwen3-MoE model on the meta device, attribute every "
             "tensor autograd saves to its decoder layer, and predict the peak saved-activation "
             "memory with and without attention swap, and whether each prefetch hides behind "
-            "backward compute."
+            "backward compute. Attention runs the kernel the training device runs; with --tp "
+            "the prediction is one rank's."
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -62,9 +76,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument(
         "--attn-implementation",
-        default="eager",
-        metavar="NAME",
-        help="attention kernel to trace (default eager, the one swap is built for)",
+        choices=ATTN_IMPLEMENTATIONS,
+        default="sdpa",
+        help="Hugging Face attention: sdpa (default, fused kernels) or eager (saves the "
+        "seq x seq probabilities)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="device the training runs on, which decides the sdpa kernel (default cuda)",
+    )
+    parser.add_argument(
+        "--attn-kernel",
+        choices=KERNELS,
+        default=None,
+        help="sdpa kernel to trace; on cuda: flash (default for bfloat16/float16), efficient "
+        "(default for float32, which flash and cudnn cannot run), cudnn, math; on cpu: flash "
+        "(default) or math",
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks (attention heads sharded as graphswap train tp_size=N "
+        "shards them): predict one rank's bytes (default 1)",
     )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument(
@@ -77,7 +114,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from graphswap.models import load_hf_config
-    from graphswap.planner import DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, plan_memory
+    from graphswap.planner import (
+        DEFAULT_BANDWIDTH_GBPS,
+        DEFAULT_TFLOPS,
+        PlanSettingError,
+        plan_memory,
+    )
     from graphswap.presets import qwen3_moe_config
 
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
@@ -89,15 +131,23 @@ def run(args: argparse.Namespace) -> int:
         config = qwen3_moe_config(
             args.preset, attn_implementation=args.attn_implementation, **overrides
         )
-    plan = plan_memory(
-        config,
-        seq=args.seq,
-        batch=args.batch,
-        bandwidth_gbps=args.bandwidth or DEFAULT_BANDWIDTH_GBPS,
-        tflops=args.tflops or DEFAULT_TFLOPS,
-        dtype=getattr(torch, args.dtype),
-        attn_implementation=args.attn_implementation,
-    )
+    try:
+        plan = plan_memory(
+            config,
+            seq=args.seq,
+            batch=args.batch,
+            bandwidth_gbps=args.bandwidth or DEFAULT_BANDWIDTH_GBPS,
+            tflops=args.tflops or DEFAULT_TFLOPS,
+            dtype=getattr(torch, args.dtype),
+            attn_implementation=args.attn_implementation,
+            device=args.device,
+            attn_kernel=args.attn_kernel,
+            tp=args.tp,
+        )
+    except PlanSettingError as error:
+        flag = _FLAGS.get(error.setting, error.setting)
+        print(f"error: {flag} {error.value}: {error.detail}", file=sys.stderr)
+        return 2
     if args.plot:
         try:
             plot_timeline(plan, Path(args.plot))
@@ -136,7 +186,11 @@ def plot_timeline(plan: MemoryPlan, path: Path) -> None:
     ax.set_xticks(list(xs)[::step], [p.label for p in points][::step], rotation=90)
     ax.set_xlabel("forward (F<i>) then backward (B<i>) of each decoder layer")
     ax.set_ylabel("saved activations on device [GiB]")
-    ax.set_title(f"seq={plan.seq} batch={plan.batch} {plan.dtype} {plan.attn_implementation}")
+    kernel = "" if plan.attn_kernel is None else f" ({plan.device} {plan.attn_kernel})"
+    ax.set_title(
+        f"seq={plan.seq} batch={plan.batch} {plan.dtype} {plan.attn_implementation}{kernel} "
+        f"tp={plan.tp}"
+    )
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,13 +25,21 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_json_output_parses_and_counts_every_layer() -> None:
     done = _run(
-        "--preset", "tiny", "--seq", "256", "--batch", "2", "--layers", "3", "--format", "json"
+        "--preset", "tiny", "--seq", "1024", "--batch", "2", "--layers", "3", "--format", "json"
     )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert [layer["name"] for layer in plan["layers"]] == [f"model.layers.{i}" for i in range(3)]
     assert plan["peak_with_swap_bytes"] < plan["peak_without_swap_bytes"]
     assert plan["bandwidth_gbps"] == 50.0 and plan["dtype"] == "bfloat16"
+    defaults = ("sdpa", "cuda", "flash", 1)
+    assert (
+        plan["attn_implementation"],
+        plan["device"],
+        plan["attn_kernel"],
+        plan["tp"],
+    ) == defaults
+    assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])
 
 
 def test_text_output_from_a_checkpoint_folder(tmp_path: Path) -> None:
@@ -71,3 +79,67 @@ def test_plot_without_matplotlib_names_the_install(
     args = _args("--preset", "tiny", "--seq", "64", "--plot", str(tmp_path / "t.png"))
     assert args.run(args) == 2
     assert "pip install graphswap[plot]" in capsys.readouterr().err
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    args = _args("--preset", "tiny", "--seq", "512", "--batch", "2", "--format", "json", *argv)
+    assert args.run(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_tp_predicts_one_rank_of_the_sharded_heads(capsys: pytest.CaptureFixture[str]) -> None:
+    whole = _plan(capsys, "--dtype", "float32")
+    rank = _plan(capsys, "--dtype", "float32", "--tp", "2")
+    assert rank["tp"] == 2 and rank["config"] == whole["config"]
+    assert 0 < rank["total_saved_bytes"] < whole["total_saved_bytes"]
+    assert rank["head_saved_bytes"] == whole["head_saved_bytes"]  # replicated
+    assert any("2 of 4 query heads" in text for text in rank["assumptions"])
+
+
+def test_the_kernel_decides_the_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    flash = _plan(capsys, "--attn-kernel", "flash")
+    math = _plan(capsys, "--attn-kernel", "math")
+    cpu = _plan(capsys, "--device", "cpu")
+    assert flash["total_saved_bytes"] < math["total_saved_bytes"]
+    assert (cpu["device"], cpu["attn_kernel"]) == ("cpu", "flash")
+    assert _plan(capsys, "--dtype", "float32")["attn_kernel"] == "efficient"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (
+            ["--attn-kernel", "flash", "--dtype", "float32"],
+            ["--attn-kernel flash:", "use one of efficient, math"],
+        ),
+        (["--tp", "3"], ["--tp 3:", "num_attention_heads (4)", "use one of 1, 2"]),
+        (["--device", "cpu", "--attn-kernel", "cudnn"], ["--attn-kernel cudnn:", "flash, math"]),
+        (["--attn-implementation", "eager", "--attn-kernel", "flash"], ["--attn-kernel flash:"]),
+    ],
+)
+def test_bad_settings_name_the_flag_before_any_model_is_built(
+    argv: list[str],
+    words: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import graphswap.models
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was built for a plan that cannot run")
+
+    monkeypatch.setattr(graphswap.models, "build_model", refuse)
+    args = _args("--preset", "tiny", "--seq", "64", *argv)
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for word in words:
+        assert word in err
+
+
+def test_an_unknown_kernel_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _args("--preset", "tiny", "--seq", "64", "--attn-kernel", "flash3")
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "--attn-kernel" in err and "flash3" in err and "efficient" in err

@@ -1,21 +1,24 @@
-"""The memory planner: predictions against a real run, dedup, keep-last, hiding logic."""
+"""The memory planner: predictions against a real run, keep-last and hiding logic."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from graphswap import rewrite
 from graphswap.measure import ResidentActivationTracker, output_tensors
+from graphswap.models import build_model
 from graphswap.planner import (
     LayerPlan,
     MemoryPlan,
-    SavedTensorCollector,
+    PlanSettingError,
     layer_forward_flops,
     plan_memory,
 )
 from graphswap.presets import qwen3_moe_config
 
-SEQ, BATCH = 256, 2  # the attention probabilities are 2 MiB per layer: above the swap threshold
+SEQ, BATCH = 512, 2
+"""sdpa's query and output are exactly 1 MiB per layer here: the swap threshold."""
 
 
 def _measure_resident(model: torch.nn.Module, ids: torch.Tensor, manager: object = None) -> int:
@@ -24,39 +27,75 @@ def _measure_resident(model: torch.nn.Module, ids: torch.Tensor, manager: object
         out = model(input_ids=ids, labels=ids, use_cache=False)
     if manager is not None:
         manager.synchronize()  # type: ignore[attr-defined]
-    resident = tracker.resident_bytes(output_tensors(out))
-    out.loss.backward()
-    return resident
+    return tracker.resident_bytes(output_tensors(out))
 
 
 @pytest.fixture(scope="module")
 def tiny_plan() -> MemoryPlan:
-    return plan_memory(qwen3_moe_config("tiny"), seq=SEQ, batch=BATCH, dtype=torch.float32)
-
-
-def _tiny_inputs(tiny_model) -> tuple[torch.nn.Module, torch.Tensor]:  # type: ignore[no-untyped-def]
-    model = tiny_model().train()
-    ids = torch.randint(
-        0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)
+    return plan_memory(
+        qwen3_moe_config("tiny"), seq=SEQ, batch=BATCH, dtype=torch.float32, device="cpu"
     )
-    return model, ids
 
 
-def test_prediction_matches_measured_saved_bytes_without_swap(tiny_plan, tiny_model) -> None:  # type: ignore[no-untyped-def]
-    model, ids = _tiny_inputs(tiny_model)
-    measured = _measure_resident(model, ids)
-    assert measured == pytest.approx(tiny_plan.total_saved_bytes, rel=0.05)
-
-
-def test_prediction_matches_measured_resident_bytes_with_swap(tiny_plan, tiny_model) -> None:  # type: ignore[no-untyped-def]
-    from graphswap import rewrite
-
-    model, ids = _tiny_inputs(tiny_model)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seq", [512, 2048])
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_cpu_prediction_matches_the_independent_tracker(
+    attn_implementation: str, seq: int, dtype: torch.dtype
+) -> None:
+    """Two layers (one swapped, the last kept), batch 1: the attention tensors fall on both
+    sides of the 1 MiB threshold across these shapes, and sdpa runs the CPU flash kernel."""
+    config = qwen3_moe_config("tiny", attn_implementation=attn_implementation, num_hidden_layers=2)
+    plan = plan_memory(
+        config, seq=seq, dtype=dtype, attn_implementation=attn_implementation, device="cpu"
+    )
+    torch.manual_seed(0)
+    model = build_model(config, dtype=dtype).train()
+    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(0))
+    without_swap = _measure_resident(model, ids)
     manager = rewrite(model, rules=["qwen3_attn_swap"]).manager
-    assert tiny_plan.swapped_bytes > 0
-    measured = _measure_resident(model, ids, manager)
-    assert measured == pytest.approx(tiny_plan.end_of_forward_with_swap_bytes, rel=0.05)
-    assert manager.stats.offloaded_bytes == tiny_plan.swapped_bytes
+    with_swap = _measure_resident(model, ids, manager)
+    assert without_swap == pytest.approx(plan.total_saved_bytes, rel=0.05)
+    assert without_swap - with_swap == pytest.approx(plan.swapped_bytes, rel=0.05)
+    assert manager.stats.offloaded_bytes == plan.swapped_bytes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn", "math"])
+def test_cuda_prediction_matches_the_tracker_for_each_kernel(kernel: str) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[kernel]
+    seq, dtype = 2048, torch.bfloat16
+    config = qwen3_moe_config("tiny", attn_implementation="sdpa", num_hidden_layers=2)
+    plan = plan_memory(config, seq=seq, dtype=dtype, device="cuda", attn_kernel=kernel)
+    torch.manual_seed(0)
+    model = build_model(config, device="cuda", dtype=dtype).train()
+    ids = torch.randint(0, 512, (1, seq), device="cuda")
+    tracker = ResidentActivationTracker("cuda")
+    try:
+        with sdpa_kernel(backend), tracker.track():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+    except RuntimeError as error:  # a kernel this build or GPU does not have (cuDNN)
+        pytest.skip(f"{kernel} does not run here: {error}")
+    assert tracker.resident_bytes(output_tensors(out)) == pytest.approx(
+        plan.total_saved_bytes, rel=0.05
+    )
+
+
+def test_sdpa_saves_less_than_eager_and_only_sdpa_names_a_kernel() -> None:
+    config = qwen3_moe_config("tiny")
+    sdpa = plan_memory(config, seq=SEQ, device="cpu")
+    eager = plan_memory(config, seq=SEQ, device="cpu", attn_implementation="eager")
+    assert sdpa.attn_kernel == "flash" and eager.attn_kernel is None
+    assert sdpa.total_saved_bytes < eager.total_saved_bytes
+    assert any("_scaled_dot_product_flash_attention_for_cpu" in a for a in sdpa.assumptions)
+    assert any("probabilities" in a for a in eager.assumptions)
 
 
 def test_every_layer_is_attributed_and_alike(tiny_plan) -> None:  # type: ignore[no-untyped-def]
@@ -68,48 +107,20 @@ def test_every_layer_is_attributed_and_alike(tiny_plan) -> None:  # type: ignore
     assert tiny_plan.head_saved_bytes > 0
 
 
-class _Attention(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * x  # saves x twice: one storage
+def _storages(layer: LayerPlan) -> dict[int, int]:
+    return {s.storage: s.storage_nbytes for s in layer.saved_tensors if not s.parameter}
 
 
-class _Layer(torch.nn.Module):
-    def __init__(self, *, reuse_input: bool) -> None:
-        super().__init__()
-        self.self_attn = _Attention()
-        self.reuse_input = reuse_input
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.self_attn(x).sin()  # sin saves the attention output, outside the attention
-        return out * x if self.reuse_input else out  # the mul saves x outside the attention
-
-
-class _Toy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList(
-            [_Layer(reuse_input=False), _Layer(reuse_input=True)]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.model.layers:
-            x = layer(x)
-        return x
-
-
-def test_a_tensor_saved_twice_counts_once() -> None:
-    model = _Toy()
-    x = torch.empty(512, 512, device="meta", requires_grad=True)  # 1 MiB: swappable size
-    collector = SavedTensorCollector(model)
-    with collector.collect():
-        model(x)
-    by_scope = collector.bytes_by_scope()
-    mib = 1 << 20
-    # Layer 0: x, saved twice by the attention and swappable, plus the attention output.
-    assert by_scope["model.layers.0"] == (2 * mib, mib)
-    # Layer 1 also saves its input outside the attention: a swap would free nothing.
-    assert by_scope["model.layers.1"] == (3 * mib, 0)
+def test_layer_bytes_are_the_sum_of_its_saved_tensors(tiny_plan) -> None:  # type: ignore[no-untyped-def]
+    first, second = tiny_plan.layers[0], tiny_plan.layers[1]
+    owned = _storages(first)
+    assert first.saved_bytes == sum(owned.values())
+    kept = {s.storage for s in first.saved_tensors if not (s.in_attention and s.policy_swaps)}
+    assert first.swappable_bytes == sum(n for k, n in owned.items() if k not in kept)
+    # The rotary cos/sin are computed once and saved by every layer: the first one owns them.
+    shared = _storages(second).keys() & owned.keys()
+    assert shared
+    assert second.saved_bytes == sum(n for k, n in _storages(second).items() if k not in shared)
 
 
 def _layer(index: int, saved: int, swappable: int, *, kept: bool = False) -> LayerPlan:
@@ -156,8 +167,8 @@ def test_keep_last_accounting() -> None:
 
 def test_copy_time_scales_with_bandwidth_and_decides_hiding() -> None:
     config = qwen3_moe_config("tiny")
-    slow = plan_memory(config, seq=SEQ, batch=1, bandwidth_gbps=0.001, tflops=1.0)
-    fast = plan_memory(config, seq=SEQ, batch=1, bandwidth_gbps=1e6, tflops=1.0)
+    slow = plan_memory(config, seq=SEQ, batch=BATCH, bandwidth_gbps=0.001, tflops=1.0)
+    fast = plan_memory(config, seq=SEQ, batch=BATCH, bandwidth_gbps=1e6, tflops=1.0)
     first_slow, first_fast = slow.layers[0], fast.layers[0]
     assert first_slow.copy_seconds == pytest.approx(first_slow.swappable_bytes / 1e6)
     assert first_slow.copy_seconds == pytest.approx(first_fast.copy_seconds * 1e9)
@@ -180,8 +191,10 @@ def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-d
     assert data["swapped_bytes"] == tiny_plan.swapped_bytes
     assert len(data["layers"]) == 4 and "prefetch_hides" in data["layers"][0]
     assert any("uniform routing" in text for text in data["assumptions"])
+    assert (data["device"], data["attn_kernel"], data["tp"]) == ("cpu", "flash", 1)
     table = tiny_plan.format_table()
     assert "model.layers.3" in table and "kept on device" in table
+    assert "device=cpu attn=sdpa kernel=flash tp=1" in table
 
 
 @pytest.mark.parametrize(
@@ -190,14 +203,18 @@ def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-d
         ({"seq": 0}, "seq"),
         ({"seq": 8, "batch": -1}, "batch"),
         ({"seq": 8, "bandwidth_gbps": 0}, "bandwidth_gbps"),
+        ({"seq": 8, "tp": 3}, "tp"),
+        ({"seq": 8, "attn_kernel": "flash", "dtype": torch.float32}, "attn_kernel"),
+        ({"seq": 8, "device": "xpu"}, "device"),
     ],
 )
 def test_bad_inputs_name_the_input(kwargs, word) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(PlanSettingError, match=word) as caught:
         plan_memory(qwen3_moe_config("tiny"), **kwargs)
+    assert caught.value.setting == word
 
 
 def test_eager_experts_are_refused_with_the_fix() -> None:
     config = qwen3_moe_config("tiny", experts_implementation="eager")
-    with pytest.raises(ValueError, match="grouped_mm"):
+    with pytest.raises(PlanSettingError, match="grouped_mm"):
         plan_memory(config, seq=8)

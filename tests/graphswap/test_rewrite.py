@@ -462,18 +462,26 @@ def test_graph_module_is_rewritten_and_recompiled() -> None:
     assert snapshot(gm) == before
 
 
-def test_swapped_training_step_is_bitwise_identical(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize(
+    ("attn_implementation", "seq"),
+    [("sdpa", 512), ("eager", 256)],
+)
+def test_swapped_training_step_is_bitwise_identical(tiny_model, attn_implementation, seq) -> None:  # type: ignore[no-untyped-def]
+    # The shortest sequence at which each attention saves tensors of the 1 MiB swap threshold.
+    ids = torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(1))
 
     def step(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
-    plain_loss, plain_grads = step(tiny_model(num_hidden_layers=2))
-    swapped = tiny_model(num_hidden_layers=2)
-    rewrite(swapped, "qwen3_attn_swap")
+    plain_loss, plain_grads = step(
+        tiny_model(num_hidden_layers=2, attn_implementation=attn_implementation)
+    )
+    swapped = tiny_model(num_hidden_layers=2, attn_implementation=attn_implementation)
+    manager = rewrite(swapped, "qwen3_attn_swap").manager
     loss, grads = step(swapped)
+    assert manager.stats.offloaded_bytes > 0, "the swap moved nothing"
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain_grads.keys()
     assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)

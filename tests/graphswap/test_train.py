@@ -8,9 +8,17 @@ from graphswap.train import format_summary, token_batches, train, write_summary
 FAST = {"num_layers": 2, "seq_len": 256, "steps": 3}
 
 
-def test_swap_changes_no_loss_and_lowers_resident_activations() -> None:
-    none = train(TrainerConfig(**FAST), progress=False)
-    swap = train(TrainerConfig(activation_swap="attention", **FAST), progress=False)
+@pytest.mark.parametrize(
+    ("attn_implementation", "seq_len"),
+    [("sdpa", 512), ("eager", 256)],
+)
+def test_swap_changes_no_loss_and_lowers_resident_activations(
+    attn_implementation: str, seq_len: int
+) -> None:
+    # The shortest sequence at which each attention saves tensors of the 1 MiB swap threshold.
+    run = {**FAST, "attn_implementation": attn_implementation, "seq_len": seq_len}
+    none = train(TrainerConfig(**run), progress=False)
+    swap = train(TrainerConfig(activation_swap="attention", **run), progress=False)
     assert swap.losses == none.losses
     offloaded = swap.swap["per_group"]["model.layers.0.self_attn"]["offloaded_bytes"] / 3
     assert offloaded > 0

@@ -1,0 +1,339 @@
+"""Every tensor autograd saves in one forward, in saving order, traced on the meta device.
+
+The model is built on ``meta`` and run forward once under saved-tensor hooks: each save
+is recorded with the scope that made it (the embedding, a decoder layer, or the head
+after the last layer), whether the attention made it, and what the swap policy answers,
+exactly as the runtime would ask. Sizes come from the meta tensors, so nothing is
+allocated and a 94-layer model at 32k tokens traces in seconds. Attention runs the
+kernel the training device will run (:mod:`graphswap.attention_kernels`), and under
+tensor parallelism the model is one rank's share of it (:func:`per_rank_config`).
+
+A layer's saves are listed in the order its forward makes them, every pack call
+counted (parameters too), so that a runtime hook counting its own pack calls can find
+a save by its index and check it by shape and dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphswap.attention_kernels import (
+    AttentionKernel,
+    FusedAttentionMode,
+    PlanSettingError,
+    resolve_attention_kernel,
+)
+from graphswap.policy import (
+    CheckpointPolicy,
+    SwapPolicy,
+    is_parameter_like,
+    qwen3_attention_swap_policy,
+    tensor_nbytes,
+)
+
+if TYPE_CHECKING:
+    from transformers import Qwen3MoeConfig
+
+EMBED = "embed"
+HEAD = "head"
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One save autograd made, as a pack hook sees it."""
+
+    index: int
+    """Position among the saves of its scope (every pack call counts, parameters too)."""
+    shape: tuple[int, ...]
+    """The shape one rank holds: under tensor parallelism, a DTensor's local shape."""
+    dtype: torch.dtype
+    nbytes: int
+    """Bytes of the tensor itself."""
+    storage: int
+    """Saves of one storage share this id (numbered in order of first save in the trace)."""
+    storage_nbytes: int
+    parameter: bool
+    """A parameter, a buffer or a view of one: not an activation, never swapped."""
+    in_attention: bool
+    policy_swaps: bool
+    """The swap policy answers ``MUST_SWAP`` (never for a parameter)."""
+
+
+def attention_swap(save: SavedTensor) -> bool:
+    """What attention swap moves: saves made inside the attention that the policy swaps."""
+    return save.in_attention and save.policy_swaps
+
+
+def bytes_by_scope(
+    scopes: Mapping[str, Sequence[SavedTensor]],
+    swapped: Callable[[SavedTensor], bool] = attention_swap,
+) -> dict[str, tuple[int, int]]:
+    """``scope -> (saved bytes, swappable bytes)``.
+
+    A storage counts once, in the scope that saved it first, and is swappable only when
+    every save of it is swapped: a copy of one save frees nothing while another holds it.
+    """
+    owner: dict[int, tuple[str, int]] = {}
+    every_save_swapped: dict[int, bool] = {}
+    for scope, saves in scopes.items():
+        for save in saves:
+            if save.parameter:
+                continue
+            owner.setdefault(save.storage, (scope, save.storage_nbytes))
+            every_save_swapped[save.storage] = every_save_swapped.get(
+                save.storage, True
+            ) and swapped(save)
+    totals: dict[str, tuple[int, int]] = {}
+    for storage, (scope, nbytes) in owner.items():
+        saved, swappable = totals.get(scope, (0, 0))
+        moved = nbytes if every_save_swapped[storage] else 0
+        totals[scope] = (saved + nbytes, swappable + moved)
+    return totals
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    name: str
+    moe: bool
+    saves: tuple[SavedTensor, ...]
+
+
+@dataclass(frozen=True)
+class SavedTensorTrace:
+    """One forward's saves, per scope in saving order, and what was traced."""
+
+    embed: tuple[SavedTensor, ...]
+    layers: tuple[LayerTrace, ...]
+    head: tuple[SavedTensor, ...]
+    kernel: AttentionKernel | None
+    """The sdpa kernel traced; ``None`` for eager attention."""
+    rank_config: Qwen3MoeConfig
+    """The model one rank runs (the whole model when ``tp`` is 1)."""
+    tp: int
+
+    def scopes(self) -> dict[str, tuple[SavedTensor, ...]]:
+        return {
+            EMBED: self.embed,
+            **{layer.name: layer.saves for layer in self.layers},
+            HEAD: self.head,
+        }
+
+    def bytes_by_scope(
+        self, swapped: Callable[[SavedTensor], bool] = attention_swap
+    ) -> dict[str, tuple[int, int]]:
+        return bytes_by_scope(self.scopes(), swapped)
+
+
+class _ShapeOnlyGroupedMM(TorchDispatchMode):
+    """On meta, ``_grouped_mm`` rejects non-bf16 inputs (a CUDA kernel limit it checks).
+
+    Its output shape is all the trace needs; autograd above this mode still records the
+    op and saves its inputs, so saved bytes are exact.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].device.type == "meta":
+            mat_a, mat_b = args[0], args[1]
+            if mat_a.dim() == 2 and mat_b.dim() == 3:
+                return torch.empty(
+                    mat_a.shape[0], mat_b.shape[-1], dtype=mat_a.dtype, device=mat_a.device
+                )
+        return func(*args, **kwargs)
+
+
+class SavedTensorCollector:
+    """Records each tensor autograd saves, attributed to the running decoder layer.
+
+    Scopes are ``embed`` (before the first layer), ``model.layers.<i>`` and ``head``
+    (after the last).
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = qwen3_attention_swap_policy):
+        self.model = model
+        self.policy = policy
+        self.saves: dict[str, list[SavedTensor]] = {}
+        self._storage_ids: dict[int, int] = {}
+        self._held: list[torch.Tensor] = []
+        self._scope = EMBED
+        self._in_attention = 0
+        self._param_storages = {
+            t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())
+        }
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        storage_id = self._storage_ids.get(key)
+        if storage_id is None:
+            storage_id = self._storage_ids[key] = len(self._storage_ids)
+            # Holding the tensor keeps its storage address from being reused by a later one.
+            self._held.append(t)
+        parameter = key in self._param_storages or is_parameter_like(t)
+        saves = self.saves.setdefault(self._scope, [])
+        saves.append(
+            SavedTensor(
+                index=len(saves),
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                nbytes=tensor_nbytes(t),
+                storage=storage_id,
+                storage_nbytes=storage.nbytes(),
+                parameter=parameter,
+                in_attention=self._in_attention > 0,
+                policy_swaps=not parameter and self.policy(t) is CheckpointPolicy.MUST_SWAP,
+            )
+        )
+        return t
+
+    @contextmanager
+    def collect(self) -> Iterator[SavedTensorCollector]:
+        handles = []
+        layers = decoder_layers(self.model)
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(self._enter_layer(f"model.layers.{i}")))
+            handles.append(layer.register_forward_hook(self._leave_layer))
+            handles.append(layer.self_attn.register_forward_pre_hook(self._enter_attention))
+            handles.append(layer.self_attn.register_forward_hook(self._leave_attention))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _identity):
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _enter_layer(self, name: str) -> Callable[[torch.nn.Module, Any], None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._scope = name
+
+        return hook
+
+    def _leave_layer(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._scope = HEAD  # until the next layer starts; after the last one it stays
+
+    def _enter_attention(self, module: torch.nn.Module, args: Any) -> None:
+        self._in_attention += 1
+
+    def _leave_attention(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._in_attention -= 1
+
+    def bytes_by_scope(
+        self, swapped: Callable[[SavedTensor], bool] = attention_swap
+    ) -> dict[str, tuple[int, int]]:
+        return bytes_by_scope(self.saves, swapped)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__} has no .model.layers: the planner expects a Hugging Face "
+            "Qwen3MoeForCausalLM (graphswap.models.build_model)"
+        )
+    return layers
+
+
+def head_dim(config: Qwen3MoeConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def per_rank_config(config: Qwen3MoeConfig, tp: int) -> Qwen3MoeConfig:
+    """The model one rank runs under ``passes/tensor_parallel.py``'s plan with ``tp`` ranks.
+
+    That plan shards the attention heads (q/k/v column-parallel, o row-parallel, the q/k
+    norms over the local heads) and replicates everything else, so one rank runs exactly
+    the attention of a model with ``1/tp`` of the query and key/value heads, at the same
+    head size, and the full embedding, norms, router, experts and head.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise PlanSettingError("tp", tp, "must be a positive integer; 1 plans one device")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp or kv_heads % tp:
+        fitting = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
+        raise PlanSettingError(
+            "tp",
+            tp,
+            f"must divide num_attention_heads ({heads}) and num_key_value_heads "
+            f"({kv_heads}); use one of {', '.join(map(str, fitting))}",
+        )
+    rank = copy.deepcopy(config)
+    if tp > 1:
+        rank.head_dim = head_dim(config)
+        rank.num_attention_heads = heads // tp
+        rank.num_key_value_heads = kv_heads // tp
+    return rank
+
+
+def trace_saved_tensors(
+    config: Qwen3MoeConfig,
+    *,
+    seq: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str = "sdpa",
+    device: str = "cuda",
+    attn_kernel: str | None = None,
+    tp: int = 1,
+    policy: SwapPolicy = qwen3_attention_swap_policy,
+) -> SavedTensorTrace:
+    """Trace one training forward of ``config`` on meta: one rank's saves, per scope.
+
+    ``device`` and ``attn_kernel`` choose the sdpa kernel (``None``: the one PyTorch
+    picks first for the device and dtype). Every setting is checked before a model is
+    built; a bad one raises :class:`PlanSettingError` naming it.
+    """
+    for name, value in (("seq", seq), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanSettingError(name, value, "must be a positive integer")
+    kernel = resolve_attention_kernel(
+        attn_implementation, device=device, dtype=dtype, attn_kernel=attn_kernel
+    )
+    if getattr(config, "_experts_implementation", None) == "eager":
+        raise PlanSettingError(
+            "experts_implementation",
+            "eager",
+            "it routes tokens with data-dependent shapes, which a meta-device trace cannot "
+            "follow; plan with experts_implementation='grouped_mm' (the Hugging Face "
+            "default), whose saved bytes match it",
+        )
+    rank_config = per_rank_config(config, tp)
+    rank_config._attn_implementation = attn_implementation
+    from graphswap.models import build_model
+
+    model = build_model(rank_config, device="meta", dtype=dtype).train()
+    collector = SavedTensorCollector(model, policy)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    attention = nullcontext() if kernel is None else FusedAttentionMode(kernel)
+    with collector.collect(), _ShapeOnlyGroupedMM(), attention:
+        # The default cache stays on: without one, the mask code checks position ids for
+        # packed sequences, a data-dependent branch meta cannot take. Saved tensors are the same.
+        model(input_ids=ids, labels=ids)
+    saves = collector.saves
+    layers = tuple(
+        LayerTrace(
+            name=f"model.layers.{i}",
+            moe=hasattr(layer.mlp, "experts"),
+            saves=tuple(saves.get(f"model.layers.{i}", ())),
+        )
+        for i, layer in enumerate(decoder_layers(model))
+    )
+    return SavedTensorTrace(
+        embed=tuple(saves.get(EMBED, ())),
+        layers=layers,
+        head=tuple(saves.get(HEAD, ())),
+        kernel=kernel,
+        rank_config=rank_config,
+        tp=tp,
+    )
