@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphswap.cli._args import positive_float, positive_int
+from graphswap.config import AttnImplementation
 
 if TYPE_CHECKING:
     from graphswap.planner import MemoryPlan
@@ -63,6 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--attn-implementation",
         default="eager",
+        choices=typing.get_args(AttnImplementation),
         metavar="NAME",
         help="attention kernel to trace (default eager, the one swap is built for)",
     )
@@ -76,13 +79,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from graphswap.models import load_hf_config
+    from graphswap.models import CheckpointError, load_hf_config
     from graphswap.planner import DEFAULT_BANDWIDTH_GBPS, DEFAULT_TFLOPS, plan_memory
     from graphswap.presets import qwen3_moe_config
 
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     if args.model is not None:
-        config = load_hf_config(args.model, attn_implementation=args.attn_implementation)
+        try:
+            config = load_hf_config(args.model, attn_implementation=args.attn_implementation)
+        except CheckpointError as error:
+            print(f"graphswap plan-memory: error: --model {args.model}: {error}", file=sys.stderr)
+            return 2
         for key, value in overrides.items():
             setattr(config, key, value)
     else:
