@@ -116,11 +116,16 @@ class _Run:
         self.losses: list[float] = []
         self.seconds: list[float] = []
         self.resident = 0
+        self.peak_rise = 0
 
-    def step(self) -> float:
+    def step(self) -> None:
         model = self.built.model
         ids = next(self.batches)
         self._synchronize()
+        if self.device.type == "cuda":
+            # Side-by-side runs share the device: measure this step's own rise.
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
         start = time.perf_counter()
         if not self.losses:
             loss, self.resident = _measured_forward(self.built, ids, self.device)
@@ -131,6 +136,9 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         self._synchronize()
         self.seconds.append(time.perf_counter() - start)
+        if self.device.type == "cuda":
+            rise = torch.cuda.max_memory_allocated(self.device) - before
+            self.peak_rise = max(self.peak_rise, rise)
         value = loss.detach()
         if self.world_size > 1:
             # The ranks of one replica hold the same loss, so the world mean is the
@@ -138,7 +146,6 @@ class _Run:
             torch.distributed.all_reduce(value)
             value = value / self.world_size
         self.losses.append(value.item())
-        return self.losses[-1]
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -149,8 +156,8 @@ class _Run:
         timed = self.seconds[1:] or self.seconds
         tokens = config.batch_size * config.seq_len * self.dp_size
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-            kind = "cuda max_memory_allocated"
+            peak = self.peak_rise
+            kind = "cuda max_memory_allocated during a step, above its start"
         else:
             peak, kind = self.resident, "saved activations resident at end of forward (measured)"
         manager = self.built.swap_manager
@@ -184,8 +191,9 @@ def train_side_by_side(
     progress: bool = True,
     out: TextIO = sys.stderr,
 ) -> list[TrainResult]:
-    """Train every config from the same seed, interleaved step by step: each sees the
-    same warm-up, machine noise and allocator state, so their step times compare.
+    """Train every config from the same seed, interleaved step by step (in alternating
+    order): each sees the same warm-up, machine noise and allocator state, so their
+    step times compare.
 
     Every input is checked (``graphswap.preflight``) before the first model is built.
     """
@@ -209,9 +217,12 @@ def train_side_by_side(
         file=out,
         disable=not progress or rank != 0,
     )
-    for _ in bar:
-        losses = [run.step() for run in runs]
-        bar.set_postfix(loss="/".join(f"{loss:.4f}" for loss in losses))
+    for step in bar:
+        # Each run goes first on every other step: the one that runs second finds
+        # caches and threads warmed by the first, which would bias the step times.
+        for run in runs if step % 2 == 0 else runs[::-1]:
+            run.step()
+        bar.set_postfix(loss="/".join(f"{run.losses[-1]:.4f}" for run in runs))
     return [run.result() for run in runs]
 
 
@@ -229,6 +240,15 @@ def _mib(n: int) -> str:
 
 def _per_step(result: TrainResult, key: str) -> str:
     return _mib(result.swap.get(key, 0) // len(result.losses))
+
+
+def _step_ratio(base: TrainResult, result: TrainResult) -> float:
+    """Median over steps of this run's step time over the base run's same step: runs
+    trained side by side take their steps in turn, so each pair shares the machine's
+    state of that moment and load drift cancels. The first (warm-up) step is left out."""
+    pairs = list(zip(result.step_seconds, base.step_seconds, strict=True))
+    timed = pairs[1:] or pairs
+    return statistics.median(mine / theirs for mine, theirs in timed)
 
 
 def _swapped_share(base: TrainResult, result: TrainResult) -> str:
@@ -250,10 +270,7 @@ def format_summary(results: list[TrainResult]) -> str:
         ("loss first", [f"{r.losses[0]:.6f}" for r in results]),
         ("loss last", [f"{r.losses[-1]:.6f}" for r in results]),
         ("tokens/s", [f"{r.tokens_per_second:,.0f}" for r in results]),
-        (
-            "step time ratio",
-            [f"{base.tokens_per_second / r.tokens_per_second:.3f}" for r in results],
-        ),
+        ("step time ratio", [f"{_step_ratio(base, r):.3f}" for r in results]),
         ("peak memory *", [_mib(r.peak_memory_bytes) for r in results]),
         ("saved activations swapped **", [_swapped_share(base, r) for r in results]),
         ("swap offloaded / step", [_per_step(r, "offloaded_bytes") for r in results]),

@@ -8,6 +8,7 @@ from graphswap.models import CheckpointError, build_model
 from graphswap.preflight import check_world
 from graphswap.presets import qwen3_moe_config
 from graphswap.train import (
+    TrainResult,
     _Run,
     format_summary,
     token_batches,
@@ -79,18 +80,19 @@ def test_several_ranks_need_a_pass_that_keeps_them_one_model() -> None:
     check_world(TrainerConfig(tp_size=2), 2)
 
 
-def test_side_by_side_runs_interleave_step_by_step(monkeypatch) -> None:
+def test_side_by_side_runs_interleave_step_by_step_in_turn(monkeypatch) -> None:
     order: list[str] = []
     step = _Run.step
 
-    def recorded(run: _Run) -> float:
+    def recorded(run: _Run) -> None:
         order.append(run.config.activation_swap)
-        return step(run)
+        step(run)
 
     monkeypatch.setattr(_Run, "step", recorded)
     configs = [TrainerConfig(**FAST), TrainerConfig(activation_swap="attention", **FAST)]
     none, swap = train_side_by_side(configs, progress=False)
-    assert order == ["none", "attention"] * FAST["steps"]
+    assert FAST["steps"] == 3
+    assert order == ["none", "attention", "attention", "none", "none", "attention"]
     assert none.losses == swap.losses
 
 
@@ -108,3 +110,26 @@ def test_summary_prints_the_share_of_saved_activations_swapped(attn: str) -> Non
     assert moved == swap.swap["offloaded_bytes"]
     if attn == "eager":
         assert share > 0.1, "the eager attention probabilities are swapped"
+
+
+def test_step_time_ratio_pairs_the_steps_of_side_by_side_runs() -> None:
+    """A load spike that hits both runs' step 2 does not move the ratio."""
+
+    def result(mode: str, seconds: list[float]) -> TrainResult:
+        return TrainResult(
+            activation_swap=mode,
+            attn_implementation="eager",
+            device="cpu",
+            world_size=1,
+            losses=[1.0] * len(seconds),
+            step_seconds=seconds,
+            tokens_per_second=1.0,
+            peak_memory_bytes=0,
+            peak_memory_kind="test",
+            resident_activation_bytes=0,
+        )
+
+    base = result("none", [9.0, 1.0, 4.0, 1.0])
+    swap = result("attention", [1.0, 1.1, 4.4, 1.1])
+    row = next(line for line in format_summary([base, swap]).splitlines() if "ratio" in line)
+    assert row.split()[-2:] == ["1.000", "1.100"]
