@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -41,12 +42,17 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {detail}")
 
 
+_DEFAULT_MODEL = "tiny"
+"""``model`` at this value is left out when ``model_path`` is set: the example YAML
+lists every key with its default, and it must stay usable with a ``model_path``."""
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """Everything ``graphswap train`` reads; ``examples/train.yaml`` lists every key."""
 
     activation_swap: ActivationSwap = "none"
-    model: str = "tiny"
+    model: str = _DEFAULT_MODEL
     model_path: str | None = None
     num_layers: int | None = None
     attn_implementation: AttnImplementation = "sdpa"
@@ -85,8 +91,8 @@ class TrainerConfig:
         _check_at_least("seed", self.seed, 0)
         if self.num_layers is not None:
             _check_at_least("num_layers", self.num_layers, 1)
-        if not self.lr > 0:
-            raise ConfigError("lr", f"must be > 0, got {self.lr!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError("lr", f"must be a finite number > 0, got {self.lr!r}")
         if self.model not in preset_names():
             raise ConfigError(
                 "model",
@@ -95,6 +101,12 @@ class TrainerConfig:
         for key in ("model_path", "data", "output_dir"):
             if getattr(self, key) == "":
                 raise ConfigError(key, "must not be empty; leave it out or give a path")
+        if self.model_path is not None and self.model != _DEFAULT_MODEL:
+            raise ConfigError(
+                "model_path",
+                f"is set, so the preset model: {self.model} would be ignored; set one of them"
+                f" (model_path for a local checkpoint, model for a preset)",
+            )
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -125,11 +137,23 @@ def _load(source: str | Path | Mapping[str, Any] | None) -> Mapping[Any, Any]:
     else:
         path = Path(source)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                "<file>",
+                f"{str(path)!r} is not a UTF-8 text file ({error.reason} at byte"
+                f" {error.start}); pass a YAML file of settings",
+            ) from error
         except OSError as error:
             raise ConfigError("<file>", f"cannot read {str(path)!r}: {error}") from error
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
+        except _DuplicateKeyError as error:
+            raise ConfigError(
+                error.key,
+                f"given twice in {str(path)!r} (lines {error.first} and {error.second});"
+                " keep one of them",
+            ) from error
         except yaml.YAMLError as error:
             raise ConfigError("<file>", f"{str(path)!r} is not valid YAML: {error}") from error
         if data is None:
@@ -140,6 +164,29 @@ def _load(source: str | Path | Mapping[str, Any] | None) -> Mapping[Any, Any]:
         if not isinstance(key, str):
             raise ConfigError(repr(key), "setting names must be strings")
     return data
+
+
+class _DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: str, first: int, second: int) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first, self.second = key, first, second
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice: PyYAML keeps the last value
+    silently, so the earlier line would be a setting dropped without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                continue
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKeyError(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _parse_override(override: str) -> tuple[str, Any]:

@@ -20,25 +20,98 @@ if TYPE_CHECKING:
     from passes import InfrastructureResult
 
 
+class CheckpointError(ValueError):
+    """A local checkpoint folder that graphswap cannot use; the message names the file."""
+
+
+_QWEN3_MOE_TYPE = "qwen3_moe"
+
+
 def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> Qwen3MoeConfig:
-    """Read ``config.json`` of a local checkpoint folder (never the hub)."""
+    """Read ``config.json`` of a local checkpoint folder (never the hub); it must
+    declare ``model_type: qwen3_moe``, since another architecture's keys would
+    silently build a Qwen3-MoE of some other shape."""
     from transformers import Qwen3MoeConfig
 
     folder = Path(path)
     config_file = folder / "config.json" if folder.is_dir() else folder
     if not config_file.is_file():
-        raise FileNotFoundError(
-            f"no config.json at {str(path)!r}: pass a local Hugging Face checkpoint folder"
+        where = "does not exist (no config.json)" if not folder.exists() else "has no config.json"
+        raise CheckpointError(
+            f"{str(path)!r} {where}; pass a local Hugging Face checkpoint folder"
+            " (one written by save_pretrained)"
         )
-    values = json.loads(config_file.read_text())
+    try:
+        values = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"{config_file} is not valid JSON ({error}); re-save the checkpoint with"
+            " save_pretrained or fix the file"
+        ) from error
+    if not isinstance(values, dict):
+        raise CheckpointError(
+            f"{config_file} holds a JSON {type(values).__name__}, not an object of settings;"
+            " re-save the checkpoint with save_pretrained"
+        )
     model_type = values.get("model_type")
-    if model_type not in (None, "qwen3_moe"):
-        raise ValueError(
-            f"{config_file} has model_type {model_type!r}; graphswap supports 'qwen3_moe'"
+    if model_type != _QWEN3_MOE_TYPE:
+        found = "no model_type" if model_type is None else f"model_type {model_type!r}"
+        raise CheckpointError(
+            f"{config_file} has {found}; graphswap trains {_QWEN3_MOE_TYPE!r} checkpoints only:"
+            f" pass a Qwen3-MoE checkpoint folder (config.json with \"model_type\":"
+            f" \"{_QWEN3_MOE_TYPE}\")"
         )
     for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
         values.pop(key, None)
-    return Qwen3MoeConfig(attn_implementation=attn_implementation, **values)
+    try:
+        return Qwen3MoeConfig(attn_implementation=attn_implementation, **values)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{config_file}: {error}; fix the file") from error
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of a checkpoint folder, in the names ``save_pretrained`` writes;
+    raises :class:`CheckpointError` when there are none."""
+    from transformers.utils import (
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    folder = Path(path)
+    names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    found = [folder / name for name in names if (folder / name).is_file()]
+    if not found:
+        raise CheckpointError(
+            f"{str(path)!r} has no weights ({', '.join(names)}); save the model with"
+            " save_pretrained into that folder, or use a preset (model: ...) for a random init"
+        )
+    return found
+
+
+def load_weights(
+    path: str | Path, hf_config: Qwen3MoeConfig, *, dtype: torch.dtype
+) -> torch.nn.Module:
+    """``Qwen3MoeForCausalLM.from_pretrained`` of a local folder; a parameter that the
+    checkpoint does not hold (it would stay randomly initialized) is an error."""
+    from transformers import Qwen3MoeForCausalLM
+
+    weight_files(path)
+    model, info = Qwen3MoeForCausalLM.from_pretrained(
+        path, config=hf_config, local_files_only=True, dtype=dtype, output_loading_info=True
+    )
+    missing = sorted(info.get("missing_keys", ())) + [
+        str(key) for key in info.get("mismatched_keys", ())
+    ]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(
+            f"{str(path)!r} does not hold {', '.join(missing[:3])}{more} for this model"
+            f" ({hf_config.num_hidden_layers} layers): they would train from a random init;"
+            " leave num_layers unset or at most the checkpoint's num_hidden_layers"
+        )
+    return model
 
 
 def build_model(
@@ -79,21 +152,21 @@ def build(
     """The one path from settings to a ready model: every builder goes through here.
 
     ``hf_config`` defaults to the preset or ``model_path`` of ``config``; ``weights``
-    is a local checkpoint folder to load. The infrastructure (swap, sharding,
-    compile, FSDP) is applied by ``passes.apply_model_infrastructure`` from the same
-    ``config``, so a setting cannot be dropped on the way.
+    is a local checkpoint folder to load, by default ``model_path``: a checkpoint is
+    trained from its weights, never from a random init of its shape. The
+    infrastructure (swap, sharding, compile, FSDP) is applied by
+    ``passes.apply_model_infrastructure`` from the same ``config``, so a setting
+    cannot be dropped on the way.
     """
     from passes import apply_model_infrastructure
 
     if hf_config is None:
         hf_config = trainer_hf_config(config)
     dtype = getattr(torch, config.dtype)
+    if weights is None:
+        weights = config.model_path
     if weights is not None:
-        from transformers import Qwen3MoeForCausalLM
-
-        model = Qwen3MoeForCausalLM.from_pretrained(
-            weights, config=hf_config, local_files_only=True, dtype=dtype
-        ).to(device)
+        model = load_weights(weights, hf_config, dtype=dtype).to(device)
     else:
         model = build_model(hf_config, device=device, dtype=dtype)
     infrastructure = apply_model_infrastructure(model, config, mesh=mesh)

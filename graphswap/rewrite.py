@@ -10,6 +10,7 @@ can be undone exactly.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fnmatch
 import itertools
@@ -368,8 +369,14 @@ def _replace(
     model: nn.Module, rule: Rule, fqn: str, module: nn.Module, ctx: RuleContext
 ) -> _Applied:
     original_type = type(module)
-    replacement = rule.factory(module, ctx)
+    before = _ModuleState.capture(module, ctx.manager)
+    try:
+        replacement = rule.factory(module, ctx)
+    except Exception:
+        before.put_back(module, ctx.manager)
+        raise
     if not isinstance(replacement, nn.Module):
+        before.put_back(module, ctx.manager)
         raise RewriteError(
             f"rule {rule.name!r}: the factory returned {type(replacement).__name__} for "
             f"{fqn!r}; it must return an nn.Module"
@@ -377,14 +384,46 @@ def _replace(
     record = _Applied(rule, fqn, module, original_type, replacement)
     if replacement is module:
         if rule.restore is None:
+            before.put_back(module, ctx.manager)
             raise RewriteError(
-                f"rule {rule.name!r} changed {fqn!r} in place but has no restore, so that "
-                "module stays changed (the other matches were restored); give the rule a "
-                "restore function so that its rewrites can be undone"
+                f"rule {rule.name!r} changed {fqn!r} in place but has no restore, so its "
+                "rewrites could not be undone; the model was restored: give the rule a "
+                "restore function (or a factory that returns a new module)"
             )
     else:
         _set_submodule(model, fqn, replacement)
     return record
+
+
+@dataclass(frozen=True)
+class _ModuleState:
+    """A module's class and attributes before a factory ran, to put back when the
+    factory fails or changed it in place with no ``restore`` (all or nothing)."""
+
+    cls: type
+    attrs: dict[str, Any]
+    containers: dict[str, dict[Any, Any]]
+    """Copies of the dict-valued attributes (parameters, submodules, hooks), which a
+    factory may change in place."""
+    registered: int
+
+    @classmethod
+    def capture(cls, module: nn.Module, manager: SwapManager) -> _ModuleState:
+        attrs = dict(module.__dict__)
+        containers = {k: dict(v) for k, v in attrs.items() if isinstance(v, dict)}
+        return cls(type(module), attrs, containers, len(manager.groups()))
+
+    def put_back(self, module: nn.Module, manager: SwapManager) -> None:
+        if len(manager.groups()) > self.registered:
+            with contextlib.suppress(KeyError):
+                manager.unregister(module)
+        module.__class__ = self.cls
+        module.__dict__.clear()
+        module.__dict__.update(self.attrs)
+        for key, items in self.containers.items():
+            container = module.__dict__[key]
+            container.clear()
+            container.update(items)
 
 
 def _link(rule: Rule, done: list[_Applied], manager: SwapManager) -> tuple[tuple[str, str], ...]:

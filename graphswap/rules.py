@@ -205,24 +205,17 @@ _QWEN3_MOE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
 
 def validate_qwen3_moe_hierarchy(root: nn.Module) -> None:
-    """Require ``[model.]layers`` to be a list of decoder layers, each with a
-    ``self_attn`` of exact type ``Qwen3MoeAttention``: one layer without it would
-    leave a hole in the prefetch chain."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
-        Qwen3MoeAttention,
-        Qwen3MoeForCausalLM,
-        Qwen3MoeModel,
-    )
+    """Require one Qwen3-MoE decoder stack whose ``layers`` is a list of decoder
+    layers, each with a ``self_attn`` of exact type ``Qwen3MoeAttention``: one layer
+    without it would leave a hole in the prefetch chain.
 
-    is_graph_module = isinstance(root, torch.fx.GraphModule)
-    if not is_graph_module and not isinstance(root, (Qwen3MoeForCausalLM, Qwen3MoeModel)):
-        raise HierarchyError(
-            f"qwen3_attn_swap rewrites a Qwen3MoeForCausalLM or Qwen3MoeModel, but the "
-            f"root module ('') is {qualified_name(type(root))}; pass the Hugging Face model "
-            "itself"
-        )
-    prefix = "model." if isinstance(getattr(root, "model", None), nn.Module) else ""
-    layers_fqn = f"{prefix}layers"
+    The stack is found by structure, not by attribute name: it is the root or the one
+    ``Qwen3MoeModel`` inside it, wherever a head class keeps it (``model`` for causal LM,
+    sequence and token classification, ``transformer`` for question answering).
+    """
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+    layers_fqn = _decoder_stack_fqn(root)
     try:
         layers = root.get_submodule(layers_fqn)
     except AttributeError:
@@ -231,7 +224,7 @@ def validate_qwen3_moe_hierarchy(root: nn.Module) -> None:
         ) from None
     # torch.fx keeps the FQNs of a traced model but rebuilds its containers as plain
     # nn.Module, so a GraphModule's layer list is checked by its children only.
-    if not isinstance(layers, nn.ModuleList) and not is_graph_module:
+    if not isinstance(layers, nn.ModuleList) and not isinstance(root, torch.fx.GraphModule):
         raise HierarchyError(
             f"qwen3_attn_swap: {layers_fqn!r} must be a torch.nn.ModuleList, "
             f"found {qualified_name(type(layers))}"
@@ -245,6 +238,32 @@ def validate_qwen3_moe_hierarchy(root: nn.Module) -> None:
                 f"qwen3_attn_swap: {fqn!r} must be exactly {_QWEN3_MOE}.Qwen3MoeAttention, "
                 f"found {found}; every layer's attention is swapped or none is"
             )
+
+
+def _decoder_stack_fqn(root: nn.Module) -> str:
+    """The FQN of the decoder layer list: ``layers`` of the one ``Qwen3MoeModel``."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        Qwen3MoeModel,
+        Qwen3MoePreTrainedModel,
+    )
+
+    if isinstance(root, torch.fx.GraphModule):
+        # Tracing erased the classes; the FQNs of a traced causal LM or bare model remain.
+        return "model.layers" if isinstance(getattr(root, "model", None), nn.Module) else "layers"
+    if not isinstance(root, Qwen3MoePreTrainedModel):
+        raise HierarchyError(
+            "qwen3_attn_swap rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class such "
+            "as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the root "
+            f"module ('') is {qualified_name(type(root))}; pass the Hugging Face model itself"
+        )
+    stacks = [fqn for fqn, module in root.named_modules() if isinstance(module, Qwen3MoeModel)]
+    if len(stacks) != 1:
+        found = ", ".join(repr(fqn or "<root>") for fqn in stacks) or "none"
+        raise HierarchyError(
+            f"qwen3_attn_swap needs exactly one Qwen3MoeModel (the decoder stack) in "
+            f"{qualified_name(type(root))}, found {found}; rewrite each model separately"
+        )
+    return f"{stacks[0]}.layers" if stacks[0] else "layers"
 
 
 def _swap_attention(module: nn.Module, ctx: RuleContext) -> nn.Module:

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
 from graphswap.config import TrainerConfig
 from graphswap.measure import ResidentActivationTracker, output_tensors
 from graphswap.models import BuiltModel, build
+from graphswap.preflight import check_data, check_inputs, resolve_device
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -26,6 +29,7 @@ class TrainResult:
     """What one run measured; ``to_dict`` is what lands in ``summary.json``."""
 
     activation_swap: str
+    attn_implementation: str
     device: str
     world_size: int
     losses: list[float]
@@ -33,6 +37,9 @@ class TrainResult:
     tokens_per_second: float
     peak_memory_bytes: int
     peak_memory_kind: str
+    resident_activation_bytes: int
+    """Saved activations on the device at the end of the first forward (measured by
+    ``graphswap.measure``, independent of the swap's own statistics)."""
     swap: dict[str, Any] = field(default_factory=dict)
     applied_passes: list[str] = field(default_factory=list)
 
@@ -40,32 +47,21 @@ class TrainResult:
         return dataclasses.asdict(self)
 
 
-def resolve_device(config: TrainerConfig) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("device: cuda was asked for but no CUDA device is visible")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def token_batches(
-    config: TrainerConfig, vocab_size: int, device: torch.device, rank: int = 0
+    config: TrainerConfig, vocab_size: int, device: torch.device | str, dp_rank: int = 0
 ) -> Iterator[torch.Tensor]:
-    """Seeded batches: random tokens, or byte-level windows of a local text file."""
-    gen = torch.Generator().manual_seed(config.seed + 1 + rank)
+    """Seeded batches: random tokens, or byte-level windows of a local text file.
+
+    ``dp_rank`` is the data-parallel rank: the ranks of one model replica (its
+    tensor-parallel shards) pass the same one and so see the same tokens.
+    """
+    gen = torch.Generator().manual_seed(config.seed + 1 + dp_rank)
     shape = (config.batch_size, config.seq_len)
     if config.data is None:
         while True:
             yield torch.randint(0, vocab_size, shape, generator=gen).to(device)
-    data_path = Path(config.data)
-    if not data_path.is_file():
-        raise FileNotFoundError(f"data: no file at {config.data!r}; give a local text file")
-    raw = torch.frombuffer(bytearray(data_path.read_bytes()), dtype=torch.uint8)
-    if raw.numel() <= config.seq_len:
-        raise ValueError(
-            f"data: {config.data!r} has {raw.numel()} bytes;"
-            f" need more than seq_len={config.seq_len}"
-        )
+    check_data(config)
+    raw = torch.frombuffer(bytearray(Path(config.data).read_bytes()), dtype=torch.uint8)
     tokens = raw.long() % vocab_size
     while True:
         starts = torch.randint(
@@ -74,16 +70,25 @@ def token_batches(
         yield torch.stack([tokens[s : s + config.seq_len] for s in starts]).to(device)
 
 
-def _distributed() -> tuple[int, int]:
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+def data_parallel_rank(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """``(rank, size)`` of this process in the mesh's ``dp_shard`` dimension; ``(0, 1)``
+    when there is none (one process, or tensor parallel only: one replica)."""
+    if mesh is None or "dp_shard" not in (mesh.mesh_dim_names or ()):
         return 0, 1
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    dp_mesh = mesh["dp_shard"]
+    return dp_mesh.get_local_rank(), dp_mesh.size()
+
+
+def _world_size() -> int:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size()
 
 
 def _measured_forward(
     built: BuiltModel, ids: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, int]:
-    """Forward once under the resident-activation tracker (the CPU memory figure)."""
+    """Forward once under the resident-activation tracker."""
     tracker = ResidentActivationTracker(device)
     with tracker.track():
         output = built.model(input_ids=ids, labels=ids, use_cache=False)
@@ -92,72 +97,133 @@ def _measured_forward(
     return output.loss, tracker.resident_bytes(exclude=output_tensors(output))
 
 
+class _Run:
+    """One config's model, optimizer and batches, advanced one step at a time."""
+
+    def __init__(
+        self, config: TrainerConfig, device: torch.device, mesh: Any, world_size: int
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.world_size = world_size
+        torch.manual_seed(config.seed)
+        self.built = build(config, device=device, mesh=mesh)
+        self.built.model.train()
+        self.optimizer = torch.optim.AdamW(self.built.model.parameters(), lr=config.lr)
+        dp_rank, self.dp_size = data_parallel_rank(self.built.infrastructure.mesh)
+        vocab_size = self.built.model.config.vocab_size
+        self.batches = token_batches(config, vocab_size, device, dp_rank=dp_rank)
+        self.losses: list[float] = []
+        self.seconds: list[float] = []
+        self.resident = 0
+        self.peak_rise = 0
+
+    def step(self) -> None:
+        model = self.built.model
+        ids = next(self.batches)
+        self._synchronize()
+        if self.device.type == "cuda":
+            # Side-by-side runs share the device: measure this step's own rise.
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        start = time.perf_counter()
+        if not self.losses:
+            loss, self.resident = _measured_forward(self.built, ids, self.device)
+        else:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._synchronize()
+        self.seconds.append(time.perf_counter() - start)
+        if self.device.type == "cuda":
+            rise = torch.cuda.max_memory_allocated(self.device) - before
+            self.peak_rise = max(self.peak_rise, rise)
+        value = loss.detach()
+        if self.world_size > 1:
+            # The ranks of one replica hold the same loss, so the world mean is the
+            # mean over replicas.
+            torch.distributed.all_reduce(value)
+            value = value / self.world_size
+        self.losses.append(value.item())
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def result(self) -> TrainResult:
+        config = self.config
+        timed = self.seconds[1:] or self.seconds
+        tokens = config.batch_size * config.seq_len * self.dp_size
+        if self.device.type == "cuda":
+            peak = self.peak_rise
+            kind = "cuda max_memory_allocated during a step, above its start"
+        else:
+            peak, kind = self.resident, "saved activations resident at end of forward (measured)"
+        manager = self.built.swap_manager
+        return TrainResult(
+            activation_swap=config.activation_swap,
+            attn_implementation=config.attn_implementation,
+            device=str(self.device),
+            world_size=self.world_size,
+            losses=self.losses,
+            step_seconds=self.seconds,
+            tokens_per_second=tokens / statistics.median(timed),
+            peak_memory_bytes=peak,
+            peak_memory_kind=kind,
+            resident_activation_bytes=self.resident,
+            swap=manager.stats.to_dict() if manager is not None else {},
+            applied_passes=list(self.built.infrastructure.applied),
+        )
+
+
 def train(
     config: TrainerConfig, *, mesh: Any = None, progress: bool = True, out: TextIO = sys.stderr
 ) -> TrainResult:
     """Build the model through the pass plan and train ``config.steps`` steps."""
+    return train_side_by_side([config], mesh=mesh, progress=progress, out=out)[0]
+
+
+def train_side_by_side(
+    configs: Sequence[TrainerConfig],
+    *,
+    mesh: Any = None,
+    progress: bool = True,
+    out: TextIO = sys.stderr,
+) -> list[TrainResult]:
+    """Train every config from the same seed, interleaved step by step (in alternating
+    order): each sees the same warm-up, machine noise and allocator state, so their
+    step times compare.
+
+    Every input is checked (``graphswap.preflight``) before the first model is built.
+    """
     from tqdm import tqdm
 
-    device = resolve_device(config)
-    rank, world_size = _distributed()
-    torch.manual_seed(config.seed)
-    built = build(config, device=device, mesh=mesh)
-    model = built.model
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    batches = token_batches(
-        config, model.config.vocab_size, device, rank=rank if config.fsdp else 0
-    )
-
-    losses: list[float] = []
-    seconds: list[float] = []
-    resident = 0
+    if not configs:
+        raise ValueError("train_side_by_side needs at least one config")
+    steps = {config.steps for config in configs}
+    if len(steps) > 1:
+        raise ValueError(f"configs trained side by side need equal steps, got {sorted(steps)}")
+    world_size = _world_size()
+    for config in configs:
+        check_inputs(config, world_size=world_size)
+    device = resolve_device(configs[0])
+    runs = [_Run(config, device, mesh, world_size) for config in configs]
+    rank = torch.distributed.get_rank() if world_size > 1 else 0
+    modes = "/".join(config.activation_swap for config in configs)
     bar = tqdm(
-        range(config.steps),
-        desc=f"train [{config.activation_swap}]",
+        range(configs[0].steps),
+        desc=f"train [{modes}]",
         file=out,
         disable=not progress or rank != 0,
     )
     for step in bar:
-        ids = next(batches)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        if step == 0 and device.type == "cpu":
-            loss, resident = _measured_forward(built, ids, device)
-        else:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-        value = loss.detach()
-        if world_size > 1 and config.fsdp:
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.AVG)
-        losses.append(value.item())
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-
-    timed = seconds[1:] or seconds
-    tokens = config.batch_size * config.seq_len * (world_size if config.fsdp else 1)
-    if device.type == "cuda":
-        peak, kind = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    else:
-        peak, kind = resident, "saved activations resident at end of forward (measured)"
-    manager = built.swap_manager
-    return TrainResult(
-        activation_swap=config.activation_swap,
-        device=str(device),
-        world_size=world_size,
-        losses=losses,
-        step_seconds=seconds,
-        tokens_per_second=tokens / statistics.median(timed),
-        peak_memory_bytes=peak,
-        peak_memory_kind=kind,
-        swap=manager.stats.to_dict() if manager is not None else {},
-        applied_passes=list(built.infrastructure.applied),
-    )
+        # Each run goes first on every other step: the one that runs second finds
+        # caches and threads warmed by the first, which would bias the step times.
+        for run in runs if step % 2 == 0 else runs[::-1]:
+            run.step()
+        bar.set_postfix(loss="/".join(f"{run.losses[-1]:.4f}" for run in runs))
+    return [run.result() for run in runs]
 
 
 def write_summary(results: list[TrainResult], output_dir: str) -> Path:
@@ -176,20 +242,37 @@ def _per_step(result: TrainResult, key: str) -> str:
     return _mib(result.swap.get(key, 0) // len(result.losses))
 
 
+def _step_ratio(base: TrainResult, result: TrainResult) -> float:
+    """Median over steps of this run's step time over the base run's same step: runs
+    trained side by side take their steps in turn, so each pair shares the machine's
+    state of that moment and load drift cancels. The first (warm-up) step is left out."""
+    pairs = list(zip(result.step_seconds, base.step_seconds, strict=True))
+    timed = pairs[1:] or pairs
+    return statistics.median(mine / theirs for mine, theirs in timed)
+
+
+def _swapped_share(base: TrainResult, result: TrainResult) -> str:
+    """The share of all saved activation bytes that the swap took off the device: the
+    tracker's resident bytes against those of the run without swap (``-`` without one)."""
+    if base.activation_swap != "none" or not base.resident_activation_bytes:
+        return "-"
+    moved = base.resident_activation_bytes - result.resident_activation_bytes
+    return f"{moved / base.resident_activation_bytes:.1%}"
+
+
 def format_summary(results: list[TrainResult]) -> str:
     """One column per run, side by side; ratios against the first run."""
     base = results[0]
     rows: list[tuple[str, list[str]]] = [
         ("activation_swap", [r.activation_swap for r in results]),
+        ("attn_implementation", [r.attn_implementation for r in results]),
         ("device / world", [f"{r.device} / {r.world_size}" for r in results]),
         ("loss first", [f"{r.losses[0]:.6f}" for r in results]),
         ("loss last", [f"{r.losses[-1]:.6f}" for r in results]),
         ("tokens/s", [f"{r.tokens_per_second:,.0f}" for r in results]),
-        (
-            "step time ratio",
-            [f"{base.tokens_per_second / r.tokens_per_second:.3f}" for r in results],
-        ),
+        ("step time ratio", [f"{_step_ratio(base, r):.3f}" for r in results]),
         ("peak memory *", [_mib(r.peak_memory_bytes) for r in results]),
+        ("saved activations swapped **", [_swapped_share(base, r) for r in results]),
         ("swap offloaded / step", [_per_step(r, "offloaded_bytes") for r in results]),
         ("swap reloaded / step", [_per_step(r, "reloaded_bytes") for r in results]),
         ("swap kept on device / step", [_per_step(r, "kept_bytes") for r in results]),
@@ -209,4 +292,9 @@ def format_summary(results: list[TrainResult]) -> str:
         f"{name:<{width}}  " + "  ".join(f"{v:>{cols[i]}}" for i, v in enumerate(values))
         for name, values in rows
     ]
-    return "\n".join([*lines, f"* {base.peak_memory_kind}"])
+    notes = [
+        f"* {base.peak_memory_kind}",
+        "** share of the saved activation bytes of one step moved off the device"
+        " (measured against activation_swap: none)",
+    ]
+    return "\n".join([*lines, *notes])

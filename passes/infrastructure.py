@@ -93,7 +93,7 @@ def apply_model_infrastructure(
                 f" and checks but cannot apply yet; set {spec.off_text()}"
             )
     if config.tp_size > 1:
-        check_heads_divisible(model, config.tp_size)
+        check_heads_divisible(getattr(model, "config", None), config.tp_size)
     meshes = resolve_meshes(checked, _device_type(model), mesh)
     run = _Run(model, config, meshes)
     applied: list[str] = []

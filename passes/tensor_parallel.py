@@ -11,7 +11,7 @@ that their gradients are summed over ranks instead of staying partial.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -28,10 +28,11 @@ _HEAD_DIM = 2
 """The head dimension of ``(batch, seq, heads, head_dim)``, where the q/k norms run."""
 
 
-def check_heads_divisible(model: nn.Module, tp_size: int) -> None:
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None)
+def check_heads_divisible(hf_config: Any, tp_size: int) -> None:
+    """Refuse a ``tp_size`` that does not split the heads of ``hf_config`` (a model's
+    ``config``): checked from the config alone, so before any model is built."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
     if heads is None or kv_heads is None:
         raise PassRequirementError(
             f"tp_size: {tp_size} needs model.config.num_attention_heads and"
@@ -54,7 +55,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module,
     )
 
-    check_heads_divisible(model, tp_mesh.size())
+    check_heads_divisible(getattr(model, "config", None), tp_mesh.size())
     plan = {
         **{name: ColwiseParallel() for name in _COLWISE},
         **{name: RowwiseParallel() for name in _ROWWISE},

@@ -34,7 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a positional list at the first option, so `train steps=1
+    # --no-progress seed=2` leaves seed=2 over: overrides may follow options.
+    overrides = getattr(args, "overrides", None)
+    if extra and overrides is not None and not any(a.startswith("-") for a in extra):
+        overrides.extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.run(args) or 0)
     except BrokenPipeError:

@@ -58,18 +58,33 @@ def _fail(message: str) -> int:
     return 1
 
 
+def _output_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be written, or ``None``."""
+    if path.is_dir():
+        return "is a folder; give a file name"
+    if not path.parent.is_dir():
+        return f"its folder {str(path.parent)!r} does not exist; create it or write elsewhere"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from graphswap.graph import RENDER_FORMATS, require_graphviz, to_dot, to_json
     from graphswap.graph import render as render_graph
-    from graphswap.models import build_model, load_hf_config
+    from graphswap.models import CheckpointError, build_model, load_hf_config
     from graphswap.presets import qwen3_moe_config
     from graphswap.rewrite import RewriteError, rewrite
 
+    # Checked before the model is built: a wrong input should fail at once.
+    if args.output is not None:
+        problem = _output_problem(Path(args.output))
+        if problem:
+            return _fail(f"-o {args.output}: {problem}")
     try:
-        # Checked before the model is built: a missing renderer should fail at once.
         if args.format in RENDER_FORMATS:
             require_graphviz(args.format)
         config = load_hf_config(args.model) if args.model else qwen3_moe_config(DEFAULT_PRESET)
+    except CheckpointError as exc:
+        return _fail(f"--model {args.model}: {exc}")
     except (OSError, ValueError, RuntimeError) as exc:
         return _fail(str(exc))
     if args.layers is not None:

@@ -113,7 +113,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from graphswap.models import load_hf_config
+    from graphswap.models import CheckpointError, load_hf_config
     from graphswap.planner import (
         DEFAULT_BANDWIDTH_GBPS,
         DEFAULT_TFLOPS,
@@ -124,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     if args.model is not None:
-        config = load_hf_config(args.model, attn_implementation=args.attn_implementation)
+        try:
+            config = load_hf_config(args.model, attn_implementation=args.attn_implementation)
+        except CheckpointError as error:
+            print(f"graphswap plan-memory: error: --model {args.model}: {error}", file=sys.stderr)
+            return 2
         for key, value in overrides.items():
             setattr(config, key, value)
     else:

@@ -16,8 +16,10 @@ def add_parser(subparsers: Any) -> None:
         description=(
             "Resolve a training config, list its passes (swap, tensor parallel, activation"
             " checkpointing, compile, FSDP, ...) in the order they run, and check their"
-            " order and exclusions. Exits 1 with the reason on stderr when the config or"
-            " the plan is rejected."
+            " order and exclusions, and check the model it names (its config.json and weights,"
+            " heads divisible by tp_size). Exits 1 with the reason on stderr when graphswap"
+            " train would refuse the config. The world size is not known here: the ranks"
+            " the plan needs are printed to stderr."
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="training YAML (default: all defaults)")
@@ -33,12 +35,36 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import passes
     from graphswap.config import ConfigError, resolve_config
+    from graphswap.preflight import check_model
 
     try:
-        plan = passes.plan(resolve_config(args.config, args.overrides)).check()
+        config = resolve_config(args.config, args.overrides)
+        plan = passes.plan(config).check()
+        check_model(config)
     except (ConfigError, passes.PlanError) as error:
         print(f"graphswap plan: {error}", file=sys.stderr)
         return 1
     render = {"text": plan.to_text, "dot": plan.to_dot, "json": plan.to_json}[args.format]
     sys.stdout.write(render())
+    world = world_requirement(config.tp_size, config.fsdp)
+    if world:
+        print(f"graphswap plan: {world}", file=sys.stderr)
     return 0
+
+
+def world_requirement(tp_size: int, fsdp: bool) -> str | None:
+    """What the world size must be, which the plan cannot see (torchrun sets it)."""
+    unknown = "the world size is not known here (torchrun sets it)"
+    if tp_size > 1 and fsdp:
+        return (
+            f"{unknown}: tp_size: {tp_size} with fsdp: true needs a multiple of {tp_size}"
+            f" ranks, {tp_size} per replica"
+        )
+    if tp_size > 1:
+        return (
+            f"{unknown}: tp_size: {tp_size} without fsdp needs exactly {tp_size} ranks;"
+            " set fsdp: true for more"
+        )
+    if fsdp:
+        return f"{unknown}: fsdp: true shards over every rank started"
+    return None

@@ -29,8 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--compare",
         action="store_true",
-        help="run activation_swap none and attention from the same seed, side by side; "
-        "fail if the losses differ",
+        help="run activation_swap none and attention from the same seed, interleaved step by "
+        "step so that their step times compare; fail if the losses differ",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(run=run)
@@ -44,7 +44,7 @@ def _init_distributed(config: Any) -> Any:
     import torch
     import torch.distributed as dist
 
-    from graphswap.train import resolve_device
+    from graphswap.preflight import resolve_device
     from passes import build_mesh
 
     device = resolve_device(config)
@@ -68,26 +68,21 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from graphswap.config import ConfigError, resolve_config
-    from graphswap.train import format_summary, train, write_summary
+    from graphswap.models import CheckpointError
+    from graphswap.train import format_summary, train_side_by_side, write_summary
     from passes import PlanError
 
     try:
         config = resolve_config(args.config or EMBEDDED_DEFAULT, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
+    except ConfigError as err:
         print(f"graphswap train: {err}", file=sys.stderr)
         return 2
     modes = ["none", "attention"] if args.compare else [config.activation_swap]
+    configs = [_as_mode(config, mode) for mode in modes]
     try:
         mesh = _init_distributed(config)
-        results = [
-            train(
-                _as_mode(config, mode),
-                mesh=mesh,
-                progress=not args.no_progress,
-            )
-            for mode in modes
-        ]
-    except (PlanError, ConfigError) as err:
+        results = train_side_by_side(configs, mesh=mesh, progress=not args.no_progress)
+    except (PlanError, ConfigError, CheckpointError) as err:
         print(f"graphswap train: {err}", file=sys.stderr)
         return 2
     finally:
@@ -105,3 +100,4 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+

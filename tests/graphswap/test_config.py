@@ -100,7 +100,13 @@ def test_wrong_type_names_the_key(mapping: dict[str, object], message: str) -> N
         ({"swap_prefetch_depth": 2}, "swap_prefetch_depth: is 2 but activation_swap: none"),
         ({"num_layers": 0}, "num_layers: must be >= 1, got 0"),
         ({"seed": -1}, "seed: must be >= 0, got -1"),
-        ({"lr": 0}, "lr: must be > 0, got 0.0"),
+        ({"lr": 0}, "lr: must be a finite number > 0, got 0.0"),
+        ({"lr": float("inf")}, "lr: must be a finite number > 0, got inf"),
+        ({"lr": float("nan")}, "lr: must be a finite number > 0, got nan"),
+        (
+            {"model_path": "ckpt", "model": "qwen3-30b-a3b"},
+            "model_path: is set, so the preset model: qwen3-30b-a3b would be ignored;",
+        ),
         ({"model": "qwen9"}, "model: unknown preset 'qwen9'; allowed values: "),
         ({"output_dir": ""}, "output_dir: must not be empty"),
     ],
@@ -145,6 +151,32 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^<file>: .* is not valid YAML"):
         resolve_config(_write(tmp_path, "a: [\n"))
     assert resolve_config(_write(tmp_path, "")) == TrainerConfig()
+
+
+def test_inf_override_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"^lr: must be a finite number"):
+        resolve_config({}, ["lr=.inf"])
+
+
+def test_model_path_with_the_default_model_is_accepted() -> None:
+    """The example YAML lists model: tiny; a model_path override must still work."""
+    assert resolve_config(EXAMPLE, ["model_path=ckpt"]).model_path == "ckpt"
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path: Path) -> None:
+    path = _write(tmp_path, "lr: 1.0e-3\nsteps: 2\nlr: 3.0e-4\n")
+    with pytest.raises(ConfigError) as info:
+        resolve_config(path)
+    assert str(info.value) == (
+        f"lr: given twice in {str(path)!r} (lines 1 and 3); keep one of them"
+    )
+
+
+def test_a_binary_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes([0x80, 0xFF, 0x00, 0xC3]) * 16)
+    with pytest.raises(ConfigError, match=r"^<file>: .*weights\.bin' is not a UTF-8 text file"):
+        resolve_config(path)
 
 
 def test_config_is_frozen() -> None:

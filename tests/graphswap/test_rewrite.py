@@ -132,6 +132,70 @@ def test_qwen3_moe_model_root_is_accepted() -> None:
     assert list(report.rules[0].fqns) == ["layers.0.self_attn", "layers.1.self_attn"]
 
 
+def _qwen3_moe_model_classes() -> list[type]:
+    """Every model class transformers ships for Qwen3-MoE: the bare model and each head."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as module
+
+    base = module.Qwen3MoePreTrainedModel
+    classes = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, base) and c is not base
+    ]
+    return sorted(classes, key=lambda c: c.__name__)
+
+
+def test_the_model_classes_include_every_head() -> None:
+    names = {c.__name__ for c in _qwen3_moe_model_classes()}
+    assert names >= {
+        "Qwen3MoeModel",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeForSequenceClassification",
+        "Qwen3MoeForTokenClassification",
+        "Qwen3MoeForQuestionAnswering",
+    }
+
+
+@pytest.mark.parametrize("cls", _qwen3_moe_model_classes(), ids=lambda c: c.__name__)
+def test_every_qwen3_moe_model_class_is_rewritten_exactly(cls: type) -> None:
+    config = qwen3_moe_config("tiny", num_hidden_layers=2, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    plain = cls(config)
+    swapped = cls(config)
+    swapped.load_state_dict(plain.state_dict())
+    # 256 tokens: each layer's attention probabilities (2 MiB) pass the swap policy.
+    ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1))
+
+    report = rewrite(swapped, "qwen3_attn_swap")
+    stack = next(fqn for fqn, m in swapped.named_modules() if type(m).__name__ == "Qwen3MoeModel")
+    prefix = f"{stack}." if stack else ""
+    assert list(report.rules[0].fqns) == [f"{prefix}layers.{i}.self_attn" for i in range(2)]
+    assert len(report.rules[0].links) == 1
+
+    def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+        torch.manual_seed(2)  # the same dropout masks in both runs
+        out = model(input_ids=ids).to_tuple()[0]
+        out.float().pow(2).mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    expected, got = grads(plain), grads(swapped)
+    assert report.manager.stats.offloaded_bytes > 0
+    assert got.keys() == expected.keys() and got
+    assert all(torch.equal(got[n], expected[n]) for n in got)
+
+
+def test_a_head_class_keeps_the_exact_type_check() -> None:
+    from transformers import Qwen3MoeForQuestionAnswering
+
+    model = Qwen3MoeForQuestionAnswering(qwen3_moe_config("tiny", num_hidden_layers=2))
+    model.transformer.layers[1].self_attn.__class__ = SubAttention
+    with pytest.raises(
+        HierarchyError, match=r"'transformer\.layers\.1\.self_attn'.*found .*SubAttention"
+    ):
+        rewrite(model, "qwen3_attn_swap")
+    assert not any(is_swap_wrapped(m) for m in model.modules())
+
+
 def test_unrewrite_restores_and_allows_a_second_rewrite() -> None:
     model = meta_model(4)
     before = snapshot(model)
@@ -417,11 +481,17 @@ def test_a_used_manager_is_refused() -> None:
         rewrite(meta_model(2), "qwen3_attn_swap", manager=manager)
 
 
-def test_in_place_factory_without_restore_is_rejected() -> None:
+def test_in_place_factory_without_restore_leaves_the_model_untouched() -> None:
     model = meta_model(2)
-    with pytest.raises(RewriteError, match="in place but has no restore, so that module stays"):
-        rewrite(model, [swap_rule("no_restore", restore=None)])
-    assert not hasattr(model, "_graphswap_rewrite")
+    before = snapshot(model)
+    manager = SwapManager()
+    with pytest.raises(RewriteError, match=r"in place but has no restore.*the model was restored"):
+        rewrite(model, [swap_rule("no_restore", restore=None)], manager=manager)
+    assert_untouched(model, before)
+    assert manager.groups() == []
+    assert "_graphswap_swap_state" not in model.model.layers[0].self_attn.__dict__
+    report = rewrite(model, "qwen3_attn_swap", manager=manager)
+    assert len(report.rules[0].changes) == 2
 
 
 class AttentionStack(nn.Module):

@@ -1,9 +1,22 @@
 import json
 
 import pytest
+import torch
 
-from graphswap.config import TrainerConfig
-from graphswap.train import format_summary, token_batches, train, write_summary
+from graphswap.config import ConfigError, TrainerConfig
+from graphswap.models import CheckpointError, build_model
+from graphswap.preflight import check_world
+from graphswap.presets import qwen3_moe_config
+from graphswap.train import (
+    TrainResult,
+    _Run,
+    format_summary,
+    token_batches,
+    train,
+    train_side_by_side,
+    write_summary,
+)
+from passes import PassRequirementError
 
 FAST = {"num_layers": 2, "seq_len": 256, "steps": 3}
 
@@ -43,9 +56,88 @@ def test_text_data_is_read_byte_level(tmp_path) -> None:
 
 
 def test_missing_or_short_data_is_a_clear_error(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="data"):
+    with pytest.raises(ConfigError, match=r"^data: no file at"):
         next(token_batches(TrainerConfig(data=str(tmp_path / "nope.txt")), 512, "cpu"))
     short = tmp_path / "short.txt"
     short.write_text("abc")
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(ConfigError, match=r"^data: .* has 3 bytes.*seq_len=16"):
         next(token_batches(TrainerConfig(data=str(short), seq_len=16), 512, "cpu"))
+
+
+def test_model_path_trains_from_the_checkpoint_weights(tmp_path) -> None:
+    torch.manual_seed(123)  # not the trainer's seed: a random init cannot match
+    checkpoint = build_model(qwen3_moe_config("tiny", num_hidden_layers=2))
+    checkpoint.save_pretrained(tmp_path)
+    config = TrainerConfig(model_path=str(tmp_path), seq_len=64, steps=1)
+    ids = next(token_batches(config, checkpoint.config.vocab_size, "cpu"))
+    expected = checkpoint(input_ids=ids, labels=ids, use_cache=False).loss.item()
+    assert train(config, progress=False).losses == [expected]
+
+
+def test_model_path_with_more_layers_than_saved_is_refused(tmp_path) -> None:
+    build_model(qwen3_moe_config("tiny", num_hidden_layers=1)).save_pretrained(tmp_path)
+    config = TrainerConfig(model_path=str(tmp_path), num_layers=2, seq_len=64, steps=1)
+    with pytest.raises(CheckpointError, match=r"does not hold model\.layers\.1\."):
+        train(config, progress=False)
+
+
+def test_several_ranks_need_a_pass_that_keeps_them_one_model() -> None:
+    with pytest.raises(PassRequirementError, match=r"^tp_size: 1 and fsdp: false on a world of 2"):
+        check_world(TrainerConfig(), 2)
+    check_world(TrainerConfig(fsdp=True), 2)
+    check_world(TrainerConfig(tp_size=2), 2)
+
+
+def test_side_by_side_runs_interleave_step_by_step_in_turn(monkeypatch) -> None:
+    order: list[str] = []
+    step = _Run.step
+
+    def recorded(run: _Run) -> None:
+        order.append(run.config.activation_swap)
+        step(run)
+
+    monkeypatch.setattr(_Run, "step", recorded)
+    configs = [TrainerConfig(**FAST), TrainerConfig(activation_swap="attention", **FAST)]
+    none, swap = train_side_by_side(configs, progress=False)
+    assert FAST["steps"] == 3
+    assert order == ["none", "attention", "attention", "none", "none", "attention"]
+    assert none.losses == swap.losses
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_summary_prints_the_share_of_saved_activations_swapped(attn: str) -> None:
+    fast = {**FAST, "steps": 1, "attn_implementation": attn}
+    none, swap = train_side_by_side(
+        [TrainerConfig(**fast), TrainerConfig(activation_swap="attention", **fast)],
+        progress=False,
+    )
+    row = next(line for line in format_summary([none, swap]).splitlines() if "swapped **" in line)
+    moved = none.resident_activation_bytes - swap.resident_activation_bytes
+    share = moved / none.resident_activation_bytes
+    assert row.split()[-2:] == ["0.0%", f"{share:.1%}"]
+    assert moved == swap.swap["offloaded_bytes"]
+    if attn == "eager":
+        assert share > 0.1, "the eager attention probabilities are swapped"
+
+
+def test_step_time_ratio_pairs_the_steps_of_side_by_side_runs() -> None:
+    """A load spike that hits both runs' step 2 does not move the ratio."""
+
+    def result(mode: str, seconds: list[float]) -> TrainResult:
+        return TrainResult(
+            activation_swap=mode,
+            attn_implementation="eager",
+            device="cpu",
+            world_size=1,
+            losses=[1.0] * len(seconds),
+            step_seconds=seconds,
+            tokens_per_second=1.0,
+            peak_memory_bytes=0,
+            peak_memory_kind="test",
+            resident_activation_bytes=0,
+        )
+
+    base = result("none", [9.0, 1.0, 4.0, 1.0])
+    swap = result("attention", [1.0, 1.1, 4.4, 1.1])
+    row = next(line for line in format_summary([base, swap]).splitlines() if "ratio" in line)
+    assert row.split()[-2:] == ["1.000", "1.100"]

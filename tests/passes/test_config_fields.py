@@ -140,9 +140,11 @@ def test_builder_fields_reach_the_model(tmp_path: Path) -> None:
 @pytest.mark.parametrize("field", TRAINER_FIELDS)
 def test_trainer_fields_are_read_by_the_training_loop(field: str) -> None:
     import graphswap.cli._train
+    import graphswap.preflight
     import graphswap.train
 
-    sources = inspect.getsource(graphswap.train) + inspect.getsource(graphswap.cli._train)
+    modules = (graphswap.train, graphswap.preflight, graphswap.cli._train)
+    sources = "".join(inspect.getsource(module) for module in modules)
     assert f"config.{field}" in sources, (
         f"graphswap train never reads config.{field}; consume it or remove the field"
     )

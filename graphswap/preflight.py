@@ -1,0 +1,120 @@
+"""Checks of a training config against what it names (the checkpoint, the data file,
+the output folder, the device, the world) before any model is built.
+
+A wrong path or an impossible setting must cost the user a second and one clear
+line, not a model build, a training run, or a traceback; ``graphswap train`` runs
+every check here first and ``graphswap plan`` runs the ones about the model.
+Every error is a :class:`~graphswap.config.ConfigError` (message starts with the
+key) or, for a distributed layout, a ``passes`` plan error naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphswap.config import ConfigError, TrainerConfig
+from graphswap.models import CheckpointError, trainer_hf_config, weight_files
+
+if TYPE_CHECKING:
+    from transformers import Qwen3MoeConfig
+
+
+def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> Qwen3MoeConfig:
+    """Every check ``graphswap train`` needs; returns the Hugging Face config to build."""
+    import passes
+
+    passes.plan(config).check()
+    hf_config = check_model(config)
+    resolve_device(config)
+    check_data(config)
+    check_output_dir(config)
+    check_world(config, world_size)
+    return hf_config
+
+
+def check_model(config: TrainerConfig) -> Qwen3MoeConfig:
+    """The model's config (preset, or ``model_path``'s config.json and weights), and
+    that ``tp_size`` divides its head counts."""
+    from passes.tensor_parallel import check_heads_divisible
+
+    try:
+        hf_config = trainer_hf_config(config)
+        if config.model_path is not None:
+            weight_files(config.model_path)
+    except CheckpointError as error:
+        raise ConfigError("model_path", str(error)) from error
+    if config.tp_size > 1:
+        check_heads_divisible(hf_config, config.tp_size)
+    return hf_config
+
+
+def resolve_device(config: TrainerConfig) -> torch.device:
+    """The device ``config.device`` names; under torchrun, this rank's CUDA device."""
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "device", "cuda was asked for but no CUDA device is visible; set device: cpu"
+                " (or auto, which picks cuda when there is one)"
+            )
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def check_data(config: TrainerConfig) -> int:
+    """Bytes in ``config.data`` (0 without a file); it must hold more than one window."""
+    if config.data is None:
+        return 0
+    path = Path(config.data)
+    if path.is_dir():
+        raise ConfigError("data", f"{config.data!r} is a folder; give a local text file")
+    if not path.is_file():
+        raise ConfigError(
+            "data", f"no file at {config.data!r}; give a local text file (or data: null)"
+        )
+    size = path.stat().st_size
+    if size <= config.seq_len:
+        raise ConfigError(
+            "data",
+            f"{config.data!r} has {size} bytes, but one window needs more than"
+            f" seq_len={config.seq_len}; give a longer file or a smaller seq_len",
+        )
+    return size
+
+
+def check_output_dir(config: TrainerConfig) -> Path:
+    """Create ``config.output_dir`` and prove it writable now, rather than after the
+    run when the summary would be lost."""
+    path = Path(config.output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            "output_dir", f"{config.output_dir!r} is a file, not a folder; choose another"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            "output_dir",
+            f"cannot write to {config.output_dir!r} ({error.strerror or error});"
+            " choose a writable folder",
+        ) from error
+    return path
+
+
+def check_world(config: TrainerConfig, world_size: int) -> None:
+    """Several ranks need a pass that keeps them one model: without one, each rank
+    would train its own unsynchronised copy."""
+    from passes import PassRequirementError
+
+    if world_size > 1 and config.tp_size == 1 and not config.fsdp:
+        raise PassRequirementError(
+            f"tp_size: 1 and fsdp: false on a world of {world_size} ranks would train"
+            f" {world_size} unsynchronised copies; set fsdp: true (data parallel, dp_shard ="
+            f" {world_size}) or tp_size: {world_size}, or run one process"
+        )
