@@ -25,9 +25,15 @@ from graphswap.train import token_batches, train
 
 pytestmark = pytest.mark.distributed
 
-SETTINGS = {"num_layers": 2, "seq_len": 256, "batch_size": 2, "activation_swap": "attention"}
-"""256 tokens: each layer's attention probabilities pass the swap policy's threshold
-even with the heads split over two ranks, so the swap moves tensors."""
+SETTINGS = {
+    "num_layers": 2,
+    "seq_len": 256,
+    "batch_size": 2,
+    "activation_swap": "attention",
+    "attn_implementation": "eager",
+}
+"""Eager attention at 256 tokens: each layer's attention probabilities pass the swap
+policy's threshold even with the heads split over two ranks, so the swap moves tensors."""
 LOSS_RTOL = 1e-5
 
 
