@@ -16,6 +16,7 @@ from graphswap.rewrite import (
 )
 from graphswap.rules import Rule, available_rules, get_rule, register_rule
 from graphswap.runtime import (
+    SwapExclusionError,
     SwapIntegrityError,
     SwapManager,
     SwapStats,
@@ -31,6 +32,7 @@ __all__ = [
     "RewriteError",
     "RewriteReport",
     "Rule",
+    "SwapExclusionError",
     "SwapIntegrityError",
     "SwapManager",
     "SwapStats",

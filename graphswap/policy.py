@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -53,30 +54,39 @@ def is_parameter_like(t: torch.Tensor) -> bool:
     return base is not None and isinstance(base, torch.nn.Parameter)
 
 
-def size_threshold_policy(min_bytes: int = MIN_SWAP_TENSOR_BYTES) -> SwapPolicy:
-    """A policy that swaps grad-requiring tensors of 2+ dims that own their storage
-    and hold at least ``min_bytes`` bytes."""
-    if min_bytes < 0:
-        raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+@dataclass(frozen=True)
+class _SizeThreshold:
+    """A picklable policy object, so a wrapped model can be saved and deep-copied."""
 
-    def policy(t: torch.Tensor) -> CheckpointPolicy:
+    min_bytes: int
+    name: str
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    def __call__(self, t: torch.Tensor) -> CheckpointPolicy:
         if (
             not t.requires_grad
             or t.dim() < 2
             or is_parameter_like(t)
             or not owns_storage(t)
-            or tensor_nbytes(t) < min_bytes
+            or tensor_nbytes(t) < self.min_bytes
         ):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_SWAP
 
-    policy.__name__ = policy.__qualname__ = f"size_threshold_policy({min_bytes})"
-    return policy
+
+def size_threshold_policy(min_bytes: int = MIN_SWAP_TENSOR_BYTES) -> SwapPolicy:
+    """A policy that swaps grad-requiring tensors of 2+ dims that own their storage
+    and hold at least ``min_bytes`` bytes."""
+    if min_bytes < 0:
+        raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+    return _SizeThreshold(min_bytes, f"size_threshold_policy({min_bytes})")
 
 
-qwen3_attention_swap_policy: SwapPolicy = size_threshold_policy(MIN_SWAP_TENSOR_BYTES)
-qwen3_attention_swap_policy.__name__ = qwen3_attention_swap_policy.__qualname__ = (
-    "qwen3_attention_swap_policy"
+qwen3_attention_swap_policy: SwapPolicy = _SizeThreshold(
+    MIN_SWAP_TENSOR_BYTES, "qwen3_attention_swap_policy"
 )
 
 

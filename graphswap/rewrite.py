@@ -111,6 +111,10 @@ class _Applied:
         )
 
 
+def _dead() -> None:
+    """A model reference that is gone."""
+
+
 @dataclass(eq=False)
 class RewriteReport:
     """What ``rewrite`` changed: per rule the modules and links, the prefetch graph,
@@ -151,6 +155,16 @@ class RewriteReport:
             ],
             "prefetch_graph": graph_to_dict(self.graph),
         }
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copied or pickled model carries its own report: it refers to the copy."""
+        state = dict(self.__dict__)
+        state["_model"] = self._model()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        model = state.pop("_model")
+        self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _dead)
 
     def undo(self) -> None:
         """Put the original modules back: same objects, same classes."""

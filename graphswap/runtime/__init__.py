@@ -6,7 +6,12 @@ from graphswap.runtime.engines import (
     HazardError,
     SimulatedAccelerator,
 )
-from graphswap.runtime.manager import GroupInfo, SwapIntegrityError, SwapManager
+from graphswap.runtime.manager import (
+    GroupInfo,
+    SwapExclusionError,
+    SwapIntegrityError,
+    SwapManager,
+)
 from graphswap.runtime.stats import GroupStats, SwapStats
 from graphswap.runtime.wrapper import (
     is_swap_wrapped,
@@ -23,6 +28,7 @@ __all__ = [
     "GroupStats",
     "HazardError",
     "SimulatedAccelerator",
+    "SwapExclusionError",
     "SwapIntegrityError",
     "SwapManager",
     "SwapStats",

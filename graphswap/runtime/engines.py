@@ -127,6 +127,9 @@ class AcceleratorCopyEngine(CopyEngine):
     def __init__(self) -> None:
         self._streams: dict[torch.device, tuple[torch.Stream, torch.Stream]] = {}
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return AcceleratorCopyEngine, ()
+
     def _streams_of(self, device: torch.device) -> tuple[torch.Stream, torch.Stream]:
         streams = self._streams.get(device)
         if streams is None:
@@ -255,6 +258,10 @@ class SimulatedAccelerator(CopyEngine):
 
     def __repr__(self) -> str:
         return f"SimulatedAccelerator(lag={self.lag})"
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        """A copy is a fresh device with the same lag, nothing in flight."""
+        return SimulatedAccelerator, (self.lag,)
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
         self._legal("a device-to-host copy")

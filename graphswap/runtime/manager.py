@@ -43,6 +43,35 @@ class SwapIntegrityError(RuntimeError):
     """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
 
 
+class SwapExclusionError(RuntimeError):
+    """A swap-wrapped module ran under a transform that activation swap excludes."""
+
+
+_FIXES = {
+    "compile": "compile: false (by hand: call graphswap.unrewrite(model) before torch.compile)",
+    "activation_checkpointing": "activation_checkpointing: false (by hand: call"
+    " graphswap.unrewrite(model) before enabling gradient checkpointing)",
+}
+
+
+def _refuse(name: str, excluded: str, found: str) -> None:
+    """Raise the plan's exclusion error at run time (the plan cannot see hand-made setups)."""
+    raise SwapExclusionError(
+        f"activation swap excludes {excluded}: {name!r} ran under {found}, which would handle"
+        f" its saved tensors a second time; set activation_swap: none or {_FIXES[excluded]}"
+    )
+
+
+def _checkpointing() -> str | None:
+    """How the current forward is checkpointed, if it is."""
+    if torch._C._current_graph_task_id() != -1:
+        return "a recomputation during backward (reentrant activation checkpointing)"
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        return "torch.utils.checkpoint (non-reentrant activation checkpointing)"
+    return None
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     """What the prefetch graph needs to know about one wrapped module."""
@@ -276,6 +305,34 @@ class SwapManager:
             collections.deque(maxlen=TRACE_LIMIT) if trace else None
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Options, groups and links; a copy starts with fresh stats, pool and engines."""
+        return {
+            "options": {
+                "prefetch_depth": self.prefetch_depth,
+                "keep_last": self.keep_last,
+                "max_host_bytes": self._pool.max_bytes,
+                "offload_lag": self.offload_lag,
+                "engine": self._engine_override,
+                "trace": self.events is not None,
+            },
+            "slots": [
+                (s.module, s.name, s.index, s.policy, s.module_type) for s in self._slots.values()
+            ],
+            "registered": self._registered,
+            "links": list(self._next.items()),
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state["options"])  # type: ignore[misc]
+        for module, name, index, policy, module_type in state["slots"]:
+            self._slots[module] = _Slot(module, name, index, policy, module_type)
+            self._stats[name] = GroupStats()
+        self._registered = state["registered"]
+        for prev, nxt in state["links"]:
+            self._next[prev] = nxt
+            self._prev[nxt] = prev
+
     def register(self, module: torch.nn.Module, name: str | None, policy: SwapPolicy) -> None:
         """Called by ``swap_wrapper``; ``name`` defaults to the class name and a counter."""
         cls = type(module)
@@ -388,9 +445,15 @@ class SwapManager:
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
     ) -> Any:
         """Run ``forward`` of a wrapped module under this manager's saved-tensor hooks."""
+        if torch.compiler.is_compiling():
+            # Under tracing, a disabled call graph-breaks and then really raises.
+            torch._dynamo.disable(_refuse)(self._slots[module].name, "compile", "torch.compile")
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         slot = self._slots[module]
+        checkpointed = _checkpointing()
+        if checkpointed is not None:
+            _refuse(slot.name, "activation_checkpointing", checkpointed)
         self._seq += 1
         seq = self._seq
         self._boundary(seq)

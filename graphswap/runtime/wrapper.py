@@ -4,10 +4,15 @@ Like FSDP2's ``fully_shard``, the module's class is swapped for a generated
 subclass whose ``forward`` runs under the manager's saved-tensor hooks. The object,
 its parameters, buffers, FQNs, ``state_dict`` keys, attributes and ``isinstance``
 all stay as they were, and ``unwrap_swap`` restores the exact original type.
+
+A generated class pickles as the call that makes it (``_swap_class(original)``), so a
+wrapped model survives ``pickle``, ``torch.save`` and ``copy.deepcopy`` with swap
+installed; the manager pickles its links and options, not its run-time state.
 """
 
 from __future__ import annotations
 
+import copyreg
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +36,29 @@ class SwapWrapped:
     """Marker base of every generated swap class."""
 
 
+class _SwapClassMeta(type):
+    """Metaclass of the generated classes: lets them pickle by recipe, not by name."""
+
+    _graphswap_original: type
+
+
+def _reduce_swap_class(swap_cls: _SwapClassMeta) -> tuple[Any, tuple[type]]:
+    return _swap_class, (swap_cls._graphswap_original,)
+
+
+copyreg.pickle(_SwapClassMeta, _reduce_swap_class)
+
+
 def _swap_class(cls: type) -> type:
     """``Swap<cls>``: its forward runs the original under the manager's hooks and
     carries the original's signature (HF inspects ``forward`` parameters)."""
     swap_cls = _CLASS_CACHE.get(cls)
     if swap_cls is None:
+        if type(cls) is not type:
+            raise TypeError(
+                f"swap_wrapper supports modules whose class has the default metaclass;"
+                f" {cls.__qualname__} uses {type(cls).__qualname__}"
+            )
         original = cls.forward
 
         @functools.wraps(original)
@@ -43,8 +66,8 @@ def _swap_class(cls: type) -> type:
             state: _SwapState = self.__dict__[_STATE_ATTR]
             return state.manager.run_forward(self, functools.partial(original, self), args, kwargs)
 
-        namespace = {"__module__": __name__, "forward": forward}
-        swap_cls = type(f"Swap{cls.__name__}", (SwapWrapped, cls), namespace)
+        namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
+        swap_cls = _SwapClassMeta(f"Swap{cls.__name__}", (SwapWrapped, cls), namespace)
         _CLASS_CACHE[cls] = swap_cls
     return swap_cls
 
