@@ -8,6 +8,7 @@ policy answers, the runtime never swaps parameters, buffers or views of them.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,16 +30,29 @@ class CheckpointPolicy(enum.Enum):
 SwapPolicy = Callable[[torch.Tensor], CheckpointPolicy]
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds ``t``'s bytes on this rank: a DTensor's local shard, else
+    ``t``. DTensor is looked up only once something imported it (no import cost here)."""
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    if dtensor_module is not None and isinstance(t, dtensor_module.DTensor):
+        return t._local_tensor
+    return t
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Bytes on this rank (a DTensor counts its local shard)."""
+    local = local_tensor(t)
+    return local.numel() * local.element_size()
 
 
 def owns_storage(t: torch.Tensor) -> bool:
-    """True when ``t`` covers its whole storage, so moving it frees all of it.
+    """True when ``t`` (a DTensor: its local shard) covers its whole storage, so moving
+    it frees all of it.
 
     A slice or a view of a larger tensor shares storage with tensors the policy
     cannot see; swapping it would copy bytes without freeing any.
     """
+    t = local_tensor(t)
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         return False
     if t.layout is not torch.strided:

@@ -200,8 +200,9 @@ class _SimCopy(Copy):
         self.fenced = False
         self.key = self.dst.data_ptr() if kind == "offload" else src.data_ptr()
         """The host buffer this copy writes (offload) or reads (load)."""
-        self.conflicts: list[_SimCopy] = []
-        """Copies issued earlier that touch the same host buffer the other way."""
+        self.conflicts: list[_SimCopy] | None = None
+        """Copies in flight when this one was queued that touch the same host buffer the
+        other way (None: never queued, or completed)."""
 
     def done(self) -> bool:
         self._engine._legal("an event query")
@@ -265,22 +266,14 @@ class SimulatedAccelerator(CopyEngine):
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
         self._legal("a device-to-host copy")
-        copy = _SimCopy(self, "offload", src, host[: src.numel()], after)
-        self._issue(copy)
-        self._d2h.append(copy)
-        self._advance()
-        return copy
+        return self._submit(_SimCopy(self, "offload", src, host[: src.numel()], after), self._d2h)
 
     def load(
         self, host: torch.Tensor, nbytes: int, device: torch.device, after: Sequence[Copy]
     ) -> Copy:
         self._legal("a host-to-device copy")
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        copy = _SimCopy(self, "load", host[:nbytes], dst, after)
-        self._issue(copy)
-        self._h2d.append(copy)
-        self._advance()
-        return copy
+        return self._submit(_SimCopy(self, "load", host[:nbytes], dst, after), self._h2d)
 
     def tick(self) -> None:
         self.now += 1
@@ -302,9 +295,18 @@ class SimulatedAccelerator(CopyEngine):
         """Copies issued and not yet completed."""
         return len(self._d2h) + len(self._h2d)
 
+    def _submit(self, copy: _SimCopy, stream: collections.deque[_SimCopy]) -> _SimCopy:
+        if copy.due <= self.now and not self._d2h and not self._h2d:
+            # Nothing in flight: nothing to order against; the copy completes now.
+            self._execute(copy)
+            return copy
+        self._issue(copy)
+        stream.append(copy)
+        self._advance()
+        return copy
+
     def _issue(self, copy: _SimCopy) -> None:
         touching = self._touching[copy.key]
-        touching[:] = [c for c in touching if not c.executed]
         copy.conflicts = [c for c in touching if c.kind != copy.kind]
         touching.append(copy)
 
@@ -336,14 +338,19 @@ class SimulatedAccelerator(CopyEngine):
 
     def _execute(self, copy: _SimCopy) -> None:
         assert copy.src is not None
-        if any(not c.executed for c in copy.conflicts):
+        if copy.conflicts and any(not c.executed for c in copy.conflicts):
             raise HazardError(
                 "a host buffer was rewritten while a reload still reads it;"
                 " an offload must wait for the buffer's last use"
                 if copy.kind == "offload"
                 else "a reload read a host buffer before its offload filled it"
             )
-        copy.conflicts = []
+        if copy.conflicts is not None:
+            touching = self._touching[copy.key]
+            touching.remove(copy)
+            if not touching:
+                del self._touching[copy.key]
+        copy.conflicts = None
         copy.dst.copy_(copy.src)
         copy.executed = True
         if copy.kind == "load":

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphswap.policy import CheckpointPolicy, SwapPolicy, is_parameter_like, policy_name
+from graphswap.policy import (
+    CheckpointPolicy,
+    SwapPolicy,
+    is_parameter_like,
+    local_tensor,
+    policy_name,
+)
 from graphswap.runtime.engines import (
     AcceleratorCopyEngine,
     Copy,
@@ -175,14 +181,27 @@ class _Swapped:
     the reference (PyTorch keeps a tensor's Python object alive with its views).
     """
 
-    __slots__ = ("base", "dtype", "entry", "gen", "offset", "size", "source", "stride", "version")
+    __slots__ = (
+        "base",
+        "dtype",
+        "entry",
+        "gen",
+        "offset",
+        "size",
+        "source",
+        "spec",
+        "stride",
+        "version",
+    )
 
-    def __init__(self, entry: _Entry, t: torch.Tensor) -> None:
+    def __init__(self, entry: _Entry, t: torch.Tensor, local: torch.Tensor) -> None:
         self.entry = entry
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.dtype = local.dtype
+        self.size = local.size()
+        self.stride = local.stride()
+        self.offset = local.storage_offset()
+        self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
+        """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
         self.version = t._version
         self.source = weakref.ref(t)
         base = t._base
@@ -216,7 +235,6 @@ class _Group:
         *,
         keep: bool,
         prev: _Group | None,
-        protected: set[int],
     ) -> None:
         self.slot = slot
         self.seq = seq
@@ -224,9 +242,19 @@ class _Group:
         self.keep = keep
         self.prev = prev
         """The group its prev module opened last: the one this group's backward prefetches."""
-        self.protected = protected
-        """Storages of the module's parameters and buffers: never swapped."""
+        self.protected: set[int] | None = None
+        """Storages of the module's parameters and buffers, never swapped; found when the
+        first tensor is about to be swapped, so forwards that swap nothing pay nothing."""
         self.entries: dict[int, _Entry] = {}
+
+    def is_protected(self, key: int) -> bool:
+        if self.protected is None:
+            module = self.slot.module
+            self.protected = {
+                local_tensor(t).untyped_storage()._cdata
+                for t in (*module.parameters(), *module.buffers())
+            }
+        return key in self.protected
 
     @property
     def name(self) -> str:
@@ -465,9 +493,6 @@ class SwapManager:
             self._stats[slot.name],
             keep=self.is_kept(module),
             prev=prev_ref() if prev_ref is not None else None,
-            protected={
-                t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())
-            },
         )
         self._latest[module] = weakref.ref(group)
         with torch.autograd.graph.saved_tensors_hooks(
@@ -476,10 +501,11 @@ class SwapManager:
             out = forward(*args, **kwargs)
         self._boundary(seq)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outputs:
-            torch.autograd.graph.register_multi_grad_hook(
-                outputs, functools.partial(self._backward_begins, group), mode="any"
-            )
+        begins = functools.partial(self._backward_begins, group)
+        if len(outputs) == 1 and outputs[0].grad_fn is not None:
+            outputs[0].grad_fn.register_prehook(begins)
+        elif outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
         return out
 
     def _trace(self, event: str, name: str) -> None:
@@ -501,9 +527,10 @@ class SwapManager:
     def _boundary(self, seq: int) -> None:
         """A module boundary: the device advances; offloads of groups ``offload_lag``
         forwards back are fenced and their sources dropped; finished ones too."""
-        engines = list(self._engines.values())
-        if any(engine.capturing() for engine in engines):
-            return
+        engines = self._engines.values()
+        for engine in engines:
+            if engine.capturing():
+                return
         for engine in engines:
             engine.tick()
         limit = seq - self.offload_lag
@@ -519,19 +546,24 @@ class SwapManager:
                     queue.popleft()
 
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
-        if type(t) is torch.Tensor and t.layout is torch.strided and t.device.type != "meta":
-            storage = t.untyped_storage()
+        local = t if type(t) is torch.Tensor else local_tensor(t)
+        if (
+            type(local) is torch.Tensor
+            and local.layout is torch.strided
+            and local.device.type != "meta"
+        ):
+            storage = local.untyped_storage()
             key = storage._cdata
             entry = group.entries.get(key)
             if (
                 entry is None
-                and key not in group.protected
                 and not is_parameter_like(t)
                 and group.slot.policy(t) is CheckpointPolicy.MUST_SWAP
+                and not group.is_protected(key)
             ):
-                entry = self._offload(group, storage, t.device)
+                entry = self._offload(group, storage, local.device)
             if entry is not None:
-                return _Swapped(entry, t)
+                return _Swapped(entry, t, local)
         return _Kept(t, group.slot.name)
 
     def _offload(
@@ -637,7 +669,13 @@ class SwapManager:
         self._trace("unpack", entry.name)
         load.fence()
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
-        return out.set_(load.result().untyped_storage(), packed.offset, packed.size, packed.stride)
+        out.set_(load.result().untyped_storage(), packed.offset, packed.size, packed.stride)
+        if packed.spec is not None:
+            # Loaded only when a DTensor was packed, so torch.distributed is imported already.
+            from torch.distributed.tensor import DTensor
+
+            return DTensor(out, packed.spec, requires_grad=False)
+        return out
 
     def _handle_died(self, packed: _Swapped) -> None:
         """A saved-tensor slot freed its handle: settle the reload and the host buffer."""
