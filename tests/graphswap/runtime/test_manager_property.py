@@ -32,7 +32,7 @@ from graphswap.policy import size_threshold_policy
 from graphswap.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator
 
-LAYERS = 3
+LAYERS = 2
 swap_above_1k = size_threshold_policy(1024)
 
 
@@ -165,7 +165,7 @@ class SwapVsPlain(RuleBasedStateMachine):
         assert all(ref() is None for ref in self.entries)
 
 
-@pytest.mark.parametrize("engine_lag", [None, 1, 3], ids=["cpu", "sim1", "sim3"])
+@pytest.mark.parametrize("engine_lag", [None, 3], ids=["cpu", "sim3"])
 def test_swap_behaves_as_plain_pytorch(engine_lag: int | None) -> None:
     machine = type(f"SwapVsPlain_{engine_lag}", (SwapVsPlain,), {"engine_lag": engine_lag})
     run_state_machine_as_test(
