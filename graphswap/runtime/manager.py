@@ -61,6 +61,19 @@ class _Slot:
     index: int
     policy: SwapPolicy
     module_type: str
+    decide: Callable[[torch.Tensor, int], CheckpointPolicy] = dataclasses.field(init=False)
+    """``policy.decide(t, index)`` when the policy has one (it is told which save of the
+    forward ``t`` is: every pack call counts), else ``policy(t)``."""
+
+    def __post_init__(self) -> None:
+        self.decide = _decider(self.policy)
+
+
+def _decider(policy: SwapPolicy) -> Callable[[torch.Tensor, int], CheckpointPolicy]:
+    decide = getattr(policy, "decide", None)
+    if callable(decide):
+        return decide  # type: ignore[no-any-return]
+    return lambda t, index: policy(t)
 
 
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
@@ -177,7 +190,17 @@ class _Swapped:
 class _Group:
     """The saved tensors of one forward call of one wrapped module."""
 
-    __slots__ = ("__weakref__", "entries", "keep", "prev", "protected", "seq", "slot", "stats")
+    __slots__ = (
+        "__weakref__",
+        "entries",
+        "keep",
+        "prev",
+        "protected",
+        "saves",
+        "seq",
+        "slot",
+        "stats",
+    )
 
     def __init__(
         self,
@@ -198,6 +221,8 @@ class _Group:
         self.protected = protected
         """Storages of the module's parameters and buffers: never swapped."""
         self.entries: dict[int, _Entry] = {}
+        self.saves = 0
+        """Pack calls so far in this forward (parameters and aliases too)."""
 
     @property
     def name(self) -> str:
@@ -456,6 +481,8 @@ class SwapManager:
                     queue.popleft()
 
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
+        index = group.saves
+        group.saves = index + 1
         if type(t) is torch.Tensor and t.layout is torch.strided and t.device.type != "meta":
             storage = t.untyped_storage()
             key = storage._cdata
@@ -464,7 +491,7 @@ class SwapManager:
                 entry is None
                 and key not in group.protected
                 and not is_parameter_like(t)
-                and group.slot.policy(t) is CheckpointPolicy.MUST_SWAP
+                and group.slot.decide(t, index) is CheckpointPolicy.MUST_SWAP
             ):
                 entry = self._offload(group, storage, t.device)
             if entry is not None:
