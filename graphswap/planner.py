@@ -376,14 +376,14 @@ def _save_dict(save: SavedTensor) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class SwapCandidate:
     """One storage ``layer`` swap would move: its bytes and every save of it."""
 
     nbytes: int
     saves: tuple[SavedTensor, ...]
 
 
-def layer_candidates(trace: SavedTensorTrace) -> dict[str, list[_Candidate]]:
+def layer_candidates(trace: SavedTensorTrace) -> dict[str, list[SwapCandidate]]:
     """Per layer, the storages whole-layer swap moves, in order of first save.
 
     A storage qualifies when the policy swaps every save of it and all those saves are
@@ -398,22 +398,22 @@ def layer_candidates(trace: SavedTensorTrace) -> dict[str, list[_Candidate]]:
             every_save_swaps[save.storage] = (
                 every_save_swaps.get(save.storage, True) and save.policy_swaps
             )
-    candidates: dict[str, list[_Candidate]] = {}
+    candidates: dict[str, list[SwapCandidate]] = {}
     for layer in trace.layers:
         by_storage: dict[int, list[SavedTensor]] = {}
         for save in layer.saves:
             by_storage.setdefault(save.storage, []).append(save)
         candidates[layer.name] = [
-            _Candidate(saves[0].storage_nbytes, tuple(saves))
+            SwapCandidate(saves[0].storage_nbytes, tuple(saves))
             for storage, saves in by_storage.items()
             if every_save_swaps[storage] and scopes[storage] == {layer.name}
         ]
     return candidates
 
 
-def choose_hidden(candidates: Sequence[_Candidate], budget_bytes: float) -> list[_Candidate]:
+def choose_hidden(candidates: Sequence[SwapCandidate], budget_bytes: float) -> list[SwapCandidate]:
     """Largest first, every candidate that still fits in ``budget_bytes``, in saving order."""
-    chosen: list[_Candidate] = []
+    chosen: list[SwapCandidate] = []
     used = 0
     for candidate in sorted(candidates, key=lambda c: (-c.nbytes, c.saves[0].index)):
         if used + candidate.nbytes <= budget_bytes:
@@ -422,7 +422,7 @@ def choose_hidden(candidates: Sequence[_Candidate], budget_bytes: float) -> list
     return sorted(chosen, key=lambda c: c.saves[0].index)
 
 
-def _swapped_saves(chosen: Sequence[_Candidate]) -> tuple[SavedTensor, ...]:
+def _swapped_saves(chosen: Sequence[SwapCandidate]) -> tuple[SavedTensor, ...]:
     return tuple(sorted((save for c in chosen for save in c.saves), key=lambda s: s.index))
 
 
@@ -528,7 +528,7 @@ def plan_memory(
 
 
 def _auto_fields(
-    candidates: Mapping[str, Sequence[_Candidate]], trace: SavedTensorTrace, hide_margin: float
+    candidates: Mapping[str, Sequence[SwapCandidate]], trace: SavedTensorTrace, hide_margin: float
 ) -> dict[str, Any]:
     """What ``layer`` would have swapped, for the report of what ``auto`` chose."""
     swapped = [c.nbytes for layer in trace.layers[:-1] for c in candidates[layer.name]]
