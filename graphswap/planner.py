@@ -372,6 +372,7 @@ def _save_dict(save: SavedTensor) -> dict[str, Any]:
         "shape": list(save.shape),
         "dtype": str(save.dtype).removeprefix("torch."),
         "nbytes": save.nbytes,
+        "storage": save.storage,
     }
 
 
