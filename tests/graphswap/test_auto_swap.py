@@ -5,6 +5,7 @@ plan says (measured by the independent tracker and by the swap's own stats)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -204,6 +205,38 @@ def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_sett
     assert message.startswith("activation_swap: auto: ")
     assert "seq_len: 512, batch_size: 2, dtype: float32" in message
     assert "is (2, 256, 4, 64) float32" in message and "expects (2, 512, 4, 64) float32" in message
+
+
+@pytest.fixture
+def fake_tp_mesh() -> Iterator[Any]:
+    """Rank 0 of a two-rank world whose collectives do nothing: the real tensor-parallel
+    pass shards the model, and the saves are those of a real rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_auto_under_tensor_parallel_plans_one_ranks_saves(fake_tp_mesh: Any) -> None:
+    config = TrainerConfig(
+        activation_swap="auto",
+        tp_size=2,
+        num_layers=2,
+        attn_implementation="eager",
+        swap_bandwidth_gbps=1e9,
+    )
+    built = build(config, mesh=fake_tp_mesh)
+    built.model(input_ids=_ids(), labels=_ids(), use_cache=False).loss.backward()
+    assert built.swap_manager is not None and built.auto_swap is not None
+    planned = built.auto_swap.plan.layers[0]
+    assert planned.swappable_bytes > 0 and built.auto_swap.plan.tp == 2
+    assert built.swap_manager.stats.offloaded_bytes == planned.swappable_bytes
+    built.auto_swap.check()
 
 
 def test_the_plan_is_in_the_prefetch_graph_nodes() -> None:
