@@ -140,9 +140,9 @@ class MemoryPlan:
     """``auto``: the share of each overlap left free of copies."""
     layer_swappable_bytes: int = 0
     """``auto``: what ``layer`` would swap (every layer's but the kept one)."""
-    smallest_swappable_bytes: int | None = None
-    """``auto``: the smallest tensor ``layer`` would swap, for the message when
-    nothing is chosen."""
+    smallest_swappable: tuple[str, int] | None = None
+    """``auto``: the layer and bytes of the smallest tensor ``layer`` would swap, for the
+    message when nothing is chosen."""
 
     @property
     def total_saved_bytes(self) -> int:
@@ -186,16 +186,16 @@ class MemoryPlan:
         """One line on what ``auto`` chose; says so when it swaps nothing."""
         margin = self.hide_margin or 0.0
         if self.swapped_bytes == 0:
-            smallest = self.smallest_swappable_bytes
-            if smallest is None:
+            if self.smallest_swappable is None:
                 return "auto swaps nothing: no layer saves a tensor the swap could move"
-            budget = max((layer.overlap_seconds for layer in self.layers), default=0.0)
+            name, smallest = self.smallest_swappable
+            overlap = next(layer.overlap_seconds for layer in self.layers if layer.name == name)
             copy = smallest / (self.bandwidth_gbps * 1e9)
             return (
-                f"auto swaps nothing: the smallest swappable tensor ({format_bytes(smallest)}) "
-                f"copies in {copy * 1e3:.3f} ms at {self.bandwidth_gbps:g} GB/s, more than "
-                f"{1 - margin:.0%} of the longest backward it could overlap "
-                f"({budget * 1e3:.3f} ms at {self.tflops:g} TFLOP/s): every tensor stays on "
+                f"auto swaps nothing: the smallest swappable tensor ({format_bytes(smallest)}, "
+                f"{name}) copies in {copy * 1e3:.3f} ms at {self.bandwidth_gbps:g} GB/s, more "
+                f"than {1 - margin:.0%} of the backward it overlaps ({overlap * 1e3:.3f} ms at "
+                f"{self.tflops:g} TFLOP/s), and so does every other: every tensor stays on "
                 "device; a faster link (swap_bandwidth_gbps) or slower compute (swap_tflops) "
                 "would let copies hide, activation_swap: layer swaps regardless"
             )
@@ -532,11 +532,14 @@ def _auto_fields(
     candidates: Mapping[str, Sequence[SwapCandidate]], trace: SavedTensorTrace, hide_margin: float
 ) -> dict[str, Any]:
     """What ``layer`` would have swapped, for the report of what ``auto`` chose."""
-    swapped = [c.nbytes for layer in trace.layers[:-1] for c in candidates[layer.name]]
+    swapped = [
+        (c.nbytes, layer.name) for layer in trace.layers[:-1] for c in candidates[layer.name]
+    ]
+    smallest = min(swapped, default=None)
     return {
         "hide_margin": float(hide_margin),
-        "layer_swappable_bytes": sum(swapped),
-        "smallest_swappable_bytes": min(swapped, default=None),
+        "layer_swappable_bytes": sum(nbytes for nbytes, _ in swapped),
+        "smallest_swappable": None if smallest is None else (smallest[1], smallest[0]),
     }
 
 

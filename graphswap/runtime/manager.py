@@ -73,7 +73,11 @@ def _decider(policy: SwapPolicy) -> Callable[[torch.Tensor, int], CheckpointPoli
     decide = getattr(policy, "decide", None)
     if callable(decide):
         return decide  # type: ignore[no-any-return]
-    return lambda t, index: policy(t)
+    return functools.partial(_ask, policy)
+
+
+def _ask(policy: SwapPolicy, t: torch.Tensor, index: int) -> CheckpointPolicy:
+    return policy(t)
 
 
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:

@@ -172,7 +172,7 @@ def test_auto_with_a_very_slow_link_swaps_nothing_and_says_so(none_resident: int
     assert resident == none_resident and sum(offloaded.values()) == 0
     assert built.auto_swap is not None
     report = built.auto_swap.format_report()
-    assert "auto swaps nothing: the smallest swappable tensor (1.00 MiB)" in report
+    assert "auto swaps nothing: the smallest swappable tensor (1.00 MiB, model.layers.0)" in report
     assert report.count("none swapped") == 3
 
 
