@@ -24,7 +24,8 @@ import yaml
 
 from graphswap.presets import preset_names
 
-ActivationSwap = Literal["none", "attention"]
+ActivationSwap = Literal["none", "attention", "layer", "auto"]
+SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
 AttnImplementation = Literal["eager", "sdpa"]
 DType = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -32,6 +33,23 @@ Device = Literal["auto", "cpu", "cuda"]
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 """PyYAML follows YAML 1.1, which reads ``1e-3`` (no dot) as a string; such text is
 accepted for float settings because it is unambiguously a number."""
+
+
+DEFAULT_SWAP_BANDWIDTH_GBPS = 50.0
+"""Host link per direction: PCIe 5 x16 delivers ~50 GB/s of its 64 GB/s nominal (the
+planner's default too)."""
+
+DEFAULT_SWAP_TFLOPS = 400.0
+"""Sustained bf16 throughput of one H100/H200-class GPU (the planner's default too)."""
+
+DEFAULT_SWAP_HIDE_MARGIN = 0.1
+
+AUTO_ONLY_SETTINGS = {
+    "swap_bandwidth_gbps": DEFAULT_SWAP_BANDWIDTH_GBPS,
+    "swap_tflops": DEFAULT_SWAP_TFLOPS,
+    "swap_hide_margin": DEFAULT_SWAP_HIDE_MARGIN,
+}
+"""Settings that only ``activation_swap: auto`` reads, with their defaults."""
 
 
 class ConfigError(ValueError):
@@ -71,6 +89,9 @@ class TrainerConfig:
     pp_size: int = 1
     fsdp: bool = False
     swap_prefetch_depth: int = 1
+    swap_bandwidth_gbps: SwapBandwidth = DEFAULT_SWAP_BANDWIDTH_GBPS
+    swap_tflops: float = DEFAULT_SWAP_TFLOPS
+    swap_hide_margin: float = DEFAULT_SWAP_HIDE_MARGIN
     data: str | None = None
     output_dir: str = "out"
 
@@ -86,8 +107,10 @@ class TrainerConfig:
             raise ConfigError(
                 "swap_prefetch_depth",
                 f"is {self.swap_prefetch_depth} but activation_swap: none, so it would change"
-                " nothing; set activation_swap: attention or leave swap_prefetch_depth at 1",
+                " nothing; set activation_swap: attention, layer or auto, or leave"
+                " swap_prefetch_depth at 1",
             )
+        self._check_auto_settings()
         _check_at_least("seed", self.seed, 0)
         if self.num_layers is not None:
             _check_at_least("num_layers", self.num_layers, 1)
@@ -107,6 +130,29 @@ class TrainerConfig:
                 f"is set, so the preset model: {self.model} would be ignored; set one of them"
                 f" (model_path for a local checkpoint, model for a preset)",
             )
+
+    def _check_auto_settings(self) -> None:
+        if self.swap_bandwidth_gbps != "measure":
+            _check_positive("swap_bandwidth_gbps", self.swap_bandwidth_gbps, "GB/s", " or measure")
+        _check_positive("swap_tflops", self.swap_tflops, "TFLOP/s")
+        margin = self.swap_hide_margin
+        if not 0 <= margin < 1:
+            raise ConfigError(
+                "swap_hide_margin",
+                f"must be in [0, 1) (the share of each layer's backward left free of copies),"
+                f" got {margin!r}",
+            )
+        if self.activation_swap == "auto":
+            return
+        for key, default in AUTO_ONLY_SETTINGS.items():
+            value = getattr(self, key)
+            if value != default:
+                raise ConfigError(
+                    key,
+                    f"is {value} but activation_swap: {self.activation_swap}, so it would change"
+                    f" nothing (only auto reads it); set activation_swap: auto or leave {key}"
+                    f" at {default}",
+                )
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -215,7 +261,8 @@ def _field_types() -> dict[str, Any]:
 def _coerce(value: Any, annotation: Any) -> Any:
     """Turn YAML 1.1 float text (``1e-3``) into a float where a float is expected;
     everything else is passed on unchanged and type-checked by ``TrainerConfig``."""
-    if annotation is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
+    floats = annotation is float or float in typing.get_args(annotation)
+    if floats and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
         return float(value)
     return value
 
@@ -238,7 +285,10 @@ def _checked(key: str, value: Any, annotation: Any) -> Any:
         options = typing.get_args(annotation)
         if value is None and type(None) in options:
             return value
-        (annotation,) = (option for option in options if option is not type(None))
+        options = tuple(option for option in options if option is not type(None))
+        if len(options) > 1:
+            return _checked_union(key, value, options)
+        (annotation,) = options
     if annotation is float and type(value) is int:
         return float(value)
     if type(value) is not annotation:
@@ -249,10 +299,28 @@ def _checked(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+def _checked_union(key: str, value: Any, options: tuple[Any, ...]) -> Any:
+    """``value`` checked against the first option it fits (a number or a keyword)."""
+    for option in options:
+        try:
+            return _checked(key, value, option)
+        except ConfigError:
+            continue
+    expected = " or ".join(_type_name(option) for option in options)
+    raise ConfigError(key, f"expected {expected}, got {type(value).__name__} {value!r}")
+
+
 def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(annotation))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         annotation, str(annotation)
     )
+
+
+def _check_positive(key: str, value: float, unit: str, alternative: str = "") -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(key, f"must be a finite number of {unit} > 0{alternative}, got {value!r}")
 
 
 def _check_at_least(key: str, value: int, minimum: int) -> None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import Qwen3MoeConfig
 
+    from graphswap.auto_swap import AutoSwap
     from graphswap.runtime import SwapManager
     from passes import InfrastructureResult
 
@@ -58,8 +59,8 @@ def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> Q
         found = "no model_type" if model_type is None else f"model_type {model_type!r}"
         raise CheckpointError(
             f"{config_file} has {found}; graphswap trains {_QWEN3_MOE_TYPE!r} checkpoints only:"
-            f" pass a Qwen3-MoE checkpoint folder (config.json with \"model_type\":"
-            f" \"{_QWEN3_MOE_TYPE}\")"
+            f' pass a Qwen3-MoE checkpoint folder (config.json with "model_type":'
+            f' "{_QWEN3_MOE_TYPE}")'
         )
     for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
         values.pop(key, None)
@@ -140,6 +141,11 @@ class BuiltModel:
         report = self.infrastructure.report
         return report.manager if report is not None else None
 
+    @property
+    def auto_swap(self) -> AutoSwap | None:
+        """``activation_swap: auto``: the plan and its policies (``check()`` after a step)."""
+        return self.infrastructure.auto_swap
+
 
 def build(
     config: TrainerConfig,
@@ -212,7 +218,11 @@ def from_config(
     device: str | torch.device = "cpu",
     mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
-    """A fresh ``Qwen3MoeForCausalLM`` with ``activation_swap`` installed through the pass plan."""
+    """A fresh ``Qwen3MoeForCausalLM`` with ``activation_swap`` installed through the pass plan.
+
+    ``auto`` plans for ``trainer_config``'s ``seq_len``, ``batch_size``, ``tp_size`` and
+    ``swap_*`` keys; build with a ``TrainerConfig(activation_swap="auto", ...)`` to set them.
+    """
     config = _with_swap(trainer_config, activation_swap)
     return build(config, hf_config=hf_config, device=device, mesh=mesh).model
 

@@ -30,7 +30,7 @@ def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> Qwen3MoeConfi
 
     passes.plan(config).check()
     hf_config = check_model(config)
-    resolve_device(config)
+    check_swap_bandwidth(config, resolve_device(config))
     check_data(config)
     check_output_dir(config)
     check_world(config, world_size)
@@ -58,11 +58,20 @@ def resolve_device(config: TrainerConfig) -> torch.device:
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError(
-                "device", "cuda was asked for but no CUDA device is visible; set device: cpu"
-                " (or auto, which picks cuda when there is one)"
+                "device",
+                "cuda was asked for but no CUDA device is visible; set device: cpu"
+                " (or auto, which picks cuda when there is one)",
             )
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def check_swap_bandwidth(config: TrainerConfig, device: torch.device) -> None:
+    """``swap_bandwidth_gbps: measure`` times the host link of the training device."""
+    from graphswap.auto_swap import check_measurable
+
+    if config.swap_bandwidth_gbps == "measure":
+        check_measurable(device)
 
 
 def check_data(config: TrainerConfig) -> int:

@@ -100,6 +100,8 @@ class _Applied:
     original: nn.Module
     original_type: type
     replacement: nn.Module
+    attributes: dict[str, Any] = field(default_factory=dict)
+    """The rule's extra prefetch-graph node attributes for this match."""
 
     @property
     def change(self) -> ModuleChange:
@@ -217,6 +219,7 @@ def rewrite(
     applied, links = _apply(model, plan, manager)
     try:
         graph = build_prefetch_graph(manager)
+        _add_node_attributes(graph, applied)
     except PrefetchGraphError as exc:
         _restore_all(model, applied)
         raise RewriteError(f"{exc}; the model was restored") from exc
@@ -364,9 +367,12 @@ def _apply(
             done: list[_Applied] = []
             for index, (fqn, module) in enumerate(matches):
                 where = f"rule {rule.name!r} on {fqn!r}"
-                record = _replace(model, rule, fqn, module, RuleContext(rule, fqn, index, manager))
+                ctx = RuleContext(rule, fqn, index, manager)
+                record = _replace(model, rule, fqn, module, ctx)
                 applied.append(record)
                 done.append(record)
+                if rule.node_attributes is not None:
+                    record.attributes.update(rule.node_attributes(ctx))
             where = f"rule {rule.name!r} while linking"
             links[rule.name] = _link(rule, done, manager)
     except Exception as exc:
@@ -438,6 +444,25 @@ class _ModuleState:
             container = module.__dict__[key]
             container.clear()
             container.update(items)
+
+
+def _add_node_attributes(graph: nx.DiGraph, applied: Sequence[_Applied]) -> None:
+    for record in applied:
+        if not record.attributes:
+            continue
+        if record.fqn not in graph:
+            raise PrefetchGraphError(
+                f"rule {record.rule.name!r} gives node attributes for {record.fqn!r}, which is "
+                "not a swap group; name the groups by FQN (swap_wrapper(..., name=ctx.fqn))"
+            )
+        node = graph.nodes[record.fqn]
+        taken = sorted(set(record.attributes) & set(node))
+        if taken:
+            raise PrefetchGraphError(
+                f"rule {record.rule.name!r} would overwrite the prefetch-graph attributes "
+                f"{taken} of {record.fqn!r}; give its node_attributes other names"
+            )
+        node.update(record.attributes)
 
 
 def _link(rule: Rule, done: list[_Applied], manager: SwapManager) -> tuple[tuple[str, str], ...]:

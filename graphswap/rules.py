@@ -1,4 +1,5 @@
-"""Declarative rewrite rules, their registry, and the built-in ``qwen3_attn_swap``.
+"""Declarative rewrite rules, their registry, and the built-ins ``qwen3_attn_swap`` and
+``qwen3_moe_layer_swap``.
 
 A rule is data: which exact types it replaces (named by import path, resolved only
 when a rewrite runs, so that importing graphswap never imports model code), where
@@ -11,14 +12,19 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.fx
 from torch import nn
 
-from graphswap.policy import qwen3_attention_swap_policy
+from graphswap.policy import (
+    MIN_SWAP_TENSOR_BYTES,
+    SwapPolicy,
+    qwen3_attention_swap_policy,
+    size_threshold_policy,
+)
 from graphswap.runtime import swap_wrapper, unwrap_swap
 
 if TYPE_CHECKING:
@@ -111,6 +117,9 @@ class Rule:
         "fsdp",
     )
     excludes: tuple[str, ...] = ("compile", "activation_checkpointing", "pipeline_parallel")
+    node_attributes: Callable[[RuleContext], Mapping[str, Any]] | None = None
+    """Extra prefetch-graph attributes of one match's node (what a planned policy
+    swaps there), added to the DOT and JSON exports."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
@@ -203,44 +212,67 @@ def get_rule(name: str) -> Rule:
 
 _QWEN3_MOE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
+qwen3_layer_swap_policy: SwapPolicy = size_threshold_policy(MIN_SWAP_TENSOR_BYTES)
+"""What ``qwen3_moe_layer_swap`` moves: the attention policy's test, applied to every
+save of the layer (attention, router, experts, norms)."""
+qwen3_layer_swap_policy.__name__ = qwen3_layer_swap_policy.__qualname__ = "qwen3_layer_swap_policy"
 
-def validate_qwen3_moe_hierarchy(root: nn.Module) -> None:
-    """Require one Qwen3-MoE decoder stack whose ``layers`` is a list of decoder
-    layers, each with a ``self_attn`` of exact type ``Qwen3MoeAttention``: one layer
-    without it would leave a hole in the prefetch chain.
+
+def _hierarchy_validator(
+    rule_name: str, class_name: str, attr: str | None
+) -> Callable[[nn.Module], None]:
+    """A check that every decoder layer has a module of exact type ``class_name`` (the
+    layer itself when ``attr`` is ``None``, else its ``attr`` child): one layer without
+    it would leave a hole in the prefetch chain.
 
     The stack is found by structure, not by attribute name: it is the root or the one
     ``Qwen3MoeModel`` inside it, wherever a head class keeps it (``model`` for causal LM,
     sequence and token classification, ``transformer`` for question answering).
     """
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-    layers_fqn = _decoder_stack_fqn(root)
-    try:
-        layers = root.get_submodule(layers_fqn)
-    except AttributeError:
-        raise HierarchyError(
-            f"qwen3_attn_swap: no module at {layers_fqn!r} in {qualified_name(type(root))}"
-        ) from None
-    # torch.fx keeps the FQNs of a traced model but rebuilds its containers as plain
-    # nn.Module, so a GraphModule's layer list is checked by its children only.
-    if not isinstance(layers, nn.ModuleList) and not isinstance(root, torch.fx.GraphModule):
-        raise HierarchyError(
-            f"qwen3_attn_swap: {layers_fqn!r} must be a torch.nn.ModuleList, "
-            f"found {qualified_name(type(layers))}"
-        )
-    for name, layer in layers.named_children():
-        fqn = f"{layers_fqn}.{name}.self_attn"
-        attn = getattr(layer, "self_attn", None)
-        if type(attn) is not Qwen3MoeAttention:
-            found = "nothing" if attn is None else qualified_name(type(attn))
+    def validate(root: nn.Module) -> None:
+        expected = getattr(importlib.import_module(_QWEN3_MOE), class_name)
+        layers_fqn = _decoder_stack_fqn(rule_name, root)
+        try:
+            layers = root.get_submodule(layers_fqn)
+        except AttributeError:
             raise HierarchyError(
-                f"qwen3_attn_swap: {fqn!r} must be exactly {_QWEN3_MOE}.Qwen3MoeAttention, "
-                f"found {found}; every layer's attention is swapped or none is"
+                f"{rule_name}: no module at {layers_fqn!r} in {qualified_name(type(root))}"
+            ) from None
+        # torch.fx keeps the FQNs of a traced model but rebuilds its containers as plain
+        # nn.Module, so a GraphModule's layer list is checked by its children only.
+        if not isinstance(layers, nn.ModuleList) and not isinstance(root, torch.fx.GraphModule):
+            raise HierarchyError(
+                f"{rule_name}: {layers_fqn!r} must be a torch.nn.ModuleList, "
+                f"found {qualified_name(type(layers))}"
             )
+        what = "layer" if attr is None else f"layer's {attr}"
+        for name, layer in layers.named_children():
+            fqn = f"{layers_fqn}.{name}" if attr is None else f"{layers_fqn}.{name}.{attr}"
+            module = layer if attr is None else getattr(layer, attr, None)
+            if type(module) is not expected:
+                found = "nothing" if module is None else qualified_name(type(module))
+                raise HierarchyError(
+                    f"{rule_name}: {fqn!r} must be exactly {_QWEN3_MOE}.{class_name}, "
+                    f"found {found}; every {what} is swapped or none is"
+                )
+
+    validate.__name__ = validate.__qualname__ = f"validate_{rule_name}_hierarchy"
+    return validate
 
 
-def _decoder_stack_fqn(root: nn.Module) -> str:
+validate_qwen3_moe_hierarchy = _hierarchy_validator(
+    "qwen3_attn_swap", "Qwen3MoeAttention", "self_attn"
+)
+"""Every decoder layer's ``self_attn`` is exactly ``Qwen3MoeAttention``."""
+
+validate_qwen3_moe_layers = _hierarchy_validator(
+    "qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer", None
+)
+"""Every decoder layer is exactly ``Qwen3MoeDecoderLayer``."""
+
+
+def _decoder_stack_fqn(rule_name: str, root: nn.Module) -> str:
     """The FQN of the decoder layer list: ``layers`` of the one ``Qwen3MoeModel``."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import (
         Qwen3MoeModel,
@@ -252,7 +284,7 @@ def _decoder_stack_fqn(root: nn.Module) -> str:
         return "model.layers" if isinstance(getattr(root, "model", None), nn.Module) else "layers"
     if not isinstance(root, Qwen3MoePreTrainedModel):
         raise HierarchyError(
-            "qwen3_attn_swap rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class such "
+            f"{rule_name} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class such "
             "as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the root "
             f"module ('') is {qualified_name(type(root))}; pass the Hugging Face model itself"
         )
@@ -260,7 +292,7 @@ def _decoder_stack_fqn(root: nn.Module) -> str:
     if len(stacks) != 1:
         found = ", ".join(repr(fqn or "<root>") for fqn in stacks) or "none"
         raise HierarchyError(
-            f"qwen3_attn_swap needs exactly one Qwen3MoeModel (the decoder stack) in "
+            f"{rule_name} needs exactly one Qwen3MoeModel (the decoder stack) in "
             f"{qualified_name(type(root))}, found {found}; rewrite each model separately"
         )
     return f"{stacks[0]}.layers" if stacks[0] else "layers"
@@ -270,6 +302,10 @@ def _swap_attention(module: nn.Module, ctx: RuleContext) -> nn.Module:
     return swap_wrapper(
         module, policy=qwen3_attention_swap_policy, manager=ctx.manager, name=ctx.fqn
     )
+
+
+def _swap_layer(module: nn.Module, ctx: RuleContext) -> nn.Module:
+    return swap_wrapper(module, policy=qwen3_layer_swap_policy, manager=ctx.manager, name=ctx.fqn)
 
 
 QWEN3_ATTN_SWAP = register_rule(
@@ -282,5 +318,18 @@ QWEN3_ATTN_SWAP = register_rule(
         fqn_pattern="*layers.*.self_attn",
         link="sequential",
         validate=validate_qwen3_moe_hierarchy,
+    )
+)
+
+QWEN3_MOE_LAYER_SWAP = register_rule(
+    Rule(
+        name="qwen3_moe_layer_swap",
+        description="swap the saved activations of every Qwen3-MoE decoder layer to host memory",
+        targets=(f"{_QWEN3_MOE}:Qwen3MoeDecoderLayer",),
+        factory=_swap_layer,
+        restore=unwrap_swap,
+        fqn_pattern="*layers.*",
+        link="sequential",
+        validate=validate_qwen3_moe_layers,
     )
 )

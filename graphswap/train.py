@@ -42,6 +42,9 @@ class TrainResult:
     ``graphswap.measure``, independent of the swap's own statistics)."""
     swap: dict[str, Any] = field(default_factory=dict)
     applied_passes: list[str] = field(default_factory=list)
+    auto_swap: dict[str, Any] | None = None
+    """``activation_swap: auto``: the plan (per layer what is swapped, copy against
+    overlap time) and how many planned tensors the model saved otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,6 +139,8 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         self._synchronize()
         self.seconds.append(time.perf_counter() - start)
+        if self.built.auto_swap is not None:
+            self.built.auto_swap.check()
         if self.device.type == "cuda":
             rise = torch.cuda.max_memory_allocated(self.device) - before
             self.peak_rise = max(self.peak_rise, rise)
@@ -161,6 +166,7 @@ class _Run:
         else:
             peak, kind = self.resident, "saved activations resident at end of forward (measured)"
         manager = self.built.swap_manager
+        auto = self.built.auto_swap
         return TrainResult(
             activation_swap=config.activation_swap,
             attn_implementation=config.attn_implementation,
@@ -174,6 +180,7 @@ class _Run:
             resident_activation_bytes=self.resident,
             swap=manager.stats.to_dict() if manager is not None else {},
             applied_passes=list(self.built.infrastructure.applied),
+            auto_swap=auto.to_dict() if auto is not None else None,
         )
 
 
@@ -242,6 +249,10 @@ def _per_step(result: TrainResult, key: str) -> str:
     return _mib(result.swap.get(key, 0) // len(result.losses))
 
 
+def _planned(result: TrainResult) -> str:
+    return "-" if result.auto_swap is None else _mib(result.auto_swap["swapped_bytes"])
+
+
 def _step_ratio(base: TrainResult, result: TrainResult) -> float:
     """Median over steps of this run's step time over the base run's same step: runs
     trained side by side take their steps in turn, so each pair shares the machine's
@@ -276,6 +287,11 @@ def format_summary(results: list[TrainResult]) -> str:
         ("swap offloaded / step", [_per_step(r, "offloaded_bytes") for r in results]),
         ("swap reloaded / step", [_per_step(r, "reloaded_bytes") for r in results]),
         ("swap kept on device / step", [_per_step(r, "kept_bytes") for r in results]),
+        *(
+            [("auto plan / step", [_planned(r) for r in results])]
+            if any(r.auto_swap is not None for r in results)
+            else []
+        ),
         (
             "prefetch hits/misses (all steps)",
             [

@@ -17,11 +17,19 @@ from passes.errors import (
 from passes.infrastructure import InfrastructureResult, apply_model_infrastructure
 from passes.mesh import build_mesh
 from passes.plan import Plan, plan
-from passes.specs import CANONICAL_ORDER, SWAP_RULE, PassSpec, get_spec, pass_specs
+from passes.specs import (
+    CANONICAL_ORDER,
+    SWAP_RULE,
+    SWAP_RULES,
+    PassSpec,
+    get_spec,
+    pass_specs,
+)
 
 __all__ = [
     "CANONICAL_ORDER",
     "SWAP_RULE",
+    "SWAP_RULES",
     "InfrastructureResult",
     "PassConflictError",
     "PassNotImplementedError",

@@ -22,13 +22,14 @@ from passes.fsdp import apply_fsdp
 from passes.mesh import Meshes, resolve_meshes
 from passes.plan import Plan, plan
 from passes.specs import PassSpec, pass_specs
-from passes.swap import apply_swap
+from passes.swap import apply_swap, plan_auto_swap
 from passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
 from passes.traces import find_trace
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from graphswap.auto_swap import AutoSwap
     from graphswap.config import TrainerConfig
     from graphswap.rewrite import RewriteReport
 
@@ -44,6 +45,8 @@ class InfrastructureResult:
     applied: tuple[str, ...]
     mesh: DeviceMesh | None
     """The device mesh the distributed passes used; ``None`` when none ran."""
+    auto_swap: AutoSwap | None = None
+    """``activation_swap: auto``: the plan and the policies carrying it out."""
 
 
 @dataclass
@@ -52,10 +55,19 @@ class _Run:
     config: TrainerConfig
     meshes: Meshes
     report: RewriteReport | None = None
+    auto_swap: AutoSwap | None = None
 
 
 def _swap(run: _Run) -> None:
-    run.report = apply_swap(run.model, prefetch_depth=run.config.swap_prefetch_depth)
+    config = run.config
+    if config.activation_swap == "auto":
+        run.auto_swap = plan_auto_swap(run.model, config)
+    run.report = apply_swap(
+        run.model,
+        mode=config.activation_swap,
+        prefetch_depth=config.swap_prefetch_depth,
+        auto=run.auto_swap,
+    )
 
 
 def _tensor_parallel(run: _Run) -> None:
@@ -101,7 +113,9 @@ def apply_model_infrastructure(
         _refuse_traces(spec, model, config)
         _APPLY[spec.name](run)
         applied.append(spec.name)
-    return InfrastructureResult(model, checked, run.report, tuple(applied), meshes.world)
+    return InfrastructureResult(
+        model, checked, run.report, tuple(applied), meshes.world, run.auto_swap
+    )
 
 
 def _device_type(model: nn.Module) -> str:

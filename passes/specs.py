@@ -8,7 +8,7 @@ rewrite rule's own metadata (``graphswap.rules``): one source of truth.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +18,15 @@ if TYPE_CHECKING:
     from graphswap.config import TrainerConfig
 
 SWAP_RULE = "qwen3_attn_swap"
-"""The rewrite rule the swap pass applies."""
+"""The rewrite rule the swap pass applies for ``activation_swap: attention``."""
+
+SWAP_RULES: Mapping[str, str] = {
+    "attention": SWAP_RULE,
+    "layer": "qwen3_moe_layer_swap",
+    "auto": "qwen3_moe_layer_swap",
+}
+"""The registered rule behind each ``activation_swap`` mode (``auto`` runs the layer
+rule with a planned policy per layer, see ``graphswap.auto_swap``)."""
 
 CANONICAL_ORDER: tuple[str, ...] = (
     "pipeline_parallel",
@@ -146,17 +154,25 @@ def _static_specs() -> tuple[PassSpec, ...]:
 
 
 def _swap_spec() -> PassSpec:
+    """One spec for every mode: the union of the constraints their rules declare, so
+    each mode but ``none`` has the same order and exclusions."""
     from graphswap.rules import get_rule
 
-    rule = get_rule(SWAP_RULE)
+    rules = [get_rule(name) for name in dict.fromkeys(SWAP_RULES.values())]
     return PassSpec(
         name="swap",
         setting="activation_swap",
         off_value="none",
-        summary=f"rewrite attention into swap-wrapped modules (rule {SWAP_RULE!r})",
-        must_run_before=tuple(rule.must_run_before),
-        excludes=tuple(rule.excludes),
+        summary="swap saved activations to host: attention, layer (whole decoder layers) or "
+        "auto (per layer what the link hides); rules "
+        + ", ".join(repr(rule.name) for rule in rules),
+        must_run_before=_union(rule.must_run_before for rule in rules),
+        excludes=_union(rule.excludes for rule in rules),
     )
+
+
+def _union(groups: Iterable[Iterable[str]]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name for group in groups for name in group))
 
 
 @functools.cache

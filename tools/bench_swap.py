@@ -11,6 +11,12 @@ tracker (``graphswap.measure``), never by graphswap's own stats.
 
     python tools/bench_swap.py                       # tiny fp32 model on CPU
     python tools/bench_swap.py --device cuda --seq 4096 8192 --whole-layer
+    python tools/bench_swap.py --modes none graphswap_layer graphswap_auto --swap-bandwidth 2
+
+``graphswap_layer`` swaps every decoder layer's saved tensors (rule
+``qwen3_moe_layer_swap``); ``graphswap_auto`` swaps, per layer, what the planner says
+the link hides at ``--swap-bandwidth`` GB/s and ``--swap-tflops`` (``activation_swap:
+auto``).
 """
 
 from __future__ import annotations
@@ -35,11 +41,12 @@ import torch
 
 from graphswap.measure import ResidentActivationTracker, output_tensors
 
-NONE, GRAPHSWAP, SAVE_ON_CPU, GRAPHSWAP_LAYER = (
+NONE, GRAPHSWAP, SAVE_ON_CPU, GRAPHSWAP_LAYER, GRAPHSWAP_AUTO = (
     "none",
     "graphswap",
     "save_on_cpu",
     "graphswap_layer",
+    "graphswap_auto",
 )
 CPU_STEP_RATIO_TARGET = 1.10
 CPU_REDUCTION_TARGET = 0.99
@@ -100,13 +107,16 @@ class _CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
 class Mode:
     """Installs one way of saving activations on the model, and takes it off again."""
 
-    def __init__(self, name: str, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, name: str, model: torch.nn.Module, device: torch.device, auto: Any = None
+    ) -> None:
         self.name = name
         self.model = model
         self.device = device
         self.manager: Any = None
         self.copied = [0]
-        if name in (GRAPHSWAP, GRAPHSWAP_LAYER):
+        self.auto = auto if name == GRAPHSWAP_AUTO else None
+        if name in (GRAPHSWAP, GRAPHSWAP_LAYER, GRAPHSWAP_AUTO):
             from graphswap.runtime import SwapManager
 
             self.manager = SwapManager()
@@ -121,6 +131,15 @@ class Mode:
     def installed(self) -> Iterator[None]:
         if self.name == NONE:
             yield
+            return
+        if self.auto is not None:
+            from graphswap.rewrite import rewrite, unrewrite
+
+            rewrite(self.model, [self.auto.rule()], manager=self.manager)
+            try:
+                yield
+            finally:
+                unrewrite(self.model)
             return
         targets = [module for _, module in self._targets()]
         if self.manager is not None:
@@ -231,7 +250,8 @@ def run_one(args: argparse.Namespace, seq: int, device: torch.device) -> dict[st
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, seq), generator=generator).to(device)
 
-    modes = [Mode(name, model, device) for name in args.modes]
+    auto = _auto_swap(args, config, seq, dtype, device) if GRAPHSWAP_AUTO in args.modes else None
+    modes = [Mode(name, model, device, auto) for name in args.modes]
     results = {mode.name: ModeResult() for mode in modes}
     for mode in modes:
         with mode.installed():
@@ -264,8 +284,38 @@ def run_one(args: argparse.Namespace, seq: int, device: torch.device) -> dict[st
             "peak_with_swap_bytes": plan.peak_with_swap_bytes,
         },
     }
+    if auto is not None:
+        report["auto_plan"] = {
+            "swapped_bytes": auto.plan.swapped_bytes,
+            "layer_swappable_bytes": auto.plan.layer_swappable_bytes,
+            "verdict": auto.plan.auto_verdict(),
+            "mismatched_tensors": auto.mismatched_tensors,
+        }
     report["checks"] = _checks(report, device)
     return report
+
+
+def _auto_swap(
+    args: argparse.Namespace, config: Any, seq: int, dtype: torch.dtype, device: torch.device
+) -> Any:
+    """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
+    from graphswap.auto_swap import AutoSwap
+    from graphswap.planner import plan_memory
+
+    plan = plan_memory(
+        config,
+        seq=seq,
+        batch=args.batch,
+        dtype=dtype,
+        attn_implementation=args.attn,
+        device="cuda" if device.type == "cuda" else "cpu",
+        bandwidth_gbps=args.swap_bandwidth,
+        tflops=args.swap_tflops,
+        swap="auto",
+        hide_margin=args.swap_hide_margin,
+    )
+    made_for = f"--seq {seq}, --batch {args.batch}, --dtype {args.dtype}, --attn {args.attn}"
+    return AutoSwap(plan, made_for=made_for)
 
 
 def _ratios(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -288,6 +338,13 @@ def _checks(report: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "losses_identical": report["losses_identical"],
         "gradients_identical": report["gradients_identical"],
     }
+    if GRAPHSWAP_AUTO in modes:
+        planned = report["auto_plan"]
+        offloaded = modes[GRAPHSWAP_AUTO]["bytes_offloaded"]
+        checks["auto_offloaded_vs_plan"] = {
+            "ratio": offloaded / max(planned["swapped_bytes"], 1),
+            "holds": offloaded == planned["swapped_bytes"] and not planned["mismatched_tensors"],
+        }
     if NONE not in modes:
         return checks
     measured = modes[NONE]["resident_saved_bytes"]
@@ -416,7 +473,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--modes",
         nargs="+",
         default=[NONE, GRAPHSWAP, SAVE_ON_CPU],
-        choices=(NONE, GRAPHSWAP, SAVE_ON_CPU, GRAPHSWAP_LAYER),
+        choices=(NONE, GRAPHSWAP, SAVE_ON_CPU, GRAPHSWAP_LAYER, GRAPHSWAP_AUTO),
+    )
+    parser.add_argument(
+        "--swap-bandwidth", type=float, default=50.0, help="graphswap_auto: host link GB/s"
+    )
+    parser.add_argument(
+        "--swap-tflops", type=float, default=400.0, help="graphswap_auto: compute TFLOP/s"
+    )
+    parser.add_argument(
+        "--swap-hide-margin", type=float, default=0.1, help="graphswap_auto: margin in [0, 1)"
     )
     parser.add_argument("--whole-layer", action="store_true", help="also swap whole layers")
     parser.add_argument("--tag", help="appended to the file names: <device>-<date>-<tag>.json")

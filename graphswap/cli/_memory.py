@@ -21,6 +21,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 KERNELS = ("flash", "efficient", "cudnn", "math")
+POLICIES = ("attention", "layer", "auto")
 """Literal here so that ``--help`` imports no torch; the planner checks the same names."""
 
 _FLAGS = {
@@ -32,6 +33,8 @@ _FLAGS = {
     "device": "--device",
     "attn_kernel": "--attn-kernel",
     "tp": "--tp",
+    "swap": "--policy",
+    "hide_margin": "--hide-margin",
 }
 
 
@@ -44,9 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Trace one forward pass of a Qwen3-MoE model on the meta device, attribute every "
             "tensor autograd saves to its decoder layer, and predict the peak saved-activation "
-            "memory with and without attention swap, and whether each prefetch hides behind "
-            "backward compute. Attention runs the kernel the training device runs; with --tp "
-            "the prediction is one rank's."
+            "memory with and without swap, and whether each prefetch hides behind backward "
+            "compute. Attention runs the kernel the training device runs; with --tp the "
+            "prediction is one rank's. --policy auto shows what activation_swap: auto would "
+            "swap: per layer the saved tensors whose copy hides."
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -103,6 +107,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tensor-parallel ranks (attention heads sharded as graphswap train tp_size=N "
         "shards them): predict one rank's bytes (default 1)",
     )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="attention",
+        help="what is swapped: attention (default), layer (every tensor of the decoder layer "
+        "the size policy swaps) or auto (per layer, largest first, the tensors whose copy "
+        "fits in the backward it overlaps, less --hide-margin)",
+    )
+    parser.add_argument(
+        "--hide-margin",
+        type=float,
+        default=None,
+        metavar="M",
+        help="--policy auto: share of each overlap left free of copies, in [0, 1) (default 0.1)",
+    )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument(
         "--plot", metavar="FILE.png", help="also draw the memory timeline (needs matplotlib)"
@@ -116,11 +135,20 @@ def run(args: argparse.Namespace) -> int:
     from graphswap.models import CheckpointError, load_hf_config
     from graphswap.planner import (
         DEFAULT_BANDWIDTH_GBPS,
+        DEFAULT_HIDE_MARGIN,
         DEFAULT_TFLOPS,
         PlanSettingError,
         plan_memory,
     )
     from graphswap.presets import qwen3_moe_config
+
+    if args.hide_margin is not None and args.policy != "auto":
+        print(
+            f"error: --hide-margin {args.hide_margin} applies to --policy auto only (it would "
+            f"change nothing for --policy {args.policy}); add --policy auto or drop it",
+            file=sys.stderr,
+        )
+        return 2
 
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     if args.model is not None:
@@ -147,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             attn_kernel=args.attn_kernel,
             tp=args.tp,
+            swap=args.policy,
+            hide_margin=DEFAULT_HIDE_MARGIN if args.hide_margin is None else args.hide_margin,
         )
     except PlanSettingError as error:
         flag = _FLAGS.get(error.setting, error.setting)
@@ -185,7 +215,7 @@ def plot_timeline(plan: MemoryPlan, path: Path) -> None:
     xs = range(len(points))
     fig, ax = plt.subplots(figsize=(max(8.0, len(points) * 0.08), 4.5))
     ax.plot(xs, [p.without_swap_bytes / gib for p in points], label="without swap")
-    ax.plot(xs, [p.with_swap_bytes / gib for p in points], label="with attention swap")
+    ax.plot(xs, [p.with_swap_bytes / gib for p in points], label=f"with {plan.swap} swap")
     step = max(1, len(points) // 24)
     ax.set_xticks(list(xs)[::step], [p.label for p in points][::step], rotation=90)
     ax.set_xlabel("forward (F<i>) then backward (B<i>) of each decoder layer")

@@ -29,8 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--compare",
         action="store_true",
-        help="run activation_swap none and attention from the same seed, interleaved step by "
-        "step so that their step times compare; fail if the losses differ",
+        help="run activation_swap none and the configured mode (attention when none) from the "
+        "same seed, interleaved step by step so that their step times compare; fail if the "
+        "losses differ",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(run=run)
@@ -59,14 +60,19 @@ def _as_mode(config: Any, mode: str) -> Any:
     """``config`` with ``activation_swap: mode``; swap-only settings reset for ``none``."""
     import dataclasses
 
+    from graphswap.config import AUTO_ONLY_SETTINGS
+
     if mode == "none":
-        return dataclasses.replace(config, activation_swap="none", swap_prefetch_depth=1)
+        return dataclasses.replace(
+            config, activation_swap="none", swap_prefetch_depth=1, **AUTO_ONLY_SETTINGS
+        )
     return dataclasses.replace(config, activation_swap=mode)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    from graphswap.auto_swap import AutoSwapMismatchError
     from graphswap.config import ConfigError, resolve_config
     from graphswap.models import CheckpointError
     from graphswap.train import format_summary, train_side_by_side, write_summary
@@ -77,12 +83,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"graphswap train: {err}", file=sys.stderr)
         return 2
-    modes = ["none", "attention"] if args.compare else [config.activation_swap]
+    swapped = "attention" if config.activation_swap == "none" else config.activation_swap
+    modes = ["none", swapped] if args.compare else [config.activation_swap]
     configs = [_as_mode(config, mode) for mode in modes]
     try:
         mesh = _init_distributed(config)
         results = train_side_by_side(configs, mesh=mesh, progress=not args.no_progress)
-    except (PlanError, ConfigError, CheckpointError) as err:
+    except (PlanError, ConfigError, CheckpointError, AutoSwapMismatchError) as err:
         print(f"graphswap train: {err}", file=sys.stderr)
         return 2
     finally:
@@ -90,14 +97,16 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
+    for result in results:
+        if result.auto_swap is not None:
+            print(result.auto_swap["report"])
     print(format_summary(results))
     print(f"summary written to {write_summary(results, config.output_dir)}")
     if args.compare and results[0].losses != results[1].losses:
         print(
-            "graphswap train --compare: losses differ between activation_swap none and attention:"
+            f"graphswap train --compare: losses differ between activation_swap none and {swapped}:"
             f" {results[0].losses} vs {results[1].losses}",
             file=sys.stderr,
         )
         return 1
     return 0
-

@@ -96,6 +96,23 @@ class _Slot:
     index: int
     policy: SwapPolicy
     module_type: str
+    decide: Callable[[torch.Tensor, int], CheckpointPolicy] = dataclasses.field(init=False)
+    """``policy.decide(t, index)`` when the policy has one (it is told which save of the
+    forward ``t`` is: every pack call counts), else ``policy(t)``."""
+
+    def __post_init__(self) -> None:
+        self.decide = _decider(self.policy)
+
+
+def _decider(policy: SwapPolicy) -> Callable[[torch.Tensor, int], CheckpointPolicy]:
+    decide = getattr(policy, "decide", None)
+    if callable(decide):
+        return decide  # type: ignore[no-any-return]
+    return functools.partial(_ask, policy)
+
+
+def _ask(policy: SwapPolicy, t: torch.Tensor, index: int) -> CheckpointPolicy:
+    return policy(t)
 
 
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
@@ -225,7 +242,17 @@ class _Swapped:
 class _Group:
     """The saved tensors of one forward call of one wrapped module."""
 
-    __slots__ = ("__weakref__", "entries", "keep", "prev", "protected", "seq", "slot", "stats")
+    __slots__ = (
+        "__weakref__",
+        "entries",
+        "keep",
+        "prev",
+        "protected",
+        "saves",
+        "seq",
+        "slot",
+        "stats",
+    )
 
     def __init__(
         self,
@@ -246,6 +273,8 @@ class _Group:
         """Storages of the module's parameters and buffers, never swapped; found when the
         first tensor is about to be swapped, so forwards that swap nothing pay nothing."""
         self.entries: dict[int, _Entry] = {}
+        self.saves = 0
+        """Pack calls so far in this forward (parameters and aliases too)."""
 
     def is_protected(self, key: int) -> bool:
         if self.protected is None:
@@ -546,6 +575,8 @@ class SwapManager:
                     queue.popleft()
 
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
+        index = group.saves
+        group.saves = index + 1
         local = t if type(t) is torch.Tensor else local_tensor(t)
         if (
             type(local) is torch.Tensor
@@ -558,7 +589,7 @@ class SwapManager:
             if (
                 entry is None
                 and not is_parameter_like(t)
-                and group.slot.policy(t) is CheckpointPolicy.MUST_SWAP
+                and group.slot.decide(t, index) is CheckpointPolicy.MUST_SWAP
                 and not group.is_protected(key)
             ):
                 entry = self._offload(group, storage, local.device)

@@ -115,6 +115,8 @@ def test_the_kernel_decides_the_bytes(capsys: pytest.CaptureFixture[str]) -> Non
         (["--tp", "3"], ["--tp 3:", "num_attention_heads (4)", "use one of 1, 2"]),
         (["--device", "cpu", "--attn-kernel", "cudnn"], ["--attn-kernel cudnn:", "flash, math"]),
         (["--attn-implementation", "eager", "--attn-kernel", "flash"], ["--attn-kernel flash:"]),
+        (["--policy", "auto", "--hide-margin", "1"], ["--hide-margin 1.0:", "[0, 1)"]),
+        (["--hide-margin", "0.2"], ["--hide-margin 0.2 applies to --policy auto only"]),
     ],
 )
 def test_bad_settings_name_the_flag_before_any_model_is_built(
@@ -143,3 +145,71 @@ def test_an_unknown_kernel_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert "--attn-kernel" in err and "flash3" in err and "efficient" in err
+
+
+def _auto_text(capsys: pytest.CaptureFixture[str], bandwidth: str) -> list[str]:
+    args = _args(
+        "--preset",
+        "tiny",
+        "--seq",
+        "512",
+        "--batch",
+        "2",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--policy",
+        "auto",
+        "--bandwidth",
+        bandwidth,
+        "--tflops",
+        "1",
+    )
+    assert args.run(args) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_policy_auto_shows_per_layer_what_hides(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _auto_text(capsys, "2")
+    header = next(line for line in lines if line.startswith("layer "))
+    for column in ("saved", "swapped", "kept", "copy ms", "overlap ms", "swapped saves (#)"):
+        assert column in header
+    rows = [line for line in lines if line.startswith("model.layers.")]
+    assert len(rows) == 4
+    assert all("  hides  " in row for row in rows[:3]) and "kept on device" in rows[3]
+    assert any(line.startswith("auto swaps 6.00 MiB of the 18.00 MiB") for line in lines)
+
+
+def test_policy_auto_on_a_slow_link_says_it_swaps_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = _auto_text(capsys, "0.001")
+    rows = [line for line in lines if line.startswith("model.layers.")]
+    assert all("none swapped" in row for row in rows[:3])
+    assert any(line.startswith("auto swaps nothing: ") for line in lines)
+
+
+def test_policy_auto_json_lists_the_swapped_saves(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(
+        capsys,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--policy",
+        "auto",
+        "--bandwidth",
+        "2",
+        "--tflops",
+        "1",
+        "--hide-margin",
+        "0.2",
+    )
+    assert (plan["swap"], plan["hide_margin"]) == ("auto", 0.2)
+    first = plan["layers"][0]
+    storages = {s["storage"]: s["nbytes"] for s in first["swapped_saves"]}
+    assert len(storages) < len(first["swapped_saves"])  # q is saved twice, swapped once
+    assert first["swappable_bytes"] == sum(storages.values())
+    assert first["kept_bytes"] == first["saved_bytes"] - first["swappable_bytes"]
+    assert first["prefetch_hides"] and plan["verdict"].startswith("auto swaps ")

@@ -39,3 +39,47 @@ def test_train_rejects_swap_with_compile(tmp_path) -> None:
     done = run_cli("compile=true", cwd=tmp_path)
     assert done.returncode == 2
     assert "compile" in done.stderr and "activation_swap" in done.stderr
+
+
+def test_train_auto_prints_the_plan_and_swaps_what_it_planned(tmp_path) -> None:
+    done = run_cli(
+        "activation_swap=auto",
+        "swap_bandwidth_gbps=2",
+        "swap_tflops=1",
+        "steps=2",
+        "num_layers=3",
+        f"output_dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "activation_swap: auto, planned for seq_len: 512, batch_size: 2" in out
+    assert "auto swaps 4.00 MiB of the 12.00 MiB that layer swap would move" in out
+    planned = next(line for line in out.splitlines() if line.startswith("auto plan / step"))
+    offloaded = next(line for line in out.splitlines() if line.startswith("swap offloaded"))
+    assert planned.split()[-2:] == offloaded.split()[-2:] == ["4.0", "MiB"]
+    [result] = json.loads((tmp_path / "summary.json").read_text())
+    assert result["auto_swap"]["mismatched_tensors"] == 0
+
+
+def test_train_compare_pairs_none_with_the_configured_mode(tmp_path) -> None:
+    done = run_cli(
+        "--compare",
+        "activation_swap=layer",
+        "steps=1",
+        "num_layers=2",
+        f"output_dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    modes = next(line for line in done.stdout.splitlines() if line.startswith("activation_swap"))
+    assert modes.split()[1:] == ["none", "layer"]
+
+
+def test_train_refuses_measure_on_cpu_before_building(tmp_path) -> None:
+    done = run_cli(
+        "activation_swap=auto", "swap_bandwidth_gbps=measure", "device=cpu", cwd=tmp_path
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("graphswap train: swap_bandwidth_gbps: measure times")
+    assert "Traceback" not in done.stderr

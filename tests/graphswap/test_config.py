@@ -24,7 +24,7 @@ def test_default_activation_swap_is_none() -> None:
     assert resolve_config(None).activation_swap == "none"
 
 
-@pytest.mark.parametrize("value", ["none", "attention"])
+@pytest.mark.parametrize("value", ["none", "attention", "layer", "auto"])
 def test_yaml_values_accepted(tmp_path: Path, value: str) -> None:
     path = _write(tmp_path, f"activation_swap: {value}\n")
     assert resolve_config(path).activation_swap == value
@@ -36,13 +36,15 @@ def test_example_lists_every_key_with_defaults() -> None:
     data = yaml.safe_load(EXAMPLE.read_text())
     assert list(data) != [] and set(data) == set(TrainerConfig.keys())
     assert resolve_config(EXAMPLE) == TrainerConfig()
-    assert "activation_swap: none  # attention, none" in EXAMPLE.read_text()
+    assert "activation_swap: none  # none, attention, layer, auto" in EXAMPLE.read_text()
 
 
 def test_illegal_value_lists_allowed_values(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_config(_write(tmp_path, "activation_swap: attn\n"))
-    assert str(info.value) == ("activation_swap: got 'attn'; allowed values: 'none', 'attention'")
+    assert str(info.value) == (
+        "activation_swap: got 'attn'; allowed values: 'none', 'attention', 'layer', 'auto'"
+    )
     assert info.value.key == "activation_swap"
 
 
@@ -51,7 +53,7 @@ def test_yaml_null_is_not_none(tmp_path: Path, text: str) -> None:
     with pytest.raises(
         ConfigError,
         match=r"^activation_swap: got null; allowed values: "
-        r"'none', 'attention' \(YAML null means no value",
+        r"'none', 'attention', 'layer', 'auto' \(YAML null means no value",
     ):
         resolve_config(_write(tmp_path, text))
 
@@ -82,6 +84,11 @@ def test_unknown_key_without_close_match() -> None:
         ({"num_layers": "4"}, "num_layers: expected an integer, got str '4'"),
         ({"activation_swap": True}, "activation_swap: got True; allowed values: "),
         ({"dtype": "fp16"}, "dtype: got 'fp16'; allowed values: 'float32', 'bfloat16'"),
+        (
+            {"swap_bandwidth_gbps": "fast"},
+            "swap_bandwidth_gbps: expected a number or 'measure', got str 'fast'",
+        ),
+        ({"swap_tflops": "lots"}, "swap_tflops: expected a number, got str 'lots'"),
     ],
 )
 def test_wrong_type_names_the_key(mapping: dict[str, object], message: str) -> None:
@@ -109,12 +116,65 @@ def test_wrong_type_names_the_key(mapping: dict[str, object], message: str) -> N
         ),
         ({"model": "qwen9"}, "model: unknown preset 'qwen9'; allowed values: "),
         ({"output_dir": ""}, "output_dir: must not be empty"),
+        (
+            {"activation_swap": "auto", "swap_bandwidth_gbps": 0},
+            "swap_bandwidth_gbps: must be a finite number of GB/s > 0 or measure, got 0.0",
+        ),
+        (
+            {"activation_swap": "auto", "swap_bandwidth_gbps": -5},
+            "swap_bandwidth_gbps: must be a finite number of GB/s > 0 or measure, got -5.0",
+        ),
+        (
+            {"activation_swap": "auto", "swap_tflops": -1},
+            "swap_tflops: must be a finite number of TFLOP/s > 0, got -1.0",
+        ),
+        (
+            {"activation_swap": "auto", "swap_tflops": float("inf")},
+            "swap_tflops: must be a finite number of TFLOP/s > 0, got inf",
+        ),
+        ({"activation_swap": "auto", "swap_hide_margin": 1}, "swap_hide_margin: must be in [0, 1)"),
+        (
+            {"activation_swap": "auto", "swap_hide_margin": -0.1},
+            "swap_hide_margin: must be in [0, 1)",
+        ),
+        (
+            {"activation_swap": "layer", "swap_tflops": 100},
+            "swap_tflops: is 100.0 but activation_swap: layer, so it would change nothing",
+        ),
+        (
+            {"swap_bandwidth_gbps": "measure"},
+            "swap_bandwidth_gbps: is measure but activation_swap: none, so it would change",
+        ),
     ],
 )
 def test_value_checks_name_the_key(mapping: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_config(mapping)
     assert str(info.value).startswith(message)
+
+
+def test_auto_settings_read_numbers_and_measure(tmp_path: Path) -> None:
+    auto = resolve_config(
+        _write(tmp_path, "activation_swap: auto\nswap_bandwidth_gbps: 1e3\nswap_hide_margin: 0\n")
+    )
+    assert (auto.swap_bandwidth_gbps, auto.swap_tflops, auto.swap_hide_margin) == (
+        1000.0,
+        400.0,
+        0.0,
+    )
+    measured = resolve_config({"activation_swap": "auto"}, ["swap_bandwidth_gbps=measure"])
+    assert measured.swap_bandwidth_gbps == "measure"
+
+
+def test_auto_defaults_are_the_planners() -> None:
+    from graphswap.planner import DEFAULT_BANDWIDTH_GBPS, DEFAULT_HIDE_MARGIN, DEFAULT_TFLOPS
+
+    config = TrainerConfig()
+    assert (config.swap_bandwidth_gbps, config.swap_tflops, config.swap_hide_margin) == (
+        DEFAULT_BANDWIDTH_GBPS,
+        DEFAULT_TFLOPS,
+        DEFAULT_HIDE_MARGIN,
+    )
 
 
 def test_direct_construction_is_checked_too() -> None:

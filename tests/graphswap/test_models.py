@@ -27,6 +27,16 @@ def test_from_config_threads_activation_swap() -> None:
     assert all(is_swap_wrapped(layer.self_attn) for layer in swapped.model.layers)
 
 
+@pytest.mark.parametrize("mode", ["layer", "auto"])
+def test_from_config_and_from_pretrained_swap_whole_layers(mode: str, tmp_path) -> None:
+    hf_config = qwen3_moe_config("tiny", num_hidden_layers=2)
+    swapped = from_config(hf_config, activation_swap=mode)  # type: ignore[arg-type]
+    assert all(is_swap_wrapped(layer) for layer in swapped.model.layers)
+    from_config(hf_config).save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, activation_swap=mode)  # type: ignore[arg-type]
+    assert all(is_swap_wrapped(layer) for layer in loaded.model.layers)
+
+
 def test_contradicting_swap_settings_are_an_error() -> None:
     with pytest.raises(ValueError, match="contradicts"):
         from_config(

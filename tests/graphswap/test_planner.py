@@ -12,10 +12,13 @@ from graphswap.planner import (
     LayerPlan,
     MemoryPlan,
     PlanSettingError,
+    choose_hidden,
+    layer_candidates,
     layer_forward_flops,
     plan_memory,
 )
 from graphswap.presets import qwen3_moe_config
+from graphswap.saved_tensors import trace_saved_tensors
 
 SEQ, BATCH = 512, 2
 """sdpa's query and output are exactly 1 MiB per layer here: the swap threshold."""
@@ -206,6 +209,9 @@ def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-d
         ({"seq": 8, "tp": 3}, "tp"),
         ({"seq": 8, "attn_kernel": "flash", "dtype": torch.float32}, "attn_kernel"),
         ({"seq": 8, "device": "xpu"}, "device"),
+        ({"seq": 8, "swap": "experts"}, "swap"),
+        ({"seq": 8, "swap": "auto", "hide_margin": 1.0}, "hide_margin"),
+        ({"seq": 8, "swap": "auto", "hide_margin": -0.5}, "hide_margin"),
     ],
 )
 def test_bad_inputs_name_the_input(kwargs, word) -> None:  # type: ignore[no-untyped-def]
@@ -218,3 +224,88 @@ def test_eager_experts_are_refused_with_the_fix() -> None:
     config = qwen3_moe_config("tiny", experts_implementation="eager")
     with pytest.raises(PlanSettingError, match="grouped_mm"):
         plan_memory(config, seq=8)
+
+
+def _cpu(swap: str, **kwargs: object) -> MemoryPlan:
+    return plan_memory(
+        qwen3_moe_config("tiny"),
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        device="cpu",
+        swap=swap,  # type: ignore[arg-type]
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def test_choose_hidden_takes_the_largest_that_fit_in_saving_order() -> None:
+    trace = trace_saved_tensors(
+        qwen3_moe_config("tiny", attn_implementation="eager", num_hidden_layers=2),
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        device="cpu",
+    )
+    candidates = layer_candidates(trace)["model.layers.0"]
+    sizes = sorted((c.nbytes for c in candidates), reverse=True)
+    assert sizes[0] == 8 << 20 and sizes[-1] == 1 << 20  # eager's probabilities, q
+    everything = choose_hidden(candidates, float("inf"))
+    assert everything == sorted(candidates, key=lambda c: c.saves[0].index)
+    # 9 MiB: the 8 MiB probabilities first, then one 1 MiB tensor; the rest does not fit.
+    nine = choose_hidden(candidates, 9 << 20)
+    assert sorted(c.nbytes for c in nine) == [1 << 20, 8 << 20]
+    assert [c.saves[0].index for c in nine] == sorted(c.saves[0].index for c in nine)
+    # 7.5 MiB: the probabilities do not fit, the 1 MiB tensors do, largest first.
+    seven = choose_hidden(candidates, 7.5 * (1 << 20))
+    assert sum(c.nbytes for c in seven) == 7 << 20 and all(c.nbytes == 1 << 20 for c in seven)
+    assert choose_hidden(candidates, (1 << 20) - 1) == []
+
+
+def test_layer_candidates_leave_storages_other_layers_save() -> None:
+    trace = trace_saved_tensors(
+        qwen3_moe_config("tiny", num_hidden_layers=2),
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    first = layer_candidates(trace)["model.layers.0"]
+    storages = {c.saves[0].storage for c in first}
+    later = {s.storage for s in trace.layers[1].saves}
+    assert storages and not storages & later
+    assert all(s.policy_swaps for c in first for s in c.saves)
+
+
+def test_layer_swaps_every_tensor_of_the_layer_the_policy_would() -> None:
+    attention, layer = _cpu("attention"), _cpu("layer")
+    for a, w in zip(attention.layers, layer.layers, strict=True):
+        assert w.swappable_bytes > a.swappable_bytes
+        assert w.saved_bytes == a.saved_bytes
+    first = layer.layers[0]
+    assert sum(s.storage_nbytes for s in {s.storage: s for s in first.swapped_saves}.values()) == (
+        first.swappable_bytes
+    )
+    assert layer.layers[-1].swapped_saves == ()  # kept on device
+    data = layer.to_dict()
+    assert data["swap"] == "layer" and data["layers"][0]["swapped_saves"][0]["index"] == 8
+
+
+def test_auto_between_the_extremes() -> None:
+    layer = _cpu("layer")
+    fast = _cpu("auto", bandwidth_gbps=1e9, tflops=1.0)
+    slow = _cpu("auto", bandwidth_gbps=1e-3, tflops=1.0)
+    middle = _cpu("auto", bandwidth_gbps=2.0, tflops=1.0, hide_margin=0.1)
+    assert fast.swapped_bytes == fast.layer_swappable_bytes == layer.swapped_bytes
+    assert [x.swapped_saves for x in fast.layers] == [x.swapped_saves for x in layer.layers]
+    assert slow.swapped_bytes == 0 and slow.auto_verdict().startswith("auto swaps nothing")
+    assert 0 < middle.swapped_bytes < layer.swapped_bytes
+    for planned in middle.layers[:-1]:
+        assert planned.copy_seconds <= 0.9 * planned.overlap_seconds
+        assert planned.verdict("auto") == "hides"
+    no_margin = _cpu("auto", bandwidth_gbps=2.0, tflops=1.0, hide_margin=0.0)
+    assert no_margin.swapped_bytes >= middle.swapped_bytes
+    table = middle.format_table()
+    assert "swap=auto" in table and "margin=0.1" in table and "swapped saves (#)" in table
+    assert middle.auto_verdict() in table
+    assert middle.to_dict()["verdict"] == middle.auto_verdict()

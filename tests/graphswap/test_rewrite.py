@@ -464,6 +464,73 @@ def test_ancestor_and_descendant_conflict() -> None:
         rewrite(model, [tag_rule("tag_layers", "none"), "qwen3_attn_swap"])
 
 
+class SubLayer(Qwen3MoeDecoderLayer):
+    """A user subclass of the decoder layer: the layer rule must not match it."""
+
+
+def test_layer_rule_wraps_every_decoder_layer_and_links_them() -> None:
+    model = meta_model(6)
+    before = snapshot(model)
+    state_keys = list(model.state_dict())
+    report = rewrite(model, "qwen3_moe_layer_swap")
+    assert str(report) == "qwen3_moe_layer_swap: 6 modules wrapped, 5 prefetch links"
+    layers = list(model.model.layers)
+    assert all(is_swap_wrapped(layer) for layer in layers)
+    assert all(isinstance(layer, Qwen3MoeDecoderLayer) for layer in layers)
+    assert not any(is_swap_wrapped(layer.self_attn) for layer in layers)
+    assert report.manager.links == [
+        (f"model.layers.{i}", f"model.layers.{i + 1}") for i in range(5)
+    ]
+    assert {report.graph.nodes[n]["policy"] for n in report.graph} == {"qwen3_layer_swap_policy"}
+    assert list(model.state_dict()) == state_keys
+    report.undo()
+    assert_untouched(model, before)
+
+
+def test_layer_rule_refuses_a_subclassed_layer_by_name() -> None:
+    model = meta_model(3)
+    model.model.layers[1].__class__ = SubLayer
+    before = snapshot(model)
+    with pytest.raises(
+        HierarchyError,
+        match=r"^qwen3_moe_layer_swap: 'model\.layers\.1' must be exactly "
+        r"transformers\.models\.qwen3_moe\.modeling_qwen3_moe\.Qwen3MoeDecoderLayer, "
+        r"found .*SubLayer; every layer is swapped or none is",
+    ):
+        rewrite(model, "qwen3_moe_layer_swap")
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("layer_first", [True, False])
+def test_layer_and_attention_rules_conflict_naming_both(layer_first: bool) -> None:
+    model = meta_model(2)
+    before = snapshot(model)
+    rules = ["qwen3_moe_layer_swap", "qwen3_attn_swap"]
+    with pytest.raises(RuleConflictError) as info:
+        rewrite(model, rules if layer_first else rules[::-1])
+    assert str(info.value).startswith(
+        "rule 'qwen3_moe_layer_swap' replaces 'model.layers.0' and rule 'qwen3_attn_swap' "
+        "replaces 'model.layers.0.self_attn' inside it"
+    )
+    assert_untouched(model, before)
+
+
+def test_node_attributes_of_a_rule_land_in_the_graph_exports() -> None:
+    rule = swap_rule("noted", node_attributes=lambda ctx: {"note": f"match {ctx.index}"})
+    report = rewrite(meta_model(2), [rule])
+    nodes = report.to_dict()["prefetch_graph"]["nodes"]
+    assert [node["note"] for node in nodes] == ["match 0", "match 1"]
+
+
+def test_node_attributes_may_not_overwrite_the_graphs_own() -> None:
+    model = meta_model(2)
+    before = snapshot(model)
+    rule = swap_rule("clobber", node_attributes=lambda ctx: {"policy": "mine"})
+    with pytest.raises(RewriteError, match=r"would overwrite the prefetch-graph attributes"):
+        rewrite(model, [rule])
+    assert_untouched(model, before)
+
+
 def test_rule_lists_are_checked() -> None:
     model = meta_model(2)
     with pytest.raises(RewriteError, match="at least one rule"):

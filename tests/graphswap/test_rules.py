@@ -44,6 +44,18 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Rule]:
     return private
 
 
+def test_layer_rule_has_the_attention_rules_plan_metadata() -> None:
+    layer, attention = get_rule("qwen3_moe_layer_swap"), get_rule("qwen3_attn_swap")
+    assert layer.targets == (
+        "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeDecoderLayer",
+    )
+    assert (layer.match_subclasses, layer.link) == (False, "sequential")
+    assert (layer.must_run_before, layer.excludes) == (
+        attention.must_run_before,
+        attention.excludes,
+    )
+
+
 def test_builtin_rule_is_registered_with_its_plan_metadata() -> None:
     assert "qwen3_attn_swap" in available_rules()
     rule = get_rule("qwen3_attn_swap")

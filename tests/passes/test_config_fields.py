@@ -25,6 +25,9 @@ from graphswap.config import ConfigError, TrainerConfig
 PASS_FIELDS: dict[str, Any] = {
     "activation_swap": "attention",
     "swap_prefetch_depth": 2,
+    "swap_bandwidth_gbps": 3.0,
+    "swap_tflops": 2.0,
+    "swap_hide_margin": 0.25,
     "tp_size": 2,
     "cp_size": 2,
     "ep_size": 2,
@@ -34,6 +37,9 @@ PASS_FIELDS: dict[str, Any] = {
     "fsdp": True,
 }
 """Consumed by ``passes.plan`` / ``apply_model_infrastructure``: field -> a changed value."""
+
+SWAP_SETTINGS = ("swap_prefetch_depth", "swap_bandwidth_gbps", "swap_tflops", "swap_hide_margin")
+"""Pass fields that tune the swap pass rather than enable a pass of their own."""
 
 BUILDER_FIELDS = ("model", "model_path", "num_layers", "attn_implementation", "dtype")
 """Consumed by ``graphswap.models`` when it builds the Hugging Face model."""
@@ -99,14 +105,28 @@ def test_swap_prefetch_depth_reaches_the_swap_manager() -> None:
     assert depth_one[2] == (1, 1) and depth_two[2] == (2, 1)
 
 
+def test_auto_settings_reach_the_plan() -> None:
+    from graphswap.models import build
+
+    auto = {key: PASS_FIELDS[key] for key in SWAP_SETTINGS[1:]}
+    config = dataclasses.replace(
+        BASE, activation_swap="auto", num_layers=2, seq_len=64, batch_size=1, **auto
+    )
+    built = build(config)
+    assert built.auto_swap is not None
+    plan = built.auto_swap.plan
+    assert (plan.seq, plan.batch, plan.swap) == (64, 1, "auto")
+    assert (plan.bandwidth_gbps, plan.tflops, plan.hide_margin) == (3.0, 2.0, 0.25)
+
+
 def test_every_pass_field_enables_its_pass() -> None:
     """The plan has one pass per setting; none of them is dropped."""
     from passes import pass_specs
 
     settings = {spec.setting for spec in pass_specs().values()}
-    assert settings == set(PASS_FIELDS) - {"swap_prefetch_depth"}
+    assert settings == set(PASS_FIELDS) - set(SWAP_SETTINGS)
     for field, value in PASS_FIELDS.items():
-        if field != "swap_prefetch_depth":
+        if field not in SWAP_SETTINGS:
             config = dataclasses.replace(BASE, **{field: value})
             assert [spec.setting for spec in _plan(config).passes] == [field]
 

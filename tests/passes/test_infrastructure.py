@@ -87,6 +87,31 @@ def test_swap_post_condition_catches_an_unwrapped_layer(tiny_model: Model) -> No
         verify_swap(model, report, prefetch_depth=1)
 
 
+@pytest.mark.parametrize("mode", ["layer", "auto"])
+def test_whole_layer_modes_wrap_and_link_every_layer(tiny_model: Model, mode: str) -> None:
+    from graphswap.runtime import is_swap_wrapped, swap_manager_of
+
+    model = tiny_model()
+    result = passes.apply_model_infrastructure(model, TrainerConfig(activation_swap=mode))  # type: ignore[arg-type]
+    assert result.applied == ("swap",) and result.report is not None
+    manager = result.report.manager
+    layers = model.model.layers
+    assert all(is_swap_wrapped(layer) and swap_manager_of(layer) is manager for layer in layers)
+    assert not any(is_swap_wrapped(layer.self_attn) for layer in layers)
+    assert len(manager.links) == len(layers) - 1
+    assert (result.auto_swap is not None) == (mode == "auto")
+
+
+def test_layer_post_condition_catches_an_unwrapped_layer(tiny_model: Model) -> None:
+    from graphswap.runtime import unwrap_swap
+
+    model = tiny_model()
+    report = apply_swap(model, mode="layer")
+    unwrap_swap(model.model.layers[1])
+    with pytest.raises(PassPostconditionError, match=r"model\.layers\.1 is not swap-wrapped"):
+        verify_swap(model, report, prefetch_depth=1, mode="layer")
+
+
 def test_activation_checkpointing_keeps_the_numbers(tiny_model: Model, ids: torch.Tensor) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 

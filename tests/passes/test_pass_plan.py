@@ -106,10 +106,11 @@ def test_declared_passes_match_the_rule_registry() -> None:
     assert set(passes.CANONICAL_ORDER) == set(PASS_NAMES) == set(ON)
 
 
-def test_swap_constraints_come_from_the_rule() -> None:
+@pytest.mark.parametrize("mode", ["attention", "layer", "auto"])
+def test_swap_constraints_come_from_the_rule(mode: str) -> None:
     from graphswap.rules import get_rule
 
-    rule = get_rule(passes.SWAP_RULE)
+    rule = get_rule(passes.SWAP_RULES[mode])
     spec = passes.get_spec("swap")
     assert spec.must_run_before == tuple(rule.must_run_before)
     assert spec.excludes == tuple(rule.excludes)
@@ -217,6 +218,16 @@ def test_each_exclusion_is_rejected(other: str, swap_first: bool) -> None:
         f" {order.index(other) + 1}) cannot run together)"
     )
     with pytest.raises(PassConflictError):
+        passes.plan(config).check()
+
+
+@pytest.mark.parametrize("mode", ["attention", "layer", "auto"])
+@pytest.mark.parametrize(
+    "other", [{"compile": True}, {"activation_checkpointing": True}, {"pp_size": 2}], ids=str
+)
+def test_every_swap_mode_has_the_same_exclusions(mode: str, other: dict[str, object]) -> None:
+    config = TrainerConfig(activation_swap=mode, **other)  # type: ignore[arg-type]
+    with pytest.raises(PassConflictError, match=rf"^activation_swap: {mode} excludes "):
         passes.plan(config).check()
 
 
