@@ -67,10 +67,14 @@ class ResultFiles:
             (".json", json.dumps(self.result, indent=2) + "\n"),
             (".md", to_markdown(self.result)),
         ):
-            path = self.stem.with_suffix(suffix)
-            partial = path.with_suffix(suffix + ".partial")
-            partial.write_text(text)
-            os.replace(partial, path)
+            write_whole(self.stem.with_suffix(suffix), text)
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Replace ``path`` at once: a reader, or a run killed mid-write, never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def _sync(device: torch.device) -> None:
@@ -115,11 +119,11 @@ def verify_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
     empty cache (the timed steps share one cache across modes)."""
     if mode.device.type == "cuda":
         torch.cuda.empty_cache()
-    mode.reset_counters()
     with mode.installed():
+        mode.reset_counters()
         sample = plain_step(mode.model, ids, mode.device)
+        sample["counters"] = mode.counters()  # unwrapping drops the per-module counters
     sample["grad_digest"] = grad_digest(mode.model)
-    sample["counters"] = mode.counters()
     mode.model.zero_grad(set_to_none=True)
     return sample
 
@@ -401,6 +405,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _prepare(device: torch.device) -> None:
+    """Deterministic kernels, so that identical gradients across modes can be checked."""
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -415,13 +420,13 @@ def main(argv: list[str] | None = None) -> int:
             "error: --device cuda but torch sees no CUDA device; use --device cpu", file=sys.stderr
         )
         return 2
-    _prepare(device)
     date = datetime.date.today().isoformat()
     stem = args.out_dir / "-".join(
         filter(None, (device_tag(device), date, "overhead" if args.overhead else None, args.tag))
     )
     if args.overhead:
         return _main_overhead(args, device, stem, date)
+    _prepare(device)
     from graphswap.models import build_model
     from graphswap.presets import qwen3_moe_config
 
@@ -465,10 +470,14 @@ def _main_overhead(args: argparse.Namespace, device: torch.device, stem: Path, d
     config = OverheadConfig(
         blocks=args.blocks, steps=args.steps, warmup=args.warmup, seed=args.seed
     )
-    result = {"date": date, "environment": environment(device), **measure_overhead(config, device)}
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    print(target_line(result))
+    head = {"date": date, "environment": environment(device)}
+    path = stem.with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(result: dict[str, Any]) -> None:
+        write_whole(path, json.dumps(head | result, indent=2) + "\n")
+
+    print(target_line(measure_overhead(config, device, on_round=save)))
     print(f"wrote {stem}.json")
     return 0
 

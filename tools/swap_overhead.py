@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -79,42 +79,52 @@ def _step(model: torch.nn.Module, x: torch.Tensor, device: torch.device) -> floa
     return time.perf_counter() - start
 
 
-def measure_overhead(config: OverheadConfig, device: torch.device) -> dict[str, Any]:
-    """Median step time with and without swap, and the difference per swapped tensor."""
+def measure_overhead(
+    config: OverheadConfig,
+    device: torch.device,
+    on_round: Callable[[dict[str, Any]], None] = lambda result: None,
+) -> dict[str, Any]:
+    """Median step time with and without swap, and the difference per swapped tensor.
+
+    ``on_round`` gets the result so far after every timed round (to save it as it comes).
+    """
     from graphswap.runtime import SwapManager
 
     model = build_blocks(config, device)
     x = torch.randn(config.rows, config.width, device=device)
     manager = SwapManager(keep_last=False)
     times: dict[str, list[float]] = {"none": [], "swap": []}
-    counts: dict[str, int] = {}
+    result: dict[str, Any] = {}
     for rep in range(config.warmup + config.steps):
-        seconds = _step(model, x, device)
-        if rep >= config.warmup:
-            times["none"].append(seconds)
+        none_s = _step(model, x, device)
         with swapped(model, manager):
             manager.reset_stats()
-            seconds = _step(model, x, device)
+            swap_s = _step(model, x, device)
             stats = manager.stats
-        if rep >= config.warmup:
-            times["swap"].append(seconds)
-        counts = {
-            "offloaded_tensors": stats.offloaded_tensors,
-            "offloaded_bytes": stats.offloaded_bytes,
-            "reloaded_tensors": stats.reloaded_tensors,
-            "reloaded_bytes": stats.reloaded_bytes,
-            "prefetch_misses": stats.prefetch_misses,
-        }
-    none_s = statistics.median(times["none"])
-    swap_s = statistics.median(times["swap"])
-    tensors = counts["offloaded_tensors"]
-    per_tensor_us = (swap_s - none_s) / tensors * 1e6 if tensors else None
+        if rep < config.warmup:
+            continue
+        times["none"].append(none_s)
+        times["swap"].append(swap_s)
+        result = _result(config, times, stats)
+        on_round(result)
+    return result
+
+
+def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -> dict[str, Any]:
+    none_s, swap_s = statistics.median(times["none"]), statistics.median(times["swap"])
+    tensors = stats.offloaded_tensors
     return {
         "config": dataclasses.asdict(config),
         "median_step_s": {"none": none_s, "swap": swap_s},
         "step_times_s": times,
-        "per_step": counts,
-        "us_per_swapped_tensor": per_tensor_us,
+        "per_step": {
+            "offloaded_tensors": tensors,
+            "offloaded_bytes": stats.offloaded_bytes,
+            "reloaded_tensors": stats.reloaded_tensors,
+            "reloaded_bytes": stats.reloaded_bytes,
+            "prefetch_misses": stats.prefetch_misses,
+        },
+        "us_per_swapped_tensor": (swap_s - none_s) / tensors * 1e6 if tensors else None,
         "target_us_per_swapped_tensor": TARGET_US_PER_TENSOR,
     }
 

@@ -23,8 +23,8 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
     done = run_bench(
-        "--out-dir", str(tmp_path), "--attn", "eager", "--seq", "128", "--layers", "3",
-        "--steps", "1", "--warmup", "0", "--share-seq", "64", "--share-kernels", "eager", "math",
+        "--out-dir", str(tmp_path), "--attn", "eager", "--seq", "256", "--layers", "3",
+        "--steps", "1", "--warmup", "0", "--share-seq", "256", "--share-kernels", "eager", "math",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     [result_file] = tmp_path.glob("cpu-*.json")
@@ -51,7 +51,7 @@ def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
     shares = {row["kernel"]: row for row in result["kernel_shares"]}
     assert set(shares) == {"eager", "math"}
     for row in shares.values():
-        assert row["seq"] == 64 and 0 < row["share"] < 1
+        assert row["seq"] == 256 and 0 < row["share"] < 1
 
 
 def test_overhead_reports_microseconds_per_swapped_tensor(tmp_path: Path) -> None:
