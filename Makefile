@@ -1,11 +1,26 @@
 # Two entry points for a fresh machine: `make train` (the main job) and `make test`.
-# Both create the virtual environment first when it is missing.
+# Both create the virtual environment first when it is missing. `make ci` is what CI runs.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint env
+# The GPU machine's image, as far as a CPU machine can have it: transformers 5.17,
+# networkx, pytest, hypothesis, pyyaml, tqdm and torch; no pydot, no matplotlib, no ruff.
+DEVICE_VENV := .venv-device
+DEVICE_PACKAGES := torch==2.13.0 transformers==5.17.0 networkx pytest hypothesis pyyaml tqdm
+# The oldest versions pyproject.toml claims (torch: the oldest that imports here, see there).
+FLOOR_VENV := .venv-floor
+FLOOR_PACKAGES := torch==2.13.0 transformers==5.4.0 networkx==3.0 pyyaml==6.0 tqdm==4.60.0 \
+	pytest hypothesis
+# The tests that exercise Hugging Face model code, run against each transformers above.
+COMPAT_TESTS := tests/graphswap/test_models.py tests/graphswap/test_rewrite.py \
+	tests/graphswap/test_rules.py tests/graphswap/test_planner.py tests/graphswap/test_measure.py \
+	tests/graphswap/runtime/test_swap_wrapper.py tests/passes/test_infrastructure.py
+# No network for the dry run where this machine allows a private network namespace.
+NO_NETWORK := $(shell unshare -n true 2>/dev/null && echo unshare -n)
+
+.PHONY: train test lint env ci device-dry-run compat
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,6 +29,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
+
+$(DEVICE_VENV)/.installed: Makefile
+	rm -rf $(DEVICE_VENV)
+	$(PY) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/pip install --quiet --no-compile $(DEVICE_PACKAGES)
+	touch $@
+
+$(FLOOR_VENV)/.installed: Makefile
+	rm -rf $(FLOOR_VENV)
+	$(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet --no-compile $(FLOOR_PACKAGES)
+	touch $@
 
 env: $(STAMP)
 
@@ -26,3 +53,23 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check graphswap passes tests tools
+
+# tools/device_check.sh --dry-run where the GPU check will run: the image's packages only,
+# no package index, no network. A dependency the image lacks fails here.
+device-dry-run: $(DEVICE_VENV)/.installed
+	@if $(DEVICE_VENV)/bin/python -c "import pydot" 2>/dev/null; then \
+		echo "error: $(DEVICE_VENV) has pydot, which the GPU image lacks"; exit 1; fi
+	@echo "$(DEVICE_VENV): no pydot; network: $(or $(NO_NETWORK),not isolated (unshare -n refused))"
+	PIP_NO_INDEX=1 PYTHON=$(DEVICE_VENV)/bin/python $(NO_NETWORK) \
+		tools/device_check.sh out/device-dry-run --dry-run
+
+# COMPAT_TESTS against the GPU image's transformers and against the oldest versions claimed.
+compat: $(DEVICE_VENV)/.installed $(FLOOR_VENV)/.installed
+	for venv in $(DEVICE_VENV) $(FLOOR_VENV); do \
+		$$venv/bin/python -c "import torch, transformers; \
+			print('$$venv: torch', torch.__version__, 'transformers', transformers.__version__)" \
+		&& PYTHONPATH=$(CURDIR) $$venv/bin/python -m pytest -q -p no:cacheprovider \
+			$(COMPAT_TESTS) || exit 1; \
+	done
+
+ci: test device-dry-run compat

@@ -558,8 +558,9 @@ def _fix(kind: str, rules: list[Rule]) -> str:
                 "rewrite the model before torch.compile (the original of torch.compile(m) "
                 "is its ._orig_mod) and do not compile it"
                 if kind == "compile"
-                else "turn checkpointing off (model.activation_checkpointing_disable() for "
-                "Hugging Face models, or build without checkpoint_wrapper)"
+                else "turn checkpointing off (for Hugging Face models "
+                "model.gradient_checkpointing_disable(), activation_checkpointing_disable() "
+                "from transformers 5.23 on; or build without checkpoint_wrapper)"
             )
             return f"{', '.join(excluding)} cannot be combined with {kind}: {undo}"
         return f"rewrite the model first ({names}), then apply {kind}"

@@ -1,0 +1,229 @@
+"""What a benchmark run is judged by: the issue's targets, and the Markdown report.
+
+A target is met, missed, or not applicable to this run (a CPU dry run, another
+sequence length); each prints as one ``TARGET name: verdict (numbers)`` line that
+``tools/device_check.sh`` collects into its summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from swap_modes import ATTENTION, NONE, SAVE_ON_CPU
+
+PEAK_REDUCTION_OF_PLAN = 0.99
+STEP_RATIO_TARGET = 1.02
+STEP_RATIO_SEQ = 8192
+OVERHEAD_OF_SAVE_ON_CPU = 0.10
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    met: bool | None
+    """``None``: the target does not apply to this run; the number is still shown."""
+    text: str
+
+    def line(self) -> str:
+        verdict = {True: "met", False: "missed", None: "n/a"}[self.met]
+        return f"TARGET {self.name}: {verdict} ({self.text})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f}"
+
+
+def size(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _median(mode: dict[str, Any]) -> float | None:
+    summary = mode.get("summary")
+    return None if summary is None else summary["median_step_s"]
+
+
+def targets(run: dict[str, Any], *, device: str, attn: str) -> list[Target]:
+    """The issue's targets for one sequence length, from what the run measured."""
+    modes = run["modes"]
+    found = [_numbers_unchanged(run)]
+    if NONE in modes and ATTENTION in modes:
+        found.append(_peak_reduction(run, device))
+        found.append(_step_ratio(run, device, attn))
+        if SAVE_ON_CPU in modes:
+            found.append(_overhead_vs_save_on_cpu(run))
+    return found
+
+
+def _numbers_unchanged(run: dict[str, Any]) -> Target:
+    modes = run["modes"]
+    losses = {loss for m in modes.values() for loss in [m["verify"]["loss"], *m["losses"]]}
+    digests = {m["verify"]["grad_digest"] for m in modes.values()}
+    text = f"{len(modes)} modes: {len(losses)} distinct loss, {len(digests)} distinct gradients"
+    if not run["none_reproducible"]:
+        return Target(
+            "numbers_unchanged",
+            None,
+            text + "; without swap two runs already differ (a non-deterministic kernel)",
+        )
+    return Target("numbers_unchanged", len(losses) == 1 and len(digests) == 1, text)
+
+
+def _peak_reduction(run: dict[str, Any], device: str) -> Target:
+    none, attention = run["modes"][NONE], run["modes"][ATTENTION]
+    leaves = run["plan"]["swapped_bytes"]
+    if device == "cuda":
+        if not none["peak_allocated_bytes"] or not attention["peak_allocated_bytes"]:
+            return Target("peak_reduction", False, "no timed step finished")
+        reduction = max(none["peak_allocated_bytes"]) - max(attention["peak_allocated_bytes"])
+        what = "peak allocated"
+    else:
+        reduction = none["resident_saved_bytes"] - attention["resident_saved_bytes"]
+        what = "resident saved bytes at end of forward (CPU has no allocator peak)"
+    if leaves == 0:
+        return Target(
+            "peak_reduction",
+            None,
+            f"{what} drops {size(reduction)}; the planner says nothing leaves the device here",
+        )
+    fraction = reduction / leaves
+    return Target(
+        "peak_reduction",
+        fraction >= PEAK_REDUCTION_OF_PLAN,
+        f"{what} drops {size(reduction)} = {100 * fraction:.1f}% of the {size(leaves)} the "
+        f"planner says leaves the device; target >= {100 * PEAK_REDUCTION_OF_PLAN:g}%",
+    )
+
+
+def _step_ratio(run: dict[str, Any], device: str, attn: str) -> Target:
+    none, attention = _median(run["modes"][NONE]), _median(run["modes"][ATTENTION])
+    if none is None or attention is None:
+        return Target("step_time_ratio", False, "no timed step finished")
+    ratio = attention / none
+    applies = device == "cuda" and run["seq"] == STEP_RATIO_SEQ and attn == "sdpa"
+    text = (
+        f"attention / none median step = {ratio:.3f} at seq {run['seq']}, {attn}, {device}; "
+        f"target <= {STEP_RATIO_TARGET} at seq {STEP_RATIO_SEQ} with sdpa on CUDA"
+    )
+    return Target("step_time_ratio", ratio <= STEP_RATIO_TARGET if applies else None, text)
+
+
+def _overhead_vs_save_on_cpu(run: dict[str, Any]) -> Target:
+    modes = run["modes"]
+    none, attention, save = (_median(modes[name]) for name in (NONE, ATTENTION, SAVE_ON_CPU))
+    if none is None or attention is None or save is None:
+        return Target("overhead_vs_save_on_cpu", False, "no timed step finished")
+    ours, theirs = attention - none, save - none
+    text = f"attention adds {ours * 1e3:.2f} ms per step, save_on_cpu {theirs * 1e3:.2f} ms"
+    if modes[SAVE_ON_CPU]["verify"]["counters"]["offloaded_bytes"] == 0 or theirs <= 0:
+        return Target(
+            "overhead_vs_save_on_cpu",
+            None,
+            text + "; save_on_cpu copies nothing here (its tensors are on the CPU already)",
+        )
+    ratio = ours / theirs
+    return Target(
+        "overhead_vs_save_on_cpu",
+        ratio <= OVERHEAD_OF_SAVE_ON_CPU,
+        f"{text}: {ratio:.3f} of it; target <= {OVERHEAD_OF_SAVE_ON_CPU:g}",
+    )
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    env, cfg = result["environment"], result["config"]
+    lines = [
+        f"# Activation swap benchmark: {env['device_name']}, {result['date']}",
+        "",
+        f"Model: preset `{cfg['preset']}`, {cfg['layers']} layers, {cfg['dtype']}, "
+        f"attention `{cfg['attn']}`; {cfg['steps']} timed steps per mode after "
+        f"{cfg['warmup']} warm-up, interleaved; a step is forward + backward, no update. "
+        f"torch {env['torch']}, transformers {env['transformers']}, {env['cpu_count']} CPUs; "
+        "deterministic algorithms on, `fill_uninitialized_memory` off.",
+        "Peak allocated / reserved: `torch.cuda.max_memory_allocated` / `max_memory_reserved` "
+        "around the timed steps (max over them); reserved after `empty_cache` is from one "
+        "untimed step per mode. Resident: bytes of activations still on the compute device at "
+        "the end of forward, counted by an independent tracker in an untimed step. Ratios are "
+        "against `none` from the same run.",
+    ]
+    for run in result["runs"]:
+        lines += _run_markdown(run)
+    if result.get("kernel_shares"):
+        lines += _shares_markdown(result["kernel_shares"])
+    return "\n".join(lines) + "\n"
+
+
+def _run_markdown(run: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## seq {run['seq']}, batch {run['batch']}",
+        "",
+        "| mode | median step ms | p25-p75 ms | step ratio | peak allocated MiB "
+        "| peak reserved MiB | reserved after empty_cache MiB | resident MiB "
+        "| offloaded MiB | reloaded MiB | prefetch hit/miss | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    none_median = _median(run["modes"].get(NONE, {}))
+    for name, mode in run["modes"].items():
+        summary, verify = mode.get("summary"), mode["verify"]
+        counters = verify["counters"]
+        if summary is None:
+            timing = "- | - | -"
+        else:
+            ratio = summary["median_step_s"] / none_median if none_median else float("nan")
+            timing = (
+                f"{summary['median_step_s'] * 1e3:.1f} | {summary['p25_step_s'] * 1e3:.1f}-"
+                f"{summary['p75_step_s'] * 1e3:.1f} | {ratio:.3f}"
+            )
+        lines.append(
+            f"| {name} | {timing} | {mib(max(mode['peak_allocated_bytes'], default=None))} | "
+            f"{mib(max(mode['peak_reserved_bytes'], default=None))} | "
+            f"{mib(verify['peak_reserved_bytes'])} | {mib(mode['resident_saved_bytes'])} | "
+            f"{mib(counters['offloaded_bytes'])} | {mib(counters['reloaded_bytes'])} | "
+            f"{counters['prefetch_hits']}/{counters['prefetch_misses']} | {verify['loss']:.6f} |"
+        )
+    plan = run["plan"]
+    lines += [
+        "",
+        f"Planner (`graphswap plan-memory`): total saved {mib(plan['total_saved_bytes'])} MiB, "
+        f"leaving the device (every layer's swappable bytes but the kept last layer's) "
+        f"{mib(plan['swapped_bytes'])} MiB, end of forward with swap "
+        f"{mib(plan['end_of_forward_with_swap_bytes'])} MiB.",
+    ]
+    if run.get("attention_share") is not None:
+        lines.append(
+            f"The attention swap moves {100 * run['attention_share']:.1f}% of all saved "
+            "activation bytes at this shape (offloaded / resident without swap)."
+        )
+    lines += ["", *(f"- {target['name']}: {_verdict(target)}" for target in run.get("targets", []))]
+    return lines
+
+
+def _verdict(target: dict[str, Any]) -> str:
+    verdict = {True: "met", False: "**missed**", None: "n/a"}[target["met"]]
+    return f"{verdict} ({target['text']})"
+
+
+def _shares_markdown(shares: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "",
+        "## What attention swap moves, per attention kernel",
+        "",
+        "One forward + backward per kernel; share = bytes the attention swap offloads / all "
+        "activation bytes saved for backward (independent tracker, no swap). The last layer's "
+        "attention stays on device.",
+        "",
+        "| kernel | seq | saved MiB | attention offloaded MiB | share |",
+        "|---|---|---|---|---|",
+    ]
+    for row in shares:
+        if row.get("error"):
+            lines.append(f"| {row['kernel']} | {row['seq']} | - | - | {row['error']} |")
+            continue
+        lines.append(
+            f"| {row['kernel']} | {row['seq']} | {mib(row['total_saved_bytes'])} | "
+            f"{mib(row['offloaded_bytes'])} | {100 * row['share']:.1f}% |"
+        )
+    return lines

@@ -1,0 +1,142 @@
+"""Host time graphswap adds per swapped tensor: pack + unpack + release, nothing else.
+
+On a GPU the saved-tensor hooks run on the host while kernels queue; every
+microsecond they take is time the host cannot run ahead of the device. The model is
+a stack of small ``Linear + ReLU`` blocks, each wrapped and every saved tensor
+swapped (2 KiB each by default), so the copies cost next to nothing and the step-time
+difference against the same model without swap is the bookkeeping. Steps of the two
+modes are interleaved in one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TARGET_US_PER_TENSOR = 20.0
+
+
+def swap_every_tensor(t: torch.Tensor) -> Any:
+    """Policy: swap every saved tensor (the runtime still never swaps parameters)."""
+    from graphswap.policy import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SWAP
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    blocks: int = 64
+    width: int = 128
+    rows: int = 4
+    steps: int = 200
+    warmup: int = 20
+    seed: int = 0
+
+
+def build_blocks(config: OverheadConfig, device: torch.device) -> torch.nn.Sequential:
+    torch.manual_seed(config.seed)
+    return torch.nn.Sequential(
+        *(
+            torch.nn.Sequential(torch.nn.Linear(config.width, config.width), torch.nn.ReLU())
+            for _ in range(config.blocks)
+        )
+    ).to(device)
+
+
+@contextmanager
+def swapped(model: torch.nn.Sequential, manager: Any) -> Iterator[None]:
+    """Every block wrapped and linked; no block kept on device (``keep_last=False``)."""
+    from graphswap.runtime import swap_wrapper, unwrap_swap
+
+    blocks = list(model)
+    for i, block in enumerate(blocks):
+        swap_wrapper(block, manager=manager, policy=swap_every_tensor, name=f"block.{i}")
+    for prev, nxt in itertools.pairwise(blocks):
+        manager.set_forward_prefetch_layer(prev, nxt)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            unwrap_swap(block)
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    model(x).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure_overhead(
+    config: OverheadConfig,
+    device: torch.device,
+    on_round: Callable[[dict[str, Any]], None] = lambda result: None,
+) -> dict[str, Any]:
+    """Median step time with and without swap, and the difference per swapped tensor.
+
+    ``on_round`` gets the result so far after every timed round (to save it as it comes).
+    """
+    from graphswap.runtime import SwapManager
+
+    model = build_blocks(config, device)
+    x = torch.randn(config.rows, config.width, device=device)
+    manager = SwapManager(keep_last=False)
+    times: dict[str, list[float]] = {"none": [], "swap": []}
+    result: dict[str, Any] = {}
+    for rep in range(config.warmup + config.steps):
+        none_s = _step(model, x, device)
+        with swapped(model, manager):
+            manager.reset_stats()
+            swap_s = _step(model, x, device)
+            stats = manager.stats
+        if rep < config.warmup:
+            continue
+        times["none"].append(none_s)
+        times["swap"].append(swap_s)
+        result = _result(config, times, stats)
+        on_round(result)
+    return result
+
+
+def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -> dict[str, Any]:
+    none_s, swap_s = statistics.median(times["none"]), statistics.median(times["swap"])
+    tensors = stats.offloaded_tensors
+    return {
+        "config": dataclasses.asdict(config),
+        "median_step_s": {"none": none_s, "swap": swap_s},
+        "step_times_s": times,
+        "per_step": {
+            "offloaded_tensors": tensors,
+            "offloaded_bytes": stats.offloaded_bytes,
+            "reloaded_tensors": stats.reloaded_tensors,
+            "reloaded_bytes": stats.reloaded_bytes,
+            "prefetch_misses": stats.prefetch_misses,
+        },
+        "us_per_swapped_tensor": (swap_s - none_s) / tensors * 1e6 if tensors else None,
+        "target_us_per_swapped_tensor": TARGET_US_PER_TENSOR,
+    }
+
+
+def target_line(result: dict[str, Any]) -> str:
+    value = result["us_per_swapped_tensor"]
+    if value is None:
+        return "TARGET host_overhead_per_swapped_tensor: missed (no tensor was swapped)"
+    verdict = "met" if value <= TARGET_US_PER_TENSOR else "missed"
+    steps = result["median_step_s"]
+    return (
+        f"TARGET host_overhead_per_swapped_tensor: {verdict} ({value:.1f} us per swapped tensor, "
+        f"target <= {TARGET_US_PER_TENSOR:g} us; step {steps['none'] * 1e3:.2f} ms -> "
+        f"{steps['swap'] * 1e3:.2f} ms, {result['per_step']['offloaded_tensors']} tensors)"
+    )
