@@ -91,16 +91,18 @@ class _SizeThreshold:
         return CheckpointPolicy.MUST_SWAP
 
 
-def size_threshold_policy(min_bytes: int = MIN_SWAP_TENSOR_BYTES) -> SwapPolicy:
+def size_threshold_policy(
+    min_bytes: int = MIN_SWAP_TENSOR_BYTES, *, name: str | None = None
+) -> SwapPolicy:
     """A policy that swaps grad-requiring tensors of 2+ dims that own their storage
-    and hold at least ``min_bytes`` bytes."""
+    and hold at least ``min_bytes`` bytes; ``name`` is how graphs and reports call it."""
     if min_bytes < 0:
         raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
-    return _SizeThreshold(min_bytes, f"size_threshold_policy({min_bytes})")
+    return _SizeThreshold(min_bytes, name or f"size_threshold_policy({min_bytes})")
 
 
-qwen3_attention_swap_policy: SwapPolicy = _SizeThreshold(
-    MIN_SWAP_TENSOR_BYTES, "qwen3_attention_swap_policy"
+qwen3_attention_swap_policy: SwapPolicy = size_threshold_policy(
+    MIN_SWAP_TENSOR_BYTES, name="qwen3_attention_swap_policy"
 )
 
 

@@ -212,10 +212,11 @@ def get_rule(name: str) -> Rule:
 
 _QWEN3_MOE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
-qwen3_layer_swap_policy: SwapPolicy = size_threshold_policy(MIN_SWAP_TENSOR_BYTES)
+qwen3_layer_swap_policy: SwapPolicy = size_threshold_policy(
+    MIN_SWAP_TENSOR_BYTES, name="qwen3_layer_swap_policy"
+)
 """What ``qwen3_moe_layer_swap`` moves: the attention policy's test, applied to every
 save of the layer (attention, router, experts, norms)."""
-qwen3_layer_swap_policy.__name__ = qwen3_layer_swap_policy.__qualname__ = "qwen3_layer_swap_policy"
 
 
 def _hierarchy_validator(

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from bench_report import targets, to_markdown
-from swap_modes import ATTENTION, MODES, NONE, Mode
+from swap_modes import ATTENTION, AUTO, MODES, NONE, Mode
 from swap_overhead import OverheadConfig, measure_overhead, target_line
 
 from graphswap.measure import ResidentActivationTracker, output_tensors
@@ -176,6 +176,27 @@ def _plan(args: argparse.Namespace, config: Any, seq: int) -> dict[str, int]:
     }
 
 
+def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> Any:
+    """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
+    from graphswap.auto_swap import AutoSwap
+    from graphswap.planner import plan_memory
+
+    plan = plan_memory(
+        config,
+        seq=seq,
+        batch=args.batch,
+        dtype=getattr(torch, args.dtype),
+        attn_implementation=args.attn,
+        device="cuda" if device.type == "cuda" else "cpu",
+        bandwidth_gbps=args.swap_bandwidth,
+        tflops=args.swap_tflops,
+        swap="auto",
+        hide_margin=args.swap_hide_margin,
+    )
+    made_for = f"--seq {seq}, --batch {args.batch}, --dtype {args.dtype}, --attn {args.attn}"
+    return AutoSwap(plan, made_for=made_for)
+
+
 def run_seq(
     args: argparse.Namespace,
     model: torch.nn.Module,
@@ -190,8 +211,18 @@ def run_seq(
     run: dict[str, Any] = {"seq": seq, "batch": args.batch, "plan": _plan(args, config, seq)}
     run["modes"] = {}
     files.result["runs"].append(run)
-    modes = [Mode(name, model, device) for name in args.modes]
+    auto = _auto_swap(args, config, seq, device) if AUTO in args.modes else None
+    modes = [Mode(name, model, device, auto if name == AUTO else None) for name in args.modes]
     _untimed_steps(modes, ids, run, files)
+    if auto is not None:
+        offloaded = run["modes"][AUTO]["verify"]["counters"]["offloaded_bytes"]
+        run["auto_plan"] = {
+            "swapped_bytes": auto.plan.swapped_bytes,
+            "verdict": auto.plan.auto_verdict(),
+            "offloaded_bytes": offloaded,
+            "mismatched_tensors": auto.mismatched_tensors,
+            "matches_plan": offloaded == auto.plan.swapped_bytes and not auto.mismatched_tensors,
+        }
     _timed_rounds(args, modes, ids, run, files)
     found = targets(run, device=device.type, attn=args.attn)
     run["targets"] = [target.to_dict() for target in found]
@@ -373,6 +404,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         + ")",
     )
     parser.add_argument("--tag", help="appended to the file names: <device>-<date>-<tag>.json")
+    auto = parser.add_argument_group("the auto mode: activation_swap: auto's link model")
+    auto.add_argument("--swap-bandwidth", type=float, default=50.0, help="host link GB/s")
+    auto.add_argument("--swap-tflops", type=float, default=400.0, help="compute TFLOP/s")
+    auto.add_argument("--swap-hide-margin", type=float, default=0.1)
     overhead = parser.add_argument_group("--overhead: host time per swapped tensor")
     overhead.add_argument("--overhead", action="store_true", help="run only this measurement")
     overhead.add_argument("--blocks", type=int, default=OverheadConfig.blocks)

@@ -1,7 +1,8 @@
 """The ways of saving activations that the benchmark compares, installed on one model in turn.
 
 ``none``: autograd as is. ``attention``: graphswap on every layer's attention (the
-``qwen3_attn_swap`` layout). ``layer``: graphswap on whole decoder layers.
+``qwen3_attn_swap`` layout). ``layer``: graphswap on whole decoder layers. ``auto``:
+``activation_swap: auto``, whole layers swapping what the planner says the link hides.
 ``save_on_cpu``: PyTorch's ``torch.autograd.graph.save_on_cpu`` around every attention,
 the synchronous baseline. Each mode reports what it copied with the same counters.
 """
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
-NONE, ATTENTION, LAYER, SAVE_ON_CPU = "none", "attention", "layer", "save_on_cpu"
-MODES = (NONE, ATTENTION, LAYER, SAVE_ON_CPU)
+NONE, ATTENTION, LAYER, AUTO, SAVE_ON_CPU = "none", "attention", "layer", "auto", "save_on_cpu"
+MODES = (NONE, ATTENTION, LAYER, AUTO, SAVE_ON_CPU)
 COUNTERS = (
     "offloaded_tensors",
     "offloaded_bytes",
@@ -52,15 +53,20 @@ class Mode:
     streams and host pool are reused from step to step as in training.
     """
 
-    def __init__(self, name: str, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, name: str, model: torch.nn.Module, device: torch.device, auto: Any = None
+    ) -> None:
         if name not in MODES:
             raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+        if (name == AUTO) != (auto is not None):
+            raise ValueError("the auto mode, and only it, takes an AutoSwap plan")
         self.name = name
+        self.auto = auto
         self.model = model
         self.device = device
         self.manager: Any = None
         self._copied = dict.fromkeys(COUNTERS, 0)
-        if name in (ATTENTION, LAYER):
+        if name in (ATTENTION, LAYER, AUTO):
             from graphswap.runtime import SwapManager
 
             self.manager = SwapManager()
@@ -75,6 +81,15 @@ class Mode:
     def installed(self) -> Iterator[None]:
         if self.name == NONE:
             yield
+            return
+        if self.auto is not None:
+            from graphswap.rewrite import rewrite, unrewrite
+
+            rewrite(self.model, [self.auto.rule()], manager=self.manager)
+            try:
+                yield
+            finally:
+                unrewrite(self.model)
             return
         targets = self._targets()
         if self.manager is not None:

@@ -33,7 +33,7 @@ def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
     result = json.loads(result_file.read_text())
     [run] = result["runs"]
     modes = run["modes"]
-    assert list(modes) == ["none", "attention", "layer", "save_on_cpu"]
+    assert list(modes) == ["none", "attention", "layer", "auto", "save_on_cpu"]
     for mode in modes.values():
         assert len(mode["step_times_s"]) == 1
         counters = mode["verify"]["counters"]
@@ -48,6 +48,12 @@ def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
     assert offloaded == run["plan"]["swapped_bytes"]
     assert modes["attention"]["resident_saved_bytes"] < modes["none"]["resident_saved_bytes"]
     assert 0 < run["attention_share"] < 1
+    # auto at the default link model hides everything layer swap moves, and moves exactly
+    # what it planned.
+    assert run["auto_plan"]["matches_plan"] is True
+    assert modes["auto"]["verify"]["counters"]["offloaded_bytes"] == run["auto_plan"][
+        "swapped_bytes"
+    ]
     shares = {row["kernel"]: row for row in result["kernel_shares"]}
     assert set(shares) == {"eager", "math"}
     for row in shares.values():
