@@ -158,7 +158,8 @@ def _summary(times: list[float]) -> dict[str, float]:
     }
 
 
-def _plan(args: argparse.Namespace, config: Any, seq: int) -> dict[str, int]:
+def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> dict[str, int]:
+    """The planner's prediction for the kernel this device runs (CPU flash on CPU)."""
     from graphswap.planner import plan_memory
 
     plan = plan_memory(
@@ -167,6 +168,7 @@ def _plan(args: argparse.Namespace, config: Any, seq: int) -> dict[str, int]:
         batch=args.batch,
         dtype=getattr(torch, args.dtype),
         attn_implementation=args.attn,
+        device="cuda" if device.type == "cuda" else "cpu",
     )
     return {
         "total_saved_bytes": plan.total_saved_bytes,
@@ -208,7 +210,11 @@ def run_seq(
     """Every measurement at one sequence length, flushed to ``files`` as it comes."""
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, seq), generator=generator).to(device)
-    run: dict[str, Any] = {"seq": seq, "batch": args.batch, "plan": _plan(args, config, seq)}
+    run: dict[str, Any] = {
+        "seq": seq,
+        "batch": args.batch,
+        "plan": _plan(args, config, seq, device),
+    }
     run["modes"] = {}
     files.result["runs"].append(run)
     auto = _auto_swap(args, config, seq, device) if AUTO in args.modes else None
