@@ -33,8 +33,10 @@ export PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
 if ((DRY_RUN)); then
+    # A rehearsal, not a measurement: one thread keeps it quick on a shared CI machine.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     TEST_LIMIT=300 BENCH_LIMIT=600 OVERHEAD_LIMIT=300
-    BENCH_ARGS=(--device cpu --seq 1024 --steps 2 --warmup 1 --share-seq 1024)
+    BENCH_ARGS=(--device cpu --seq 512 --steps 2 --warmup 1 --share-seq 512)
     OVERHEAD_ARGS=(--device cpu --steps 30 --warmup 5)
 else
     TEST_LIMIT=90 BENCH_LIMIT=190 OVERHEAD_LIMIT=40
