@@ -219,55 +219,62 @@ qwen3_layer_swap_policy: SwapPolicy = size_threshold_policy(
 save of the layer (attention, router, experts, norms)."""
 
 
-def _hierarchy_validator(
-    rule_name: str, class_name: str, attr: str | None
-) -> Callable[[nn.Module], None]:
+@dataclass(frozen=True)
+class _HierarchyValidator:
     """A check that every decoder layer has a module of exact type ``class_name`` (the
     layer itself when ``attr`` is ``None``, else its ``attr`` child): one layer without
-    it would leave a hole in the prefetch chain.
+    it would leave a hole in the prefetch chain. An object, not a closure, so a
+    rewritten model (whose report keeps its rules) can be pickled.
 
     The stack is found by structure, not by attribute name: it is the root or the one
     ``Qwen3MoeModel`` inside it, wherever a head class keeps it (``model`` for causal LM,
     sequence and token classification, ``transformer`` for question answering).
     """
 
-    def validate(root: nn.Module) -> None:
-        expected = getattr(importlib.import_module(_QWEN3_MOE), class_name)
-        layers_fqn = _decoder_stack_fqn(rule_name, root)
+    rule_name: str
+    class_name: str
+    attr: str | None
+
+    @property
+    def __name__(self) -> str:
+        return f"validate_{self.rule_name}_hierarchy"
+
+    def __call__(self, root: nn.Module) -> None:
+        expected = getattr(importlib.import_module(_QWEN3_MOE), self.class_name)
+        layers_fqn = _decoder_stack_fqn(self.rule_name, root)
         try:
             layers = root.get_submodule(layers_fqn)
         except AttributeError:
             raise HierarchyError(
-                f"{rule_name}: no module at {layers_fqn!r} in {qualified_name(type(root))}"
+                f"{self.rule_name}: no module at {layers_fqn!r} in {qualified_name(type(root))}"
             ) from None
         # torch.fx keeps the FQNs of a traced model but rebuilds its containers as plain
         # nn.Module, so a GraphModule's layer list is checked by its children only.
         if not isinstance(layers, nn.ModuleList) and not isinstance(root, torch.fx.GraphModule):
             raise HierarchyError(
-                f"{rule_name}: {layers_fqn!r} must be a torch.nn.ModuleList, "
+                f"{self.rule_name}: {layers_fqn!r} must be a torch.nn.ModuleList, "
                 f"found {qualified_name(type(layers))}"
             )
-        what = "layer" if attr is None else f"layer's {attr}"
+        what = "layer" if self.attr is None else f"layer's {self.attr}"
         for name, layer in layers.named_children():
-            fqn = f"{layers_fqn}.{name}" if attr is None else f"{layers_fqn}.{name}.{attr}"
-            module = layer if attr is None else getattr(layer, attr, None)
+            fqn = (
+                f"{layers_fqn}.{name}" if self.attr is None else f"{layers_fqn}.{name}.{self.attr}"
+            )
+            module = layer if self.attr is None else getattr(layer, self.attr, None)
             if type(module) is not expected:
                 found = "nothing" if module is None else qualified_name(type(module))
                 raise HierarchyError(
-                    f"{rule_name}: {fqn!r} must be exactly {_QWEN3_MOE}.{class_name}, "
+                    f"{self.rule_name}: {fqn!r} must be exactly {_QWEN3_MOE}.{self.class_name}, "
                     f"found {found}; every {what} is swapped or none is"
                 )
 
-    validate.__name__ = validate.__qualname__ = f"validate_{rule_name}_hierarchy"
-    return validate
 
-
-validate_qwen3_moe_hierarchy = _hierarchy_validator(
+validate_qwen3_moe_hierarchy = _HierarchyValidator(
     "qwen3_attn_swap", "Qwen3MoeAttention", "self_attn"
 )
 """Every decoder layer's ``self_attn`` is exactly ``Qwen3MoeAttention``."""
 
-validate_qwen3_moe_layers = _hierarchy_validator(
+validate_qwen3_moe_layers = _HierarchyValidator(
     "qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer", None
 )
 """Every decoder layer is exactly ``Qwen3MoeDecoderLayer``."""
