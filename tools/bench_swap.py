@@ -158,18 +158,26 @@ def _summary(times: list[float]) -> dict[str, float]:
     }
 
 
-def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> dict[str, int]:
-    """The planner's prediction for the kernel this device runs (CPU flash on CPU)."""
+def _plan_memory(
+    args: argparse.Namespace, config: Any, seq: int, device: torch.device, **swap: Any
+) -> Any:
+    """The planner's prediction for this run's shape and the kernel this device runs (CPU
+    flash on CPU); ``swap``: the swap mode and its link model, when not attention."""
     from graphswap.planner import plan_memory
 
-    plan = plan_memory(
+    return plan_memory(
         config,
         seq=seq,
         batch=args.batch,
         dtype=getattr(torch, args.dtype),
         attn_implementation=args.attn,
         device="cuda" if device.type == "cuda" else "cpu",
+        **swap,
     )
+
+
+def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> dict[str, int]:
+    plan = _plan_memory(args, config, seq, device)
     return {
         "total_saved_bytes": plan.total_saved_bytes,
         "swapped_bytes": plan.swapped_bytes,
@@ -181,15 +189,12 @@ def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device)
 def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> Any:
     """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
     from graphswap.auto_swap import AutoSwap
-    from graphswap.planner import plan_memory
 
-    plan = plan_memory(
+    plan = _plan_memory(
+        args,
         config,
-        seq=seq,
-        batch=args.batch,
-        dtype=getattr(torch, args.dtype),
-        attn_implementation=args.attn,
-        device="cuda" if device.type == "cuda" else "cpu",
+        seq,
+        device,
         bandwidth_gbps=args.swap_bandwidth,
         tflops=args.swap_tflops,
         swap="auto",
