@@ -47,12 +47,14 @@ env: $(STAMP)
 train: $(STAMP)
 	$(BIN)/graphswap train $(ARGS)
 
-test: $(STAMP)
-	$(BIN)/ruff check graphswap passes tests tools
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# ruff, and the layers contract in pyproject.toml (imports point down: application ->
+# passes -> core).
 lint: $(STAMP)
 	$(BIN)/ruff check graphswap passes tests tools
+	$(BIN)/lint-imports --no-cache
 
 # tools/device_check.sh --dry-run where the GPU check will run: the image's packages only,
 # no package index, no network. A dependency the image lacks fails here.

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from graphswap.config import ConfigError
+from graphswap.attention_kernels import PlanSettingError
+from graphswap.errors import HierarchyError
+from graphswap.hf import decoder_layers
 from graphswap.policy import CheckpointPolicy
-from graphswap.rules import HierarchyError, Rule, RuleContext, get_rule
+from graphswap.rules import Rule, RuleContext, get_rule
 from graphswap.runtime import swap_wrapper
 
 if TYPE_CHECKING:
@@ -132,12 +134,10 @@ class AutoSwap:
         )
 
     def _validate(self, root: nn.Module) -> None:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
-
         base = get_rule("qwen3_moe_layer_swap")
         assert base.validate is not None
         base.validate(root)
-        found = sum(type(m) is Qwen3MoeDecoderLayer for m in root.modules())
+        found = len(decoder_layers(root)[1])
         if found != len(self.plan.layers):
             raise HierarchyError(
                 f"{AUTO_RULE}: the model has {found} decoder layers but the auto plan was made "
@@ -212,9 +212,10 @@ def check_measurable(device: torch.device) -> None:
     """``swap_bandwidth_gbps: measure`` needs a CUDA device: on CPU there is no host link
     to time, and no number to fall back on silently."""
     if device.type != "cuda":
-        raise ConfigError(
+        raise PlanSettingError(
             "swap_bandwidth_gbps",
-            f"measure times a pinned copy between host and a CUDA device, but training runs"
+            "measure",
+            f"times a pinned copy between host and a CUDA device, but training runs"
             f" on {device.type}; give the link's bandwidth in GB/s (e.g. 50)",
         )
 

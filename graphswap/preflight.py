@@ -17,8 +17,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import passes
+from graphswap.attention_kernels import PlanSettingError
+from graphswap.auto_swap import check_measurable
 from graphswap.config import ConfigError, TrainerConfig
-from graphswap.models import CheckpointError, trainer_hf_config, weight_files
+from graphswap.hf import CheckpointError, weight_files
+from graphswap.models import trainer_hf_config
+from passes import PassRequirementError
+from passes.tensor_parallel import check_heads_divisible
 
 if TYPE_CHECKING:
     from transformers import Qwen3MoeConfig
@@ -26,8 +32,6 @@ if TYPE_CHECKING:
 
 def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> Qwen3MoeConfig:
     """Every check ``graphswap train`` needs; returns the Hugging Face config to build."""
-    import passes
-
     passes.plan(config).check()
     hf_config = check_model(config)
     check_swap_bandwidth(config, resolve_device(config))
@@ -40,8 +44,6 @@ def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> Qwen3MoeConfi
 def check_model(config: TrainerConfig) -> Qwen3MoeConfig:
     """The model's config (preset, or ``model_path``'s config.json and weights), and
     that ``tp_size`` divides its head counts."""
-    from passes.tensor_parallel import check_heads_divisible
-
     try:
         hf_config = trainer_hf_config(config)
         if config.model_path is not None:
@@ -68,10 +70,11 @@ def resolve_device(config: TrainerConfig) -> torch.device:
 
 def check_swap_bandwidth(config: TrainerConfig, device: torch.device) -> None:
     """``swap_bandwidth_gbps: measure`` times the host link of the training device."""
-    from graphswap.auto_swap import check_measurable
-
     if config.swap_bandwidth_gbps == "measure":
-        check_measurable(device)
+        try:
+            check_measurable(device)
+        except PlanSettingError as error:
+            raise ConfigError(error.setting, f"{error.value} {error.detail}") from error
 
 
 def check_data(config: TrainerConfig) -> int:
@@ -119,8 +122,6 @@ def check_output_dir(config: TrainerConfig) -> Path:
 def check_world(config: TrainerConfig, world_size: int) -> None:
     """Several ranks need a pass that keeps them one model: without one, each rank
     would train its own unsynchronised copy."""
-    from passes import PassRequirementError
-
     if world_size > 1 and config.tp_size == 1 and not config.fsdp:
         raise PassRequirementError(
             f"tp_size: 1 and fsdp: false on a world of {world_size} ranks would train"

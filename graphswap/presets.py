@@ -84,7 +84,7 @@ def qwen3_moe_config(
         raise ValueError(
             f"unknown model preset {preset!r}; available presets: {', '.join(preset_names())}"
         )
-    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig  # model code loads on first use, not on import
 
     values = {**PRESETS[preset], **overrides}
     return Qwen3MoeConfig(attn_implementation=attn_implementation, **values)

@@ -14,9 +14,8 @@ import contextlib
 import difflib
 import fnmatch
 import itertools
-import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,20 +23,18 @@ import networkx as nx
 import torch.fx
 from torch import nn
 
-from graphswap.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
-from graphswap.rules import (
+from graphswap.errors import (
     AlreadyTransformedError,
     HierarchyError,
     NoMatchError,
     RewriteError,
-    Rule,
     RuleConflictError,
-    RuleContext,
     UnknownRuleError,
-    get_rule,
-    qualified_name,
 )
-from graphswap.runtime import SwapManager, is_swap_wrapped
+from graphswap.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
+from graphswap.rules import Rule, RuleContext, get_rule, qualified_name
+from graphswap.runtime import SwapManager
+from graphswap.transforms import Transform, find_transforms
 
 __all__ = [
     "AlreadyTransformedError",
@@ -513,16 +510,6 @@ def _recompile(model: nn.Module) -> None:
         model.recompile()
 
 
-_FOUND: dict[str, str] = {
-    "swap": "module {fqn} is already swap-wrapped",
-    "compile": "module {fqn} is compiled (torch.compile)",
-    "fsdp": "module {fqn} is already fully_shard-ed (FSDP2)",
-    "sharded": "parameter {fqn} is a DTensor: the model is already sharded",
-    "activation_checkpointing": "module {fqn} is activation-checkpoint-wrapped",
-}
-"""What each earlier transform looks like, in the order they are reported."""
-
-
 def _refuse_transformed(model: nn.Module, rules: list[Rule]) -> None:
     """Exact-type rules need the untouched model: refuse one that an earlier
     transform changed, naming the first changed module and the fix."""
@@ -532,73 +519,35 @@ def _refuse_transformed(model: nn.Module, rules: list[Rule]) -> None:
             f"the model was already rewritten ({'; '.join(str(r) for r in previous.rules)}); "
             "rewriting twice would wrap wrappers: call graphswap.unrewrite(model) first"
         )
-    findings: dict[str, list[str]] = {}
-    for kind, fqn in _transformations(model):
-        findings.setdefault(kind, []).append(fqn)
-    for kind, found in _FOUND.items():
-        if kind in findings:
-            fqns = findings[kind]
-            more = f" (and {len(fqns) - 1} more)" if len(fqns) > 1 else ""
-            raise AlreadyTransformedError(
-                f"{found.format(fqn=repr(fqns[0] or '<root>'))}{more}; {_fix(kind, rules)}"
-            )
+    traces = find_transforms(model)
+    if traces:
+        first = traces[0]
+        count = sum(trace.kind is first.kind for trace in traces)
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        raise AlreadyTransformedError(f"{first}{more}; {_fix(first.kind, rules)}")
 
 
-def _fix(kind: str, rules: list[Rule]) -> str:
+def _fix(kind: Transform, rules: list[Rule]) -> str:
     names = ", ".join(repr(r.name) for r in rules)
-    if kind == "swap":
+    if kind is Transform.SWAP:
         return (
             "rewriting twice would wrap wrappers: call graphswap.unrewrite(model) or "
             "graphswap.runtime.unwrap_swap(module) first"
         )
-    if kind in ("compile", "activation_checkpointing"):
-        excluding = [repr(r.name) for r in rules if kind in r.excludes]
+    if kind in (Transform.COMPILE, Transform.CHECKPOINT):
+        excluding = [repr(r.name) for r in rules if kind.value in r.excludes]
         if excluding:
             undo = (
                 "rewrite the model before torch.compile (the original of torch.compile(m) "
                 "is its ._orig_mod) and do not compile it"
-                if kind == "compile"
+                if kind is Transform.COMPILE
                 else "turn checkpointing off (for Hugging Face models "
                 "model.gradient_checkpointing_disable(), activation_checkpointing_disable() "
                 "from transformers 5.23 on; or build without checkpoint_wrapper)"
             )
-            return f"{', '.join(excluding)} cannot be combined with {kind}: {undo}"
-        return f"rewrite the model first ({names}), then apply {kind}"
-    passes = "fully_shard" if kind == "fsdp" else "tensor/expert/context parallel and FSDP"
-    return f"{names} must run before {passes}: rewrite the unsharded model, then shard it"
-
-
-def _loaded_class(module_name: str, class_name: str) -> type | None:
-    """A class only if its module is already imported: no instance can exist otherwise,
-    and the check stays free of heavy imports (dynamo, FSDP)."""
-    module = sys.modules.get(module_name)
-    return getattr(module, class_name, None) if module is not None else None
-
-
-def _transformations(model: nn.Module) -> Iterator[tuple[str, str]]:
-    """``(kind, fqn)`` for every trace of an earlier transform."""
-    compiled = _loaded_class("torch._dynamo.eval_frame", "OptimizedModule")
-    fsdp = _loaded_class("torch.distributed.fsdp", "FSDPModule")
-    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
-    checkpoint_wrapper = _loaded_class(
-        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"
+            return f"{', '.join(excluding)} cannot be combined with {kind.value}: {undo}"
+        return f"rewrite the model first ({names}), then apply {kind.value}"
+    passes = (
+        "fully_shard" if kind is Transform.FSDP else "tensor/expert/context parallel and FSDP"
     )
-    for fqn, module in model.named_modules():
-        if is_swap_wrapped(module):
-            yield "swap", fqn
-        if (compiled is not None and isinstance(module, compiled)) or getattr(
-            module, "_compiled_call_impl", None
-        ) is not None:
-            yield "compile", fqn
-        if fsdp is not None and isinstance(module, fsdp):
-            yield "fsdp", fqn
-        if (
-            (checkpoint_wrapper is not None and isinstance(module, checkpoint_wrapper))
-            or hasattr(module, "_checkpoint_wrapped_module")
-            or getattr(module, "gradient_checkpointing", False) is True
-        ):
-            yield "activation_checkpointing", fqn
-    if dtensor is not None:
-        for fqn, param in model.named_parameters():
-            if isinstance(param, dtensor):
-                yield "sharded", fqn
+    return f"{names} must run before {passes}: rewrite the unsharded model, then shard it"

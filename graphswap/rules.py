@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch.fx
 from torch import nn
 
+from graphswap.errors import HierarchyError, RewriteError, UnknownRuleError
+from graphswap.hf import decoder_layers
 from graphswap.policy import (
     MIN_SWAP_TENSOR_BYTES,
     SwapPolicy,
@@ -30,47 +33,7 @@ from graphswap.runtime import swap_wrapper, unwrap_swap
 if TYPE_CHECKING:
     from graphswap.runtime import SwapManager
 
-PASS_NAMES: tuple[str, ...] = (
-    "swap",
-    "tensor_parallel",
-    "context_parallel",
-    "expert_parallel",
-    "activation_checkpointing",
-    "compile",
-    "fsdp",
-    "pipeline_parallel",
-)
-"""Canonical pass names shared with ``passes/``; a rule names passes only from here."""
-
 LINK_KINDS: tuple[str, ...] = ("sequential", "none")
-
-
-class RewriteError(ValueError):
-    """Base of every error a rewrite raises; the model is unchanged when it is raised."""
-
-
-class NoMatchError(RewriteError):
-    """A rule matched no module (``strict=True``)."""
-
-
-class HierarchyError(RewriteError):
-    """The model does not have the module layout a rule requires."""
-
-
-class AlreadyTransformedError(RewriteError):
-    """The model was already rewritten, sharded, compiled or checkpoint-wrapped."""
-
-
-class RuleConflictError(RewriteError):
-    """Two matches claim the same module, or one lies inside the other."""
-
-
-class UnknownRuleError(RewriteError, KeyError):
-    """No rule is registered under the requested name."""
-
-    def __str__(self) -> str:
-        # KeyError would print the repr of the message, quotes included.
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -109,14 +72,11 @@ class Rule:
     link: Literal["sequential", "none"] = "sequential"
     validate: Callable[[nn.Module], None] | None = None
     """Checks the layout around the matches; raises ``HierarchyError`` naming the FQN."""
-    must_run_before: tuple[str, ...] = (
-        "tensor_parallel",
-        "context_parallel",
-        "expert_parallel",
-        "compile",
-        "fsdp",
-    )
-    excludes: tuple[str, ...] = ("compile", "activation_checkpointing", "pipeline_parallel")
+    must_run_before: tuple[str, ...] = ()
+    """Passes (by their name in ``passes/``) that must come after this rewrite; the pass
+    plan checks them when it runs the rule."""
+    excludes: tuple[str, ...] = ()
+    """Passes that cannot run on a model this rule rewrote."""
     node_attributes: Callable[[RuleContext], Mapping[str, Any]] | None = None
     """Extra prefetch-graph attributes of one match's node (what a planned policy
     swaps there), added to the DOT and JSON exports."""
@@ -133,13 +93,6 @@ class Rule:
             raise ValueError(
                 f"rule {self.name!r}: link must be one of {LINK_KINDS}, got {self.link!r}"
             )
-        for field_name in ("must_run_before", "excludes"):
-            unknown = sorted(set(getattr(self, field_name)) - set(PASS_NAMES))
-            if unknown:
-                raise ValueError(
-                    f"rule {self.name!r}: {field_name} names unknown passes {unknown}; "
-                    f"known passes: {', '.join(PASS_NAMES)}"
-                )
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -212,6 +165,19 @@ def get_rule(name: str) -> Rule:
 
 _QWEN3_MOE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
+_SWAP_MUST_RUN_BEFORE = (
+    "tensor_parallel",
+    "context_parallel",
+    "expert_parallel",
+    "compile",
+    "fsdp",
+)
+"""The swap rules wrap exact, unsharded types, and their hooks must see eager autograd."""
+
+_SWAP_EXCLUDES = ("compile", "activation_checkpointing", "pipeline_parallel")
+"""Compile traces the hooks away, checkpointing recomputes what was swapped, and pipeline
+stages reorder the backward the prefetch chain follows."""
+
 qwen3_layer_swap_policy: SwapPolicy = size_threshold_policy(
     MIN_SWAP_TENSOR_BYTES, name="qwen3_layer_swap_policy"
 )
@@ -226,9 +192,8 @@ class _HierarchyValidator:
     it would leave a hole in the prefetch chain. An object, not a closure, so a
     rewritten model (whose report keeps its rules) can be pickled.
 
-    The stack is found by structure, not by attribute name: it is the root or the one
-    ``Qwen3MoeModel`` inside it, wherever a head class keeps it (``model`` for causal LM,
-    sequence and token classification, ``transformer`` for question answering).
+    The stack is found by structure (:func:`graphswap.hf.decoder_layers`), wherever a
+    head class keeps it.
     """
 
     rule_name: str
@@ -240,104 +205,59 @@ class _HierarchyValidator:
         return f"validate_{self.rule_name}_hierarchy"
 
     def __call__(self, root: nn.Module) -> None:
-        expected = getattr(importlib.import_module(_QWEN3_MOE), self.class_name)
-        layers_fqn = _decoder_stack_fqn(self.rule_name, root)
-        try:
-            layers = root.get_submodule(layers_fqn)
-        except AttributeError:
+        module = importlib.import_module(_QWEN3_MOE)
+        expected = getattr(module, self.class_name)
+        if not isinstance(root, (module.Qwen3MoePreTrainedModel, torch.fx.GraphModule)):
             raise HierarchyError(
-                f"{self.rule_name}: no module at {layers_fqn!r} in {qualified_name(type(root))}"
-            ) from None
-        # torch.fx keeps the FQNs of a traced model but rebuilds its containers as plain
-        # nn.Module, so a GraphModule's layer list is checked by its children only.
-        if not isinstance(layers, nn.ModuleList) and not isinstance(root, torch.fx.GraphModule):
-            raise HierarchyError(
-                f"{self.rule_name}: {layers_fqn!r} must be a torch.nn.ModuleList, "
-                f"found {qualified_name(type(layers))}"
+                f"{self.rule_name} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class"
+                " such as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the"
+                f" root module ('') is {qualified_name(type(root))}; pass the Hugging Face"
+                " model itself"
             )
+        layers_fqn, layers = decoder_layers(root)
         what = "layer" if self.attr is None else f"layer's {self.attr}"
         for name, layer in layers.named_children():
             fqn = (
                 f"{layers_fqn}.{name}" if self.attr is None else f"{layers_fqn}.{name}.{self.attr}"
             )
-            module = layer if self.attr is None else getattr(layer, self.attr, None)
-            if type(module) is not expected:
-                found = "nothing" if module is None else qualified_name(type(module))
+            found = layer if self.attr is None else getattr(layer, self.attr, None)
+            if type(found) is not expected:
+                found_name = "nothing" if found is None else qualified_name(type(found))
                 raise HierarchyError(
                     f"{self.rule_name}: {fqn!r} must be exactly {_QWEN3_MOE}.{self.class_name}, "
-                    f"found {found}; every {what} is swapped or none is"
+                    f"found {found_name}; every {what} is swapped or none is"
                 )
 
 
-validate_qwen3_moe_hierarchy = _HierarchyValidator(
-    "qwen3_attn_swap", "Qwen3MoeAttention", "self_attn"
-)
-"""Every decoder layer's ``self_attn`` is exactly ``Qwen3MoeAttention``."""
-
-validate_qwen3_moe_layers = _HierarchyValidator(
-    "qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer", None
-)
-"""Every decoder layer is exactly ``Qwen3MoeDecoderLayer``."""
+def _swap(policy: SwapPolicy, module: nn.Module, ctx: RuleContext) -> nn.Module:
+    return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
 
 
-def _decoder_stack_fqn(rule_name: str, root: nn.Module) -> str:
-    """The FQN of the decoder layer list: ``layers`` of the one ``Qwen3MoeModel``."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
-        Qwen3MoeModel,
-        Qwen3MoePreTrainedModel,
-    )
-
-    if isinstance(root, torch.fx.GraphModule):
-        # Tracing erased the classes; the FQNs of a traced causal LM or bare model remain.
-        return "model.layers" if isinstance(getattr(root, "model", None), nn.Module) else "layers"
-    if not isinstance(root, Qwen3MoePreTrainedModel):
-        raise HierarchyError(
-            f"{rule_name} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class such "
-            "as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the root "
-            f"module ('') is {qualified_name(type(root))}; pass the Hugging Face model itself"
+def _register_qwen3_swap(
+    name: str, what: str, class_name: str, attr: str | None, policy: SwapPolicy
+) -> Rule:
+    """A built-in swap rule: every decoder layer's ``attr`` child (the layer itself when
+    ``None``) of exact type ``class_name``, wrapped with ``policy`` and linked layer to
+    layer."""
+    return register_rule(
+        Rule(
+            name=name,
+            description=f"swap the saved activations of every Qwen3-MoE {what} to host memory",
+            targets=(f"{_QWEN3_MOE}:{class_name}",),
+            factory=functools.partial(_swap, policy),
+            restore=unwrap_swap,
+            fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
+            link="sequential",
+            validate=_HierarchyValidator(name, class_name, attr),
+            must_run_before=_SWAP_MUST_RUN_BEFORE,
+            excludes=_SWAP_EXCLUDES,
         )
-    stacks = [fqn for fqn, module in root.named_modules() if isinstance(module, Qwen3MoeModel)]
-    if len(stacks) != 1:
-        found = ", ".join(repr(fqn or "<root>") for fqn in stacks) or "none"
-        raise HierarchyError(
-            f"{rule_name} needs exactly one Qwen3MoeModel (the decoder stack) in "
-            f"{qualified_name(type(root))}, found {found}; rewrite each model separately"
-        )
-    return f"{stacks[0]}.layers" if stacks[0] else "layers"
-
-
-def _swap_attention(module: nn.Module, ctx: RuleContext) -> nn.Module:
-    return swap_wrapper(
-        module, policy=qwen3_attention_swap_policy, manager=ctx.manager, name=ctx.fqn
     )
 
 
-def _swap_layer(module: nn.Module, ctx: RuleContext) -> nn.Module:
-    return swap_wrapper(module, policy=qwen3_layer_swap_policy, manager=ctx.manager, name=ctx.fqn)
-
-
-QWEN3_ATTN_SWAP = register_rule(
-    Rule(
-        name="qwen3_attn_swap",
-        description="swap the saved activations of every Qwen3-MoE attention to host memory",
-        targets=(f"{_QWEN3_MOE}:Qwen3MoeAttention",),
-        factory=_swap_attention,
-        restore=unwrap_swap,
-        fqn_pattern="*layers.*.self_attn",
-        link="sequential",
-        validate=validate_qwen3_moe_hierarchy,
-    )
+QWEN3_ATTN_SWAP = _register_qwen3_swap(
+    "qwen3_attn_swap", "attention", "Qwen3MoeAttention", "self_attn", qwen3_attention_swap_policy
 )
-
-QWEN3_MOE_LAYER_SWAP = register_rule(
-    Rule(
-        name="qwen3_moe_layer_swap",
-        description="swap the saved activations of every Qwen3-MoE decoder layer to host memory",
-        targets=(f"{_QWEN3_MOE}:Qwen3MoeDecoderLayer",),
-        factory=_swap_layer,
-        restore=unwrap_swap,
-        fqn_pattern="*layers.*",
-        link="sequential",
-        validate=validate_qwen3_moe_layers,
-    )
+QWEN3_MOE_LAYER_SWAP = _register_qwen3_swap(
+    "qwen3_moe_layer_swap", "decoder layer", "Qwen3MoeDecoderLayer", None, qwen3_layer_swap_policy
 )

@@ -30,6 +30,7 @@ from graphswap.attention_kernels import (
     PlanSettingError,
     resolve_attention_kernel,
 )
+from graphswap.hf import build_model, decoder_layers
 from graphswap.policy import (
     CheckpointPolicy,
     SwapPolicy,
@@ -196,9 +197,9 @@ class SavedTensorCollector:
     @contextmanager
     def collect(self) -> Iterator[SavedTensorCollector]:
         handles = []
-        layers = decoder_layers(self.model)
+        fqn, layers = decoder_layers(self.model)
         for i, layer in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(self._enter_layer(f"model.layers.{i}")))
+            handles.append(layer.register_forward_pre_hook(self._enter_layer(f"{fqn}.{i}")))
             handles.append(layer.register_forward_hook(self._leave_layer))
             handles.append(layer.self_attn.register_forward_pre_hook(self._enter_attention))
             handles.append(layer.self_attn.register_forward_hook(self._leave_attention))
@@ -232,17 +233,6 @@ class SavedTensorCollector:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(
-            f"{type(model).__name__} has no .model.layers: the planner expects a Hugging Face "
-            "Qwen3MoeForCausalLM (graphswap.models.build_model)"
-        )
-    return layers
 
 
 def head_dim(config: Qwen3MoeConfig) -> int:
@@ -310,8 +300,6 @@ def trace_saved_tensors(
         )
     rank_config = per_rank_config(config, tp)
     rank_config._attn_implementation = attn_implementation
-    from graphswap.models import build_model
-
     model = build_model(rank_config, device="meta", dtype=dtype).train()
     collector = SavedTensorCollector(model, policy)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -321,13 +309,14 @@ def trace_saved_tensors(
         # packed sequences, a data-dependent branch meta cannot take. Saved tensors are the same.
         model(input_ids=ids, labels=ids)
     saves = collector.saves
+    fqn, decoder = decoder_layers(model)
     layers = tuple(
         LayerTrace(
-            name=f"model.layers.{i}",
+            name=f"{fqn}.{i}",
             moe=hasattr(layer.mlp, "experts"),
-            saves=tuple(saves.get(f"model.layers.{i}", ())),
+            saves=tuple(saves.get(f"{fqn}.{i}", ())),
         )
-        for i, layer in enumerate(decoder_layers(model))
+        for i, layer in enumerate(decoder)
     )
     return SavedTensorTrace(
         embed=tuple(saves.get(EMBED, ())),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
+from tqdm import tqdm
 
 from graphswap.config import TrainerConfig
 from graphswap.measure import ResidentActivationTracker, output_tensors
@@ -204,8 +205,6 @@ def train_side_by_side(
 
     Every input is checked (``graphswap.preflight``) before the first model is built.
     """
-    from tqdm import tqdm
-
     if not configs:
         raise ValueError("train_side_by_side needs at least one config")
     steps = {config.steps for config in configs}

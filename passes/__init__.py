@@ -17,6 +17,7 @@ from passes.errors import (
 from passes.infrastructure import InfrastructureResult, apply_model_infrastructure
 from passes.mesh import build_mesh
 from passes.plan import Plan, plan
+from passes.settings import PassSettings
 from passes.specs import (
     CANONICAL_ORDER,
     SWAP_RULE,
@@ -37,6 +38,7 @@ __all__ = [
     "PassPostconditionError",
     "PassRequirementError",
     "PassSettingError",
+    "PassSettings",
     "PassSpec",
     "Plan",
     "PlanError",

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from passes.errors import PassPostconditionError
-from passes.layout import decoder_layers
+from graphswap.hf import decoder_layers
+from graphswap.transforms import Transform
+from passes.postconditions import require_every_layer
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
+    # torch.distributed loads only when the pass runs.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     _, layers = decoder_layers(model)
@@ -26,12 +28,4 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def verify_activation_checkpointing(model: nn.Module) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    fqn, layers = decoder_layers(model)
-    for name, layer in layers.named_children():
-        if not isinstance(layer, CheckpointWrapper):
-            raise PassPostconditionError(
-                f"after activation_checkpointing {fqn}.{name} is {type(layer).__qualname__},"
-                " not a CheckpointWrapper"
-            )
+    require_every_layer(model, Transform.CHECKPOINT, "activation_checkpointing", "checkpointed")

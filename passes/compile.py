@@ -4,15 +4,15 @@ depth."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from passes.errors import PassPostconditionError
-from passes.layout import decoder_layers
+from graphswap.hf import decoder_layers
+from graphswap.transforms import Transform
+from passes.postconditions import require_every_layer
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
-    import torch
-
     _, layers = decoder_layers(model)
     for name, layer in list(layers.named_children()):
         layers.register_module(name, torch.compile(layer, backend=backend))
@@ -20,11 +20,4 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
 
 
 def verify_compile(model: nn.Module) -> None:
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    fqn, layers = decoder_layers(model)
-    for name, layer in layers.named_children():
-        if not isinstance(layer, OptimizedModule):
-            raise PassPostconditionError(
-                f"after compile {fqn}.{name} is {type(layer).__qualname__}, not compiled"
-            )
+    require_every_layer(model, Transform.COMPILE, "compile", "compiled")

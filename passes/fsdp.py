@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from graphswap.hf import decoder_layers
+from graphswap.transforms import Transform, shown_by
 from passes.errors import PassPostconditionError
-from passes.layout import decoder_layers
+from passes.postconditions import layers_without
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # loads only when the pass runs
 
     _, layers = decoder_layers(model)
     for layer in layers:
@@ -25,15 +27,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 
 def verify_fsdp(model: nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    fqn, layers = decoder_layers(model)
-    unsharded = [
-        f"{fqn}.{name}"
-        for name, layer in layers.named_children()
-        if not isinstance(layer, FSDPModule)
-    ]
-    if not isinstance(model, FSDPModule):
+    unsharded = [fqn for fqn, _ in layers_without(model, Transform.FSDP)]
+    if Transform.FSDP not in shown_by(model):
         unsharded.append("<root>")
     if unsharded:
         raise PassPostconditionError(

@@ -2,9 +2,9 @@
 
 Everything that can be refused is refused before the first pass changes the model:
 the plan's order and exclusions, passes that are declared but not implemented, the
-distributed world, the head counts. Before each pass the model is searched for traces
-of passes that must come later (P2: a model sharded before the swap); after each
-pass its effect is verified (I2: never a silent no-op).
+distributed world, the head counts, and traces on the model of passes that must come
+later (P2: a model sharded before the swap). After each pass its effect is verified
+(I2: never a silent no-op).
 """
 
 from __future__ import annotations
@@ -15,23 +15,24 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from graphswap.errors import AlreadyTransformedError
+from graphswap.transforms import find_transforms
 from passes.activation_checkpointing import apply_activation_checkpointing
 from passes.compile import apply_compile
-from passes.errors import PassConflictError, PassNotImplementedError, PassOrderError
+from passes.errors import PassNotImplementedError
 from passes.fsdp import apply_fsdp
 from passes.mesh import Meshes, resolve_meshes
 from passes.plan import Plan, plan
-from passes.specs import PassSpec, pass_specs
+from passes.specs import pass_specs
 from passes.swap import apply_swap, plan_auto_swap
 from passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
-from passes.traces import find_trace
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from graphswap.auto_swap import AutoSwap
-    from graphswap.config import TrainerConfig
     from graphswap.rewrite import RewriteReport
+    from passes.settings import PassSettings
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class InfrastructureResult:
 @dataclass
 class _Run:
     model: nn.Module
-    config: TrainerConfig
+    config: PassSettings
     meshes: Meshes
     report: RewriteReport | None = None
     auto_swap: AutoSwap | None = None
@@ -90,7 +91,7 @@ _APPLY: dict[str, Callable[[_Run], None]] = {
 
 
 def apply_model_infrastructure(
-    model: nn.Module, config: TrainerConfig, *, mesh: DeviceMesh | None = None
+    model: nn.Module, config: PassSettings, *, mesh: DeviceMesh | None = None
 ) -> InfrastructureResult:
     """Apply the passes ``config`` asks for, in plan order, to ``model`` in place.
 
@@ -106,11 +107,11 @@ def apply_model_infrastructure(
             )
     if config.tp_size > 1:
         check_heads_divisible(getattr(model, "config", None), config.tp_size)
+    _refuse_traces(checked, model, config)
     meshes = resolve_meshes(checked, _device_type(model), mesh)
     run = _Run(model, config, meshes)
     applied: list[str] = []
     for spec in checked.passes:
-        _refuse_traces(spec, model, config)
         _APPLY[spec.name](run)
         applied.append(spec.name)
     return InfrastructureResult(
@@ -123,23 +124,25 @@ def _device_type(model: nn.Module) -> str:
     return "cpu" if param is None else param.device.type
 
 
-def _refuse_traces(spec: PassSpec, model: nn.Module, config: TrainerConfig) -> None:
-    """Refuse a model on which a pass that must follow ``spec`` (or that ``spec``
-    excludes) already ran outside the plan."""
+def _refuse_traces(checked: Plan, model: nn.Module, config: PassSettings) -> None:
+    """Refuse a model on which a pass that must follow one of the plan's passes (or that
+    one of them excludes) already ran outside the plan. The check runs before the first
+    pass: whatever it finds was there from the start, so nothing is half-applied."""
+    traces = find_transforms(model)
     specs = pass_specs()
-    for name, other in specs.items():
-        if name in spec.must_run_before or spec.name in other.must_run_after:
-            trace = find_trace(model, name)
-            if trace is not None:
-                raise PassOrderError(
+    for spec in checked.passes:
+        for name, other in specs.items():
+            trace = next((t for t in traces if t.kind is other.leaves), None)
+            if trace is None:
+                continue
+            if name in spec.must_run_before or spec.name in other.must_run_after:
+                raise AlreadyTransformedError(
                     f"{spec.name} ({spec.setting_text(config)}) must run before {name}, but"
                     f" {trace}; pass the model as built and let apply_model_infrastructure"
                     f" apply {name} ({other.setting}) after {spec.name}"
                 )
-        if name in spec.excludes or spec.name in other.excludes:
-            trace = find_trace(model, name)
-            if trace is not None:
-                raise PassConflictError(
+            if name in spec.excludes or spec.name in other.excludes:
+                raise AlreadyTransformedError(
                     f"{spec.setting_text(config)} excludes {name}, but {trace}; pass the model"
                     f" without {name} or set {spec.off_text()}"
                 )

@@ -13,7 +13,7 @@ from passes.specs import DISTRIBUTED, PassSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from graphswap.config import TrainerConfig
+    from passes.settings import PassSettings
 
 TP = "tp"
 DP_SHARD = "dp_shard"
@@ -28,7 +28,7 @@ class Meshes:
     dp_shard: DeviceMesh | None
 
 
-def build_mesh(config: TrainerConfig, *, device_type: str) -> DeviceMesh | None:
+def build_mesh(config: PassSettings, *, device_type: str) -> DeviceMesh | None:
     """The mesh the config's distributed passes need, from the initialized process
     group; ``None`` when the config enables no distributed pass."""
     planned = plan(config)
@@ -61,6 +61,7 @@ def _distributed_passes(planned: Plan) -> list[PassSpec]:
 
 
 def _build(planned: Plan, device_type: str) -> DeviceMesh:
+    # torch.distributed loads only when a distributed pass runs.
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

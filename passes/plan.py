@@ -20,10 +20,10 @@ from passes.errors import PassConflictError, PassOrderError, PassSettingError, P
 from passes.specs import CANONICAL_ORDER, PassSpec, pass_specs
 
 if TYPE_CHECKING:
-    from graphswap.config import TrainerConfig
+    from passes.settings import PassSettings
 
 
-def plan(config: TrainerConfig) -> Plan:
+def plan(config: PassSettings) -> Plan:
     """The passes ``config`` asks for, in canonical order (not yet checked)."""
     return Plan(tuple(spec for spec in pass_specs().values() if spec.enabled_by(config)), config)
 
@@ -33,7 +33,7 @@ class Plan:
     """An ordered tuple of passes for one config; :meth:`check` decides if it may run."""
 
     passes: tuple[PassSpec, ...]
-    config: TrainerConfig
+    config: PassSettings
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.passes]
@@ -45,7 +45,7 @@ class Plan:
     def from_names(
         cls,
         names: Iterable[str],
-        config: TrainerConfig,
+        config: PassSettings,
         *,
         specs: Mapping[str, PassSpec] | None = None,
     ) -> Plan:

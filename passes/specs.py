@@ -12,10 +12,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from graphswap.rules import Rule, get_rule
+from graphswap.transforms import Transform
 from passes.errors import PlanError
 
 if TYPE_CHECKING:
-    from graphswap.config import TrainerConfig
+    from passes.settings import PassSettings
 
 SWAP_RULE = "qwen3_attn_swap"
 """The rewrite rule the swap pass applies for ``activation_swap: attention``."""
@@ -63,11 +65,14 @@ class PassSpec:
     excludes: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     implemented: bool = True
+    leaves: Transform | None = None
+    """What the pass leaves on a model (``graphswap.transforms``): a model that shows it
+    before the plan runs had the pass applied outside the plan."""
 
-    def enabled_by(self, config: TrainerConfig) -> bool:
+    def enabled_by(self, config: PassSettings) -> bool:
         return getattr(config, self.setting) != self.off_value
 
-    def setting_text(self, config: TrainerConfig) -> str:
+    def setting_text(self, config: PassSettings) -> str:
         """``key: value`` as the user wrote it in YAML."""
         return f"{self.setting}: {yaml_value(getattr(config, self.setting))}"
 
@@ -86,6 +91,21 @@ def yaml_value(value: Any) -> str:
 _AFTER_SHARDING = ("activation_checkpointing", "compile", "fsdp")
 
 
+def _sharding(name: str, setting: str, summary: str, **more: Any) -> PassSpec:
+    """A pass that shards parameters over a mesh of ``setting`` ranks (DTensors): it
+    needs a distributed world and runs before everything that wraps whole layers."""
+    return PassSpec(
+        name=name,
+        setting=setting,
+        off_value=1,
+        summary=summary,
+        must_run_before=_AFTER_SHARDING,
+        requires=(DISTRIBUTED,),
+        leaves=Transform.SHARDED,
+        **more,
+    )
+
+
 def _static_specs() -> tuple[PassSpec, ...]:
     return (
         PassSpec(
@@ -102,31 +122,22 @@ def _static_specs() -> tuple[PassSpec, ...]:
             requires=(DISTRIBUTED,),
             implemented=False,
         ),
-        PassSpec(
-            name="tensor_parallel",
-            setting="tp_size",
-            off_value=1,
-            summary="shard attention heads over the tp mesh (q/k/v colwise, o rowwise)",
-            must_run_before=_AFTER_SHARDING,
-            requires=(DISTRIBUTED,),
+        _sharding(
+            "tensor_parallel",
+            "tp_size",
+            "shard attention heads over the tp mesh (q/k/v colwise, o rowwise)",
         ),
-        PassSpec(
-            name="context_parallel",
-            setting="cp_size",
-            off_value=1,
-            summary="shard the sequence dimension of attention over the cp mesh",
-            must_run_before=_AFTER_SHARDING,
-            requires=(DISTRIBUTED,),
+        _sharding(
+            "context_parallel",
+            "cp_size",
+            "shard the sequence dimension of attention over the cp mesh",
             implemented=False,
         ),
-        PassSpec(
-            name="expert_parallel",
-            setting="ep_size",
-            off_value=1,
-            summary="place MoE experts on different ranks of the ep mesh",
-            must_run_before=_AFTER_SHARDING,
+        _sharding(
+            "expert_parallel",
+            "ep_size",
+            "place MoE experts on different ranks of the ep mesh",
             must_run_after=("tensor_parallel",),
-            requires=(DISTRIBUTED,),
             implemented=False,
         ),
         PassSpec(
@@ -135,6 +146,7 @@ def _static_specs() -> tuple[PassSpec, ...]:
             off_value=False,
             summary="recompute each decoder layer in backward (torch checkpoint_wrapper)",
             must_run_before=("compile", "fsdp"),
+            leaves=Transform.CHECKPOINT,
         ),
         PassSpec(
             name="compile",
@@ -142,6 +154,7 @@ def _static_specs() -> tuple[PassSpec, ...]:
             off_value=False,
             summary="torch.compile each decoder layer",
             must_run_before=("fsdp",),
+            leaves=Transform.COMPILE,
         ),
         PassSpec(
             name="fsdp",
@@ -149,6 +162,7 @@ def _static_specs() -> tuple[PassSpec, ...]:
             off_value=False,
             summary="FSDP2 fully_shard each decoder layer and the root",
             requires=(DISTRIBUTED,),
+            leaves=Transform.FSDP,
         ),
     )
 
@@ -156,8 +170,6 @@ def _static_specs() -> tuple[PassSpec, ...]:
 def _swap_spec() -> PassSpec:
     """One spec for every mode: the union of the constraints their rules declare, so
     each mode but ``none`` has the same order and exclusions."""
-    from graphswap.rules import get_rule
-
     rules = [get_rule(name) for name in dict.fromkeys(SWAP_RULES.values())]
     return PassSpec(
         name="swap",
@@ -166,13 +178,24 @@ def _swap_spec() -> PassSpec:
         summary="swap saved activations to host: attention, layer (whole decoder layers) or "
         "auto (per layer what the link hides); rules "
         + ", ".join(repr(rule.name) for rule in rules),
-        must_run_before=_union(rule.must_run_before for rule in rules),
-        excludes=_union(rule.excludes for rule in rules),
+        must_run_before=_rule_passes(rules, "must_run_before"),
+        excludes=_rule_passes(rules, "excludes"),
+        leaves=Transform.SWAP,
     )
 
 
-def _union(groups: Iterable[Iterable[str]]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(name for group in groups for name in group))
+def _rule_passes(rules: Iterable[Rule], field: str) -> tuple[str, ...]:
+    """The union of the passes that ``rules`` name in ``field``; a rule naming a pass
+    that is not declared here is refused (the rule's author misspelt it)."""
+    names = tuple(dict.fromkeys(name for rule in rules for name in getattr(rule, field)))
+    for rule in rules:
+        unknown = [name for name in getattr(rule, field) if name not in CANONICAL_ORDER]
+        if unknown:
+            raise PlanError(
+                f"rule {rule.name!r}: {field} names unknown passes {unknown}; declared"
+                f" passes: {', '.join(CANONICAL_ORDER)}"
+            )
+    return names
 
 
 @functools.cache

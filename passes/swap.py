@@ -9,17 +9,21 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from passes.errors import PassOrderError, PassPostconditionError
-from passes.layout import decoder_layers
+from graphswap.attention_kernels import PlanSettingError
+from graphswap.auto_swap import AutoSwap, measure_copy_bandwidth
+from graphswap.hf import decoder_layers
+from graphswap.planner import plan_memory
+from graphswap.rewrite import rewrite
+from graphswap.runtime import SwapManager, is_swap_wrapped, swap_manager_of
+from passes.errors import PassPostconditionError, PassSettingError
 from passes.specs import SWAP_RULES
 
 if TYPE_CHECKING:
-    from graphswap.auto_swap import AutoSwap
-    from graphswap.config import TrainerConfig
     from graphswap.rewrite import RewriteReport
+    from passes.settings import PassSettings
 
 _PLAN_KEYS = {"seq": "seq_len", "batch": "batch_size", "tp": "tp_size"}
-"""The planner's setting names that are ``TrainerConfig`` keys under another name."""
+"""The planner's setting names that are ``PassSettings`` attributes under another name."""
 
 
 def apply_swap(
@@ -32,20 +36,12 @@ def apply_swap(
     """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
     the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
     (:func:`plan_auto_swap`)."""
-    from graphswap.rewrite import AlreadyTransformedError, rewrite
-    from graphswap.runtime import SwapManager
-
     if mode not in SWAP_RULES:
         raise ValueError(f"activation_swap: {mode} has no swap rule; use one of {list(SWAP_RULES)}")
     if (mode == "auto") != (auto is not None):
         raise ValueError("apply_swap: an auto plan goes with activation_swap: auto, and only there")
     rule = auto.rule() if auto is not None else SWAP_RULES[mode]
-    try:
-        report = rewrite(model, [rule], manager=SwapManager(prefetch_depth=prefetch_depth))
-    except AlreadyTransformedError as error:
-        raise PassOrderError(
-            f"the swap pass (activation_swap: {mode}) needs the model as built: {error}"
-        ) from error
+    report = rewrite(model, [rule], manager=SwapManager(prefetch_depth=prefetch_depth))
     verify_swap(model, report, prefetch_depth=prefetch_depth, mode=mode)
     return report
 
@@ -56,8 +52,6 @@ def verify_swap(
     """Every layer's attention (``attention``) or every layer (``layer``, ``auto``) is
     wrapped by the report's manager, and the L layers form one prefetch chain of L - 1
     links."""
-    from graphswap.runtime import is_swap_wrapped, swap_manager_of
-
     fqn, layers = decoder_layers(model)
     manager = report.manager
     for index, layer in enumerate(layers):
@@ -80,28 +74,21 @@ def verify_swap(
         )
 
 
-def plan_auto_swap(model: nn.Module, config: TrainerConfig) -> AutoSwap:
+def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size`` and the ``swap_*`` keys from
     ``config``; dtype, attention and device from the model as built. A bandwidth of
     ``measure`` is timed here, on the model's device."""
-    from graphswap.attention_kernels import PlanSettingError
-    from graphswap.auto_swap import AutoSwap, check_measurable, measure_copy_bandwidth
-    from graphswap.config import ConfigError
-    from graphswap.planner import plan_memory
-
     param = next(model.parameters())
     device = param.device
-    measured = None
-    bandwidth = config.swap_bandwidth_gbps
-    if bandwidth == "measure":
-        check_measurable(device)
-        measured = measure_copy_bandwidth(device)
-        bandwidth = measured.gbps
     hf_config = model.config
     attn = hf_config._attn_implementation
-    dtype = str(param.dtype).removeprefix("torch.")
     try:
+        measured = None
+        bandwidth = config.swap_bandwidth_gbps
+        if bandwidth == "measure":
+            measured = measure_copy_bandwidth(device)
+            bandwidth = measured.gbps
         plan = plan_memory(
             hf_config,
             seq=config.seq_len,
@@ -117,7 +104,10 @@ def plan_auto_swap(model: nn.Module, config: TrainerConfig) -> AutoSwap:
         )
     except PlanSettingError as error:
         key = _PLAN_KEYS.get(error.setting, error.setting)
-        raise ConfigError(key, f"{error.value}: {error.detail} (activation_swap: auto)") from error
+        raise PassSettingError(
+            f"{key}: {error.value} {error.detail} (activation_swap: auto)"
+        ) from error
+    dtype = str(param.dtype).removeprefix("torch.")
     made_for = (
         f"seq_len: {config.seq_len}, batch_size: {config.batch_size}, dtype: {dtype},"
         f" attn_implementation: {attn}, tp_size: {config.tp_size}"

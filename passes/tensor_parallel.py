@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from graphswap.hf import decoder_layers
 from passes.errors import PassPostconditionError, PassRequirementError
-from passes.layout import decoder_layers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -48,6 +48,7 @@ def check_heads_divisible(hf_config: Any, tp_size: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    # torch.distributed loads only when the pass runs.
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -71,7 +72,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def verify_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # as in apply_tensor_parallel
 
     expected = {
         **{name: Shard(0) for name in _COLWISE},

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def tiny_model() -> Callable[..., torch.nn.Module]:
     """Factory: a seeded fp32 ``Qwen3MoeForCausalLM`` from the ``tiny`` preset."""
-    from graphswap.models import build_model
+    from graphswap.hf import build_model
     from graphswap.presets import qwen3_moe_config
 
     def make(seed: int = 0, device: str = "cpu", **overrides: Any) -> torch.nn.Module:

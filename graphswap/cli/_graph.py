@@ -68,10 +68,10 @@ def _output_problem(path: Path) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     from graphswap.graph import RENDER_FORMATS, require_graphviz, to_dot, to_json
     from graphswap.graph import render as render_graph
-    from graphswap.models import CheckpointError, build_model, load_hf_config
-    from graphswap.presets import qwen3_moe_config
+    from graphswap.hf import CheckpointError, build_model, model_config
     from graphswap.rewrite import RewriteError, rewrite
 
     # Checked before the model is built: a wrong input should fail at once.
@@ -82,13 +82,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.format in RENDER_FORMATS:
             require_graphviz(args.format)
-        config = load_hf_config(args.model) if args.model else qwen3_moe_config(DEFAULT_PRESET)
+        config = model_config(DEFAULT_PRESET, args.model, num_layers=args.layers)
     except CheckpointError as exc:
         return _fail(f"--model {args.model}: {exc}")
     except (OSError, ValueError, RuntimeError) as exc:
         return _fail(str(exc))
-    if args.layers is not None:
-        config.num_hidden_layers = args.layers
     model = build_model(config, device="meta")
     try:
         report = rewrite(model, args.rules or [DEFAULT_RULE])

@@ -39,6 +39,7 @@ _FLAGS = {
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     from graphswap.presets import preset_names
 
     parser = subparsers.add_parser(
@@ -130,9 +131,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     import torch
 
-    from graphswap.models import CheckpointError, load_hf_config
+    from graphswap.hf import CheckpointError, model_config
     from graphswap.planner import (
         DEFAULT_BANDWIDTH_GBPS,
         DEFAULT_HIDE_MARGIN,
@@ -140,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
         PlanSettingError,
         plan_memory,
     )
-    from graphswap.presets import qwen3_moe_config
 
     if args.hide_margin is not None and args.policy != "auto":
         print(
@@ -150,19 +151,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
-    if args.model is not None:
-        try:
-            config = load_hf_config(args.model, attn_implementation=args.attn_implementation)
-        except CheckpointError as error:
-            print(f"graphswap plan-memory: error: --model {args.model}: {error}", file=sys.stderr)
-            return 2
-        for key, value in overrides.items():
-            setattr(config, key, value)
-    else:
-        config = qwen3_moe_config(
-            args.preset, attn_implementation=args.attn_implementation, **overrides
+    try:
+        config = model_config(
+            args.preset,
+            args.model,
+            attn_implementation=args.attn_implementation,
+            num_layers=args.layers,
         )
+    except CheckpointError as error:
+        print(f"graphswap plan-memory: error: --model {args.model}: {error}", file=sys.stderr)
+        return 2
     try:
         plan = plan_memory(
             config,
@@ -205,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
 def plot_timeline(plan: MemoryPlan, path: Path) -> None:
     """Resident saved bytes through one step, with and without swap."""
-    import matplotlib
+    import matplotlib  # optional (the plot extra): needed only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

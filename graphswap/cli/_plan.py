@@ -33,6 +33,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     import passes
     from graphswap.config import ConfigError, resolve_config
     from graphswap.preflight import check_model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -42,6 +43,7 @@ def _init_distributed(config: Any) -> Any:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return None
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     import torch
     import torch.distributed as dist
 
@@ -58,8 +60,7 @@ def _init_distributed(config: Any) -> Any:
 
 def _as_mode(config: Any, mode: str) -> Any:
     """``config`` with ``activation_swap: mode``; swap-only settings reset for ``none``."""
-    import dataclasses
-
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     from graphswap.config import AUTO_ONLY_SETTINGS
 
     if mode == "none":
@@ -70,11 +71,12 @@ def _as_mode(config: Any, mode: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     import torch.distributed as dist
 
     from graphswap.auto_swap import AutoSwapMismatchError
     from graphswap.config import ConfigError, resolve_config
-    from graphswap.models import CheckpointError
+    from graphswap.hf import CheckpointError
     from graphswap.train import format_summary, train_side_by_side, write_summary
     from passes import PlanError
 

@@ -13,8 +13,9 @@ import torch
 
 from graphswap.auto_swap import AutoSwap, AutoSwapMismatchError, AutoSwapPolicy
 from graphswap.config import ConfigError, TrainerConfig
+from graphswap.hf import build_model
 from graphswap.measure import ResidentActivationTracker, output_tensors
-from graphswap.models import BuiltModel, build, build_model
+from graphswap.models import BuiltModel, build
 from graphswap.planner import MemoryPlan, plan_memory
 from graphswap.policy import CheckpointPolicy
 from graphswap.presets import qwen3_moe_config

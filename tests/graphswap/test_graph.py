@@ -23,7 +23,7 @@ from graphswap.graph import (
     to_dot,
     to_json,
 )
-from graphswap.models import build_model
+from graphswap.hf import build_model
 from graphswap.presets import qwen3_moe_config
 from graphswap.rewrite import rewrite
 from graphswap.runtime import GroupInfo

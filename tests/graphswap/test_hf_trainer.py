@@ -13,7 +13,7 @@ from transformers import Qwen3MoeForCausalLM, Trainer, TrainingArguments
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
 import graphswap
-from graphswap.models import build_model
+from graphswap.hf import build_model
 from graphswap.presets import qwen3_moe_config
 
 STEPS = 5

@@ -3,13 +3,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
 from graphswap.config import TrainerConfig
-from graphswap.models import (
-    CheckpointError,
-    build,
-    from_config,
-    from_pretrained,
-    load_hf_config,
-)
+from graphswap.models import build, from_config, from_pretrained
 from graphswap.presets import qwen3_moe_config
 from graphswap.runtime import is_swap_wrapped
 
@@ -54,29 +48,6 @@ def test_from_pretrained_loads_local_weights_and_swaps(tmp_path) -> None:
     assert all(is_swap_wrapped(layer.self_attn) for layer in loaded.model.layers)
     for (name, p), (_, q) in zip(source.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(p, q), name
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ('{"model_type": "llama"}', "has model_type 'llama'; graphswap trains 'qwen3_moe'"),
-        ('{"model_type": "qwen2"}', "has model_type 'qwen2'; graphswap trains 'qwen3_moe'"),
-        ('{"hidden_size": 64}', "has no model_type; graphswap trains 'qwen3_moe'"),
-        ('{"model_type": ', "is not valid JSON"),
-        ("[1, 2]", "holds a JSON list, not an object of settings"),
-    ],
-)
-def test_load_hf_config_rejects_foreign_and_broken_configs(tmp_path, text, message) -> None:
-    config_file = tmp_path / "config.json"
-    config_file.write_text(text)
-    with pytest.raises(CheckpointError) as info:
-        load_hf_config(tmp_path)
-    assert str(info.value).startswith(f"{config_file} {message}")
-
-
-def test_load_hf_config_rejects_a_missing_config(tmp_path) -> None:
-    with pytest.raises(CheckpointError, match=r"has no config\.json; pass a local"):
-        load_hf_config(tmp_path)
 
 
 def test_build_exposes_the_swap_manager() -> None:

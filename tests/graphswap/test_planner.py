@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from graphswap import rewrite
+from graphswap.hf import build_model
 from graphswap.measure import ResidentActivationTracker, output_tensors
-from graphswap.models import build_model
 from graphswap.planner import (
     LayerPlan,
     MemoryPlan,

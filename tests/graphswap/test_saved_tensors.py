@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphswap.models import build_model
+from graphswap.hf import build_model
 from graphswap.presets import qwen3_moe_config
 from graphswap.saved_tensors import (
     PlanSettingError,

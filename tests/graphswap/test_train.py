@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graphswap.config import ConfigError, TrainerConfig
-from graphswap.models import CheckpointError, build_model
+from graphswap.hf import CheckpointError, build_model
 from graphswap.preflight import check_world
 from graphswap.presets import qwen3_moe_config
 from graphswap.train import (

@@ -39,7 +39,7 @@ def batches() -> list[torch.Tensor]:
 
 
 def build() -> nn.Module:
-    from graphswap.models import build_model
+    from graphswap.hf import build_model
     from graphswap.presets import qwen3_moe_config
 
     torch.manual_seed(0)

@@ -100,10 +100,40 @@ def assert_matches_reference(order: tuple[str, ...]) -> None:
     assert plan.names == order, "a plan is never re-sorted"
 
 
-def test_declared_passes_match_the_rule_registry() -> None:
-    from graphswap.rules import PASS_NAMES
+def test_every_declared_pass_has_a_setting_that_turns_it_on() -> None:
+    assert set(passes.CANONICAL_ORDER) == set(ON)
 
-    assert set(passes.CANONICAL_ORDER) == set(PASS_NAMES) == set(ON)
+
+@pytest.mark.parametrize("field", ["must_run_before", "excludes"])
+def test_a_swap_rule_naming_an_unknown_pass_is_refused(
+    field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass names live in passes/ only; a rule's constraints are checked where the
+    plan reads them, so a misspelt pass is an error, never an ignored constraint."""
+    from graphswap import rules
+    from graphswap.rules import Rule
+    from passes import specs
+
+    base = rules.get_rule("qwen3_attn_swap")
+    misspelt = Rule(
+        name="misspelt_swap",
+        description="a swap rule with a typo",
+        targets=base.targets,
+        factory=base.factory,
+        **{field: ("fdsp",)},
+    )
+    monkeypatch.setattr(rules, "_REGISTRY", {**rules._REGISTRY, "misspelt_swap": misspelt})
+    monkeypatch.setattr(specs, "SWAP_RULES", {"attention": "misspelt_swap"})
+    specs.pass_specs.cache_clear()
+    try:
+        with pytest.raises(
+            PlanError,
+            match=rf"rule 'misspelt_swap': {field} names unknown"
+            r" passes \['fdsp'\]; declared passes: pipeline_parallel, swap",
+        ):
+            passes.plan(config_for(["swap"]))
+    finally:
+        specs.pass_specs.cache_clear()
 
 
 @pytest.mark.parametrize("mode", ["attention", "layer", "auto"])

@@ -1,0 +1,33 @@
+"""The typed errors of a rewrite, at the bottom of the core so that every core module
+(the rules, the rewrite, the model layout) raises the same type for the same fact."""
+
+from __future__ import annotations
+
+
+class RewriteError(ValueError):
+    """Base of every error a rewrite raises; the model is unchanged when it is raised."""
+
+
+class NoMatchError(RewriteError):
+    """A rule matched no module (``strict=True``)."""
+
+
+class HierarchyError(RewriteError):
+    """The model does not have the module layout a rule or a pass requires."""
+
+
+class AlreadyTransformedError(RewriteError):
+    """The model was already rewritten, sharded, compiled or checkpoint-wrapped, so a
+    transform that must come first cannot run on it any more."""
+
+
+class RuleConflictError(RewriteError):
+    """Two matches claim the same module, or one lies inside the other."""
+
+
+class UnknownRuleError(RewriteError, KeyError):
+    """No rule is registered under the requested name."""
+
+    def __str__(self) -> str:
+        # KeyError would print the repr of the message, quotes included.
+        return str(self.args[0])
