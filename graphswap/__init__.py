@@ -1,8 +1,9 @@
 """graphswap: activation swap for transformer training.
 
 Importing this package has no side effects: it does not touch CUDA, query the
-platform, or import transformers model code. The application layer (``models``,
-``train``, ``cli``) and the pass plan (``passes``) are imported by name.
+platform, or import transformers model code. The application layer (``config``,
+``models``, ``preflight``, ``train``, ``cli``) and the pass plan (``passes``) are
+imported by name.
 """
 
 from graphswap.policy import MIN_SWAP_TENSOR_BYTES, CheckpointPolicy, qwen3_attention_swap_policy

@@ -1,8 +1,7 @@
 """Which saved tensors move to host memory.
 
-A policy is any callable ``Tensor -> CheckpointPolicy``. The names follow
-``torch.utils.checkpoint.CheckpointPolicy``, extended with ``MUST_SWAP``. Whatever a
-policy answers, the runtime never swaps parameters, buffers or views of them.
+A policy is any callable ``Tensor -> CheckpointPolicy``: ``MUST_SWAP`` or ``MUST_SAVE``.
+Whatever a policy answers, the runtime never swaps parameters, buffers or views of them.
 """
 
 from __future__ import annotations
@@ -20,11 +19,14 @@ and bookkeeping than the memory it frees."""
 
 
 class CheckpointPolicy(enum.Enum):
-    MUST_SAVE = 0
-    PREFER_SAVE = 1
-    MUST_RECOMPUTE = 2
-    PREFER_RECOMPUTE = 3
-    MUST_SWAP = 4
+    """What happens to one saved tensor. The name is the one the origin's users know;
+    unlike ``torch.utils.checkpoint.CheckpointPolicy`` it has no recompute members,
+    since graphswap never recomputes, and the runtime refuses any other answer."""
+
+    MUST_SAVE = "must_save"
+    """Keep the tensor on its device."""
+    MUST_SWAP = "must_swap"
+    """Copy the tensor to host memory after forward and back before its backward."""
 
 
 SwapPolicy = Callable[[torch.Tensor], CheckpointPolicy]
@@ -101,9 +103,15 @@ def size_threshold_policy(
     return _SizeThreshold(min_bytes, name or f"size_threshold_policy({min_bytes})")
 
 
+swap_large_activations: SwapPolicy = size_threshold_policy(
+    MIN_SWAP_TENSOR_BYTES, name="swap_large_activations"
+)
+"""The default of ``swap_wrapper``: every activation of 1 MiB or more that owns its storage."""
+
 qwen3_attention_swap_policy: SwapPolicy = size_threshold_policy(
     MIN_SWAP_TENSOR_BYTES, name="qwen3_attention_swap_policy"
 )
+"""What ``qwen3_attn_swap`` moves: the same test, named for the rule in graphs and reports."""
 
 
 def policy_name(policy: SwapPolicy) -> str:
