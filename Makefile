@@ -14,7 +14,8 @@ FLOOR_VENV := .venv-floor
 FLOOR_PACKAGES := torch==2.13.0 transformers==5.4.0 networkx==3.0 pyyaml==6.0 tqdm==4.60.0 \
 	pytest hypothesis
 # The tests that exercise Hugging Face model code, run against each transformers above.
-COMPAT_TESTS := tests/graphswap/test_models.py tests/graphswap/test_rewrite.py \
+COMPAT_TESTS := tests/graphswap/test_models.py tests/graphswap/test_hf.py \
+	tests/graphswap/test_transforms.py tests/graphswap/test_rewrite.py \
 	tests/graphswap/test_rules.py tests/graphswap/test_planner.py tests/graphswap/test_measure.py \
 	tests/graphswap/runtime/test_swap_wrapper.py tests/passes/test_infrastructure.py
 # No network for the dry run where this machine allows a private network namespace.
