@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -94,6 +95,9 @@ class TrainerConfig:
     swap_hide_margin: float = DEFAULT_SWAP_HIDE_MARGIN
     data: str | None = None
     output_dir: str = "out"
+    pass_order: tuple[str, ...] | None = None
+    """The passes in the order to run them, checked as given by ``passes.plan``;
+    ``None``: the canonical order of the passes the other settings enable."""
 
     def __post_init__(self) -> None:
         hints = _field_types()
@@ -254,16 +258,30 @@ def _check_known_key(key: str, known: tuple[str, ...]) -> None:
     raise ConfigError(key, f"unknown key; {hint}valid keys: {', '.join(known)}")
 
 
+@functools.cache
 def _field_types() -> dict[str, Any]:
+    """Resolved once: every config (and every ``dataclasses.replace``) checks its fields."""
     return typing.get_type_hints(TrainerConfig)
 
 
+def parse_names(text: str) -> tuple[str, ...]:
+    """``"swap,fsdp"`` -> ``("swap", "fsdp")``: the comma-separated form of a list
+    setting, as an override or ``graphswap plan --order`` takes it."""
+    return tuple(name.strip() for name in text.split(","))
+
+
 def _coerce(value: Any, annotation: Any) -> Any:
-    """Turn YAML 1.1 float text (``1e-3``) into a float where a float is expected;
-    everything else is passed on unchanged and type-checked by ``TrainerConfig``."""
-    floats = annotation is float or float in typing.get_args(annotation)
+    """Turn YAML 1.1 float text (``1e-3``) into a float where a float is expected, and
+    comma-separated text into a list where a list is expected (an override
+    ``pass_order=swap,fsdp`` is YAML text); everything else is passed on unchanged and
+    type-checked by ``TrainerConfig``."""
+    options = (annotation, *typing.get_args(annotation))
+    floats = float in options
     if floats and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
         return float(value)
+    lists = any(typing.get_origin(option) is tuple for option in options)
+    if lists and isinstance(value, str):
+        return parse_names(value)
     return value
 
 
@@ -289,6 +307,8 @@ def _checked(key: str, value: Any, annotation: Any) -> Any:
         if len(options) > 1:
             return _checked_union(key, value, options)
         (annotation,) = options
+    if typing.get_origin(annotation) is tuple:
+        return _checked_list(key, value)
     if annotation is float and type(value) is int:
         return float(value)
     if type(value) is not annotation:
@@ -308,6 +328,16 @@ def _checked_union(key: str, value: Any, options: tuple[Any, ...]) -> Any:
             continue
     expected = " or ".join(_type_name(option) for option in options)
     raise ConfigError(key, f"expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def _checked_list(key: str, value: Any) -> tuple[str, ...]:
+    """A YAML list of strings, kept as a tuple so that the config stays immutable."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(
+            key,
+            f"expected a list of names (YAML [a, b] or a,b), got {type(value).__name__} {value!r}",
+        )
+    return tuple(value)
 
 
 def _type_name(annotation: Any) -> str:

@@ -23,8 +23,16 @@ if TYPE_CHECKING:
     from passes.settings import PassSettings
 
 
+PASS_ORDER = "pass_order"
+"""The config key of a user's own order; errors about that order start with it."""
+
+
 def plan(config: PassSettings) -> Plan:
-    """The passes ``config`` asks for, in canonical order (not yet checked)."""
+    """The passes ``config`` asks for (not yet checked): in ``config.pass_order`` when it
+    sets one, taken as given so that :meth:`Plan.check` judges the user's own order,
+    else in canonical order."""
+    if config.pass_order is not None:
+        return Plan.from_names(config.pass_order, config, order_from=PASS_ORDER)
     return Plan(tuple(spec for spec in pass_specs().values() if spec.enabled_by(config)), config)
 
 
@@ -34,12 +42,18 @@ class Plan:
 
     passes: tuple[PassSpec, ...]
     config: PassSettings
+    order_from: str | None = None
+    """The config key the order was taken from (``pass_order``): messages name it and
+    the fix there; ``None`` for the canonical order or :meth:`from_names`."""
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.passes]
         for name in names:
             if names.count(name) > 1:
-                raise PlanError(f"pass {name!r} appears {names.count(name)} times in the plan")
+                raise PlanError(
+                    f"{_lead(self.order_from)}pass {name!r} appears {names.count(name)} times"
+                    f" in {self._where}; list it once"
+                )
 
     @classmethod
     def from_names(
@@ -48,15 +62,22 @@ class Plan:
         config: PassSettings,
         *,
         specs: Mapping[str, PassSpec] | None = None,
+        order_from: str | None = None,
     ) -> Plan:
         """A plan in exactly the given order, so that any order can be expressed and checked."""
         known = pass_specs() if specs is None else specs
         chosen = []
         for name in names:
             if name not in known:
-                raise PlanError(f"unknown pass {name!r}; declared passes: {', '.join(known)}")
+                raise PlanError(
+                    f"{_lead(order_from)}unknown pass {name!r}; declared passes: {', '.join(known)}"
+                )
             chosen.append(known[name])
-        return cls(tuple(chosen), config)
+        return cls(tuple(chosen), config, order_from)
+
+    @property
+    def _where(self) -> str:
+        return self.order_from or "the plan"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -102,18 +123,20 @@ class Plan:
         return self
 
     def _check_settings(self) -> None:
+        lead, where = _lead(self.order_from), self._where
         for spec in self.passes:
             if not spec.enabled_by(self.config):
                 raise PassSettingError(
-                    f"{self.label(spec.name)} is in the plan but {spec.setting_text(self.config)}"
-                    f" does not enable it; remove {spec.name} from the plan or change"
-                    f" {spec.setting}"
+                    f"{lead}{self.label(spec.name)} is in {where} but"
+                    f" {spec.setting_text(self.config)} does not enable it; remove {spec.name}"
+                    f" from {where} or change {spec.setting}"
                 )
         for spec in pass_specs().values():
             if spec.name not in self.names and spec.enabled_by(self.config):
+                add = f"{spec.name} to {where}" if self.order_from else spec.name
                 raise PassSettingError(
-                    f"{spec.setting_text(self.config)} asks for the {spec.name} pass but the"
-                    f" plan does not contain it; add {spec.name} or set {spec.off_text()}"
+                    f"{lead}{spec.setting_text(self.config)} asks for the {spec.name} pass but"
+                    f" {where} does not contain it; add {add} or set {spec.off_text()}"
                 )
 
     def _check_exclusions(self) -> None:
@@ -152,9 +175,14 @@ class Plan:
         first, then = min(violations, key=lambda e: (self.position(e[1]), self.position(e[0])))
         first_spec = self.passes[self.position(first) - 1]
         then_spec = self.passes[self.position(then) - 1]
+        if self.order_from:
+            legal = nx.lexicographical_topological_sort(self.graph, key=self.position)
+            works = f"an order that runs: {self.order_from}: [{', '.join(legal)}]"
+        else:
+            works = f"passes.plan orders them {_canonical(self.names)}"
         raise PassOrderError(
-            f"{self.label(first)} must run before {self.label(then)}: move {first} ahead of"
-            f" {then} (passes.plan orders them {_canonical(self.names)}) or turn one off: set"
+            f"{_lead(self.order_from)}{self.label(first)} must run before {self.label(then)}:"
+            f" move {first} ahead of {then} ({works}) or turn one off: set"
             f" {first_spec.off_text()} or {then_spec.off_text()}"
         )
 
@@ -213,6 +241,11 @@ class Plan:
             lines.append(f'  "{first}" -> "{then}" [style=dashed, constraint=false];')
         lines.append("}")
         return "\n".join(lines) + "\n"
+
+
+def _lead(order_from: str | None) -> str:
+    """``"pass_order: "`` for an error in the user's own order, as config errors start."""
+    return f"{order_from}: " if order_from else ""
 
 
 def _canonical(names: tuple[str, ...]) -> str:

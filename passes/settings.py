@@ -27,3 +27,4 @@ class PassSettings(Protocol):
     activation_checkpointing: bool
     compile: bool
     fsdp: bool
+    pass_order: tuple[str, ...] | None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -15,8 +16,9 @@ def add_parser(subparsers: Any) -> None:
         help="show and check the model-infrastructure passes a training config asks for",
         description=(
             "Resolve a training config, list its passes (swap, tensor parallel, activation"
-            " checkpointing, compile, FSDP, ...) in the order they run, and check their"
-            " order and exclusions, and check the model it names (its config.json and weights,"
+            " checkpointing, compile, FSDP, ...) in the order they run (canonical, or the"
+            " config's pass_order, or --order), and check their order and exclusions, and"
+            " check the model it names (its config.json and weights,"
             " heads divisible by tp_size). Exits 1 with the reason on stderr when graphswap"
             " train would refuse the config. The world size is not known here: the ranks"
             " the plan needs are printed to stderr."
@@ -27,6 +29,12 @@ def add_parser(subparsers: Any) -> None:
         "--format", choices=FORMATS, default="text", help="output format (default: text)"
     )
     parser.add_argument(
+        "--order",
+        metavar="PASS,...",
+        help="run the passes in this order, checked as given (the config's pass_order), e.g."
+        " swap,tensor_parallel,fsdp",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings that override the file"
     )
     parser.set_defaults(run=run)
@@ -35,11 +43,13 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     import passes
-    from graphswap.config import ConfigError, resolve_config
+    from graphswap.config import ConfigError, parse_names, resolve_config
     from graphswap.preflight import check_model
 
     try:
         config = resolve_config(args.config, args.overrides)
+        if args.order is not None:
+            config = dataclasses.replace(config, pass_order=parse_names(args.order))
         plan = passes.plan(config).check()
         check_model(config)
     except (ConfigError, passes.PlanError) as error:

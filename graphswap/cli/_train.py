@@ -59,13 +59,19 @@ def _init_distributed(config: Any) -> Any:
 
 
 def _as_mode(config: Any, mode: str) -> Any:
-    """``config`` with ``activation_swap: mode``; swap-only settings reset for ``none``."""
+    """``config`` with ``activation_swap: mode``; swap-only settings reset for ``none``,
+    and the swap pass left out of a ``pass_order``, whose other passes keep their order."""
     # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
     from graphswap.config import AUTO_ONLY_SETTINGS
 
     if mode == "none":
+        order = config.pass_order
         return dataclasses.replace(
-            config, activation_swap="none", swap_prefetch_depth=1, **AUTO_ONLY_SETTINGS
+            config,
+            activation_swap="none",
+            swap_prefetch_depth=1,
+            pass_order=None if order is None else tuple(n for n in order if n != "swap"),
+            **AUTO_ONLY_SETTINGS,
         )
     return dataclasses.replace(config, activation_swap=mode)
 

@@ -78,3 +78,35 @@ def test_console_script_runs_plan(tmp_path: Path) -> None:
     )
     assert done.returncode == 1, done.stderr
     assert "activation_swap: attention excludes pp_size: 2" in done.stderr
+
+
+def test_order_is_checked_as_given(capsys: pytest.CaptureFixture[str]) -> None:
+    settings = ["activation_swap=attention", "tp_size=2", "fsdp=true"]
+    assert run_plan(["--order", "swap,tensor_parallel,fsdp", "--format", "json", *settings]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in data["passes"]] == ["swap", "tensor_parallel", "fsdp"]
+    assert run_plan(["--order", "swap,fsdp,tensor_parallel", *settings]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "graphswap plan: pass_order: tensor_parallel (position 3) must run before fsdp"
+        " (position 2): move tensor_parallel ahead of fsdp (an order that runs: pass_order:"
+        " [swap, tensor_parallel, fsdp]) or turn one off: set tp_size: 1 or fsdp: false\n"
+    )
+
+
+def test_order_overrides_the_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "train.yaml"
+    config.write_text("activation_swap: attention\npass_order: [swap, fsdp]\n")
+    assert run_plan(["--config", str(config)]) == 1
+    assert capsys.readouterr().err.startswith(
+        "graphswap plan: pass_order: fsdp (position 2) is in pass_order but fsdp: false"
+    )
+    assert run_plan(["--config", str(config), "--order", "swap"]) == 0
+    assert "1. swap" in capsys.readouterr().out
+    assert run_plan(["--config", str(config), "--order", "swap,swapp"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "graphswap plan: pass_order: unknown pass 'swapp'; declared passes: pipeline_parallel,"
+    )

@@ -83,3 +83,31 @@ def test_train_refuses_measure_on_cpu_before_building(tmp_path) -> None:
     assert done.returncode == 2
     assert done.stderr.startswith("graphswap train: swap_bandwidth_gbps: measure times")
     assert "Traceback" not in done.stderr
+
+
+def test_train_runs_a_pass_order_and_compare_leaves_swap_out_of_none(tmp_path) -> None:
+    out = tmp_path / "out"
+    done = run_cli(
+        "--compare",
+        "pass_order=[swap]",
+        "steps=1",
+        "num_layers=2",
+        "seq_len=64",
+        f"output_dir={out}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [run["applied_passes"] for run in summary] == [[], ["swap"]]
+
+
+def test_train_refuses_a_wrong_pass_order_before_anything_runs(tmp_path) -> None:
+    out = tmp_path / "out"
+    done = run_cli("fsdp=true", "pass_order=fsdp,swap", f"output_dir={out}", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == (
+        "graphswap train: pass_order: swap (position 2) must run before fsdp (position 1):"
+        " move swap ahead of fsdp (an order that runs: pass_order: [swap, fsdp]) or turn one"
+        " off: set activation_swap: none or fsdp: false\n"
+    )
+    assert not out.exists(), "the output folder is made only after the plan is accepted"

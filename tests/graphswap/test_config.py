@@ -242,3 +242,39 @@ def test_a_binary_file_is_a_config_error(tmp_path: Path) -> None:
 def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         TrainerConfig().tp_size = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "pass_order: [swap, fsdp]\n",
+        "pass_order:\n  - swap\n  - fsdp\n",
+        "pass_order: swap,fsdp\n",
+        "pass_order: swap, fsdp\n",
+    ],
+)
+def test_pass_order_reads_a_yaml_list_or_names_with_commas(tmp_path: Path, text: str) -> None:
+    assert resolve_config(_write(tmp_path, text)).pass_order == ("swap", "fsdp")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("pass_order=swap,tensor_parallel", ("swap", "tensor_parallel")),
+        ("pass_order=[swap, tensor_parallel]", ("swap", "tensor_parallel")),
+        ("pass_order=swap", ("swap",)),
+        ("pass_order=[]", ()),
+        ("pass_order=null", None),
+    ],
+)
+def test_pass_order_override(override: str, expected: tuple[str, ...] | None) -> None:
+    assert resolve_config(None, [override]).pass_order == expected
+
+
+def test_pass_order_is_immutable_and_checked_for_type() -> None:
+    assert TrainerConfig(pass_order=["swap"]).pass_order == ("swap",)  # type: ignore[arg-type]
+    assert TrainerConfig().pass_order is None
+    for bad in ({"pass_order": 3}, {"pass_order": [1, "swap"]}, {"pass_order": {"a": 1}}):
+        with pytest.raises(ConfigError, match=r"^pass_order: expected a list of names") as info:
+            resolve_config(bad)
+        assert info.value.key == "pass_order"

@@ -1,170 +1,340 @@
-"""Every TrainerConfig field reaches the pipeline (P1: the origin dropped a
-distributed-setup argument on the way to the builder, which silently skipped the
-module replacement).
+"""Every TrainerConfig field changes what runs (P1: the origin dropped a distributed-setup
+argument on the way to the builder, which silently skipped the module replacement).
 
-Each field is listed under exactly one consumer. Fields of the passes and of the model
-builder are checked by behaviour here, through ``graphswap.models.build`` (the one
-path from settings to a model); fields of the training loop are checked to be read by
-``graphswap.train`` or its command, whose own tests check what they do. A new field that is listed
-nowhere fails ``test_every_field_has_exactly_one_consumer``.
+Each field has one test that changes it and observes the difference from outside,
+through the public entry points only: the plan (``passes.plan``), the built model
+(``graphswap.models.build``), the training run (``graphswap.train.train``: losses,
+measured activations, applied passes, swap statistics), the files ``graphswap train``
+writes, or an error that names the field. ``test_every_field_has_a_behaviour_case``
+fails when a field is added without one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import passes
 from graphswap.config import ConfigError, TrainerConfig
+from graphswap.models import build
+from graphswap.train import TrainResult, train
 
-PASS_FIELDS: dict[str, Any] = {
-    "activation_swap": "attention",
-    "swap_prefetch_depth": 2,
-    "swap_bandwidth_gbps": 3.0,
-    "swap_tflops": 2.0,
-    "swap_hide_margin": 0.25,
-    "tp_size": 2,
-    "cp_size": 2,
-    "ep_size": 2,
-    "pp_size": 2,
-    "activation_checkpointing": True,
-    "compile": True,
-    "fsdp": True,
-}
-"""Consumed by ``passes.plan`` / ``apply_model_infrastructure``: field -> a changed value."""
+CASES: dict[str, str] = {}
+"""Field -> the test that shows it changes what runs."""
 
-SWAP_SETTINGS = ("swap_prefetch_depth", "swap_bandwidth_gbps", "swap_tflops", "swap_hide_margin")
-"""Pass fields that tune the swap pass rather than enable a pass of their own."""
-
-BUILDER_FIELDS = ("model", "model_path", "num_layers", "attn_implementation", "dtype")
-"""Consumed by ``graphswap.models`` when it builds the Hugging Face model."""
-
-TRAINER_FIELDS = ("seq_len", "batch_size", "steps", "lr", "device", "seed", "data", "output_dir")
-"""Consumed by ``graphswap train``: the loop (``graphswap.train``) and its command."""
-
-BASE = TrainerConfig(num_layers=1)
-"""One layer keeps every build fast; ``num_layers`` itself is checked separately."""
+Test = TypeVar("Test", bound=Callable[..., None])
 
 
-def test_every_field_has_exactly_one_consumer() -> None:
-    listed = [*PASS_FIELDS, *BUILDER_FIELDS, *TRAINER_FIELDS]
-    assert sorted(listed) == sorted(set(listed)), "a field is listed under two consumers"
-    missing = set(TrainerConfig.keys()) - set(listed)
-    assert not missing, f"TrainerConfig fields with no consumer listed: {sorted(missing)}"
-    assert set(listed) <= set(TrainerConfig.keys())
+def case(*fields: str) -> Callable[[Test], Test]:
+    """Register a test as the behaviour case of ``fields``."""
+
+    def register(test: Test) -> Test:
+        for field in fields:
+            assert field not in CASES, f"{field} has two cases: {CASES[field]}, {test.__name__}"
+            CASES[field] = test.__name__
+        return test
+
+    return register
 
 
-def outcome(config: TrainerConfig) -> tuple[Any, ...]:
-    """What building with ``config`` produced, or the error it raised."""
-    from graphswap.models import build
+def test_every_field_has_a_behaviour_case() -> None:
+    missing = sorted(set(TrainerConfig.keys()) - set(CASES))
+    assert not missing, f"TrainerConfig fields without a behaviour case here: {missing}"
+    assert set(CASES) <= set(TrainerConfig.keys())
 
-    torch._dynamo.reset()
-    try:
-        built = build(config)
-    except (ValueError, NotImplementedError) as error:
-        return ("raised", type(error).__name__, str(error))
-    infrastructure = built.infrastructure
-    manager = built.swap_manager
-    return (
-        infrastructure.plan.names,
-        infrastructure.applied,
-        None if manager is None else (manager.prefetch_depth, len(manager.links)),
-        tuple(type(m).__name__ for m in built.model.modules()),
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> TrainerConfig:
+    """One tiny layer, two short steps on CPU: every run here takes about a second."""
+    output_dir = tmp_path_factory.mktemp("out")
+    return TrainerConfig(
+        num_layers=1, seq_len=16, batch_size=1, steps=2, device="cpu", output_dir=str(output_dir)
     )
 
 
 @pytest.fixture(scope="module")
-def base_outcome() -> Iterator[tuple[Any, ...]]:
-    yield outcome(BASE)
-    torch._dynamo.reset()
+def base_run(base: TrainerConfig) -> TrainResult:
+    return train(base, progress=False)
 
 
-@pytest.mark.parametrize("field", list(PASS_FIELDS))
-def test_pass_fields_change_the_result_or_raise(field: str, base_outcome: tuple[Any, ...]) -> None:
+@pytest.fixture(scope="module")
+def swap_base(base: TrainerConfig) -> TrainerConfig:
+    """Two layers at a shape whose attention tensors reach the 1 MiB swap threshold (the
+    last layer keeps its tensors on device, so one layer alone swaps nothing)."""
+    return dataclasses.replace(base, num_layers=2, seq_len=512, batch_size=2, steps=1)
+
+
+def run(config: TrainerConfig, **changes: Any) -> TrainResult:
+    return train(dataclasses.replace(config, **changes), progress=False)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[None]:
+    """A one-process gloo world, so that a distributed pass can run in this process."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
     try:
-        changed = dataclasses.replace(BASE, **{field: PASS_FIELDS[field]})
-    except ConfigError as error:
-        assert error.key == field
-        return
-    result = outcome(changed)
-    assert result != base_outcome
-    if result[0] == "raised":
-        assert field in result[2], f"the error does not name the setting {field!r}: {result[2]}"
-    else:
-        assert any(field == spec.setting for spec in _plan(changed).passes)
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
-def test_swap_prefetch_depth_reaches_the_swap_manager() -> None:
-    swap = dataclasses.replace(BASE, activation_swap="attention", num_layers=2)
-    depth_one, depth_two = outcome(swap), outcome(dataclasses.replace(swap, swap_prefetch_depth=2))
-    assert depth_one[2] == (1, 1) and depth_two[2] == (2, 1)
+# The swap and its settings.
 
 
-def test_auto_settings_reach_the_plan() -> None:
-    from graphswap.models import build
+@case("activation_swap")
+def test_activation_swap_offloads_without_changing_the_losses(swap_base: TrainerConfig) -> None:
+    plain, swapped = run(swap_base), run(swap_base, activation_swap="attention")
+    assert (plain.applied_passes, swapped.applied_passes) == ([], ["swap"])
+    assert swapped.swap["offloaded_bytes"] > 0
+    assert swapped.resident_activation_bytes < plain.resident_activation_bytes
+    assert swapped.losses == plain.losses
 
-    auto = {key: PASS_FIELDS[key] for key in SWAP_SETTINGS[1:]}
-    config = dataclasses.replace(
-        BASE, activation_swap="auto", num_layers=2, seq_len=64, batch_size=1, **auto
-    )
-    built = build(config)
+
+@case("swap_prefetch_depth")
+def test_swap_prefetch_depth_reaches_the_swap_manager(base: TrainerConfig) -> None:
+    swap = dataclasses.replace(base, activation_swap="attention", num_layers=3)
+    depths = []
+    for depth in (1, 2):
+        manager = build(dataclasses.replace(swap, swap_prefetch_depth=depth)).swap_manager
+        assert manager is not None
+        depths.append(manager.prefetch_depth)
+    assert depths == [1, 2]
+
+
+AUTO = {"swap_bandwidth_gbps": 2.0, "swap_tflops": 1.0, "swap_hide_margin": 0.1}
+"""An auto plan that swaps part of what it could (2 of the 6 MiB of ``swap_base``), so
+that each setting can move it either way."""
+
+
+def planned_bytes(config: TrainerConfig, **changes: Any) -> int:
+    auto = dataclasses.replace(config, activation_swap="auto", **{**AUTO, **changes})
+    built = build(auto)
     assert built.auto_swap is not None
-    plan = built.auto_swap.plan
-    assert (plan.seq, plan.batch, plan.swap) == (64, 1, "auto")
-    assert (plan.bandwidth_gbps, plan.tflops, plan.hide_margin) == (3.0, 2.0, 0.25)
+    return int(built.auto_swap.to_dict()["swapped_bytes"])
 
 
-def test_every_pass_field_enables_its_pass() -> None:
-    """The plan has one pass per setting; none of them is dropped."""
-    from passes import pass_specs
-
-    settings = {spec.setting for spec in pass_specs().values()}
-    assert settings == set(PASS_FIELDS) - set(SWAP_SETTINGS)
-    for field, value in PASS_FIELDS.items():
-        if field not in SWAP_SETTINGS:
-            config = dataclasses.replace(BASE, **{field: value})
-            assert [spec.setting for spec in _plan(config).passes] == [field]
+@case("swap_bandwidth_gbps")
+def test_swap_bandwidth_gbps_decides_what_auto_swaps(swap_base: TrainerConfig) -> None:
+    assert planned_bytes(swap_base, swap_bandwidth_gbps=1e9) > planned_bytes(swap_base) > 0
+    assert planned_bytes(swap_base, swap_bandwidth_gbps=0.001) == 0
 
 
-def _plan(config: TrainerConfig) -> Any:
-    import passes
-
-    return passes.plan(config)
-
-
-def test_builder_fields_reach_the_model(tmp_path: Path) -> None:
-    from graphswap.models import build, trainer_hf_config
-    from graphswap.presets import qwen3_moe_config
-
-    def layers(config: TrainerConfig) -> int:
-        return len(build(config).model.model.layers)
-
-    assert layers(BASE) == 1
-    assert layers(dataclasses.replace(BASE, num_layers=2)) == 2
-    eager = build(dataclasses.replace(BASE, attn_implementation="eager")).model
-    assert eager.config._attn_implementation == "eager"
-    bf16 = build(dataclasses.replace(BASE, dtype="bfloat16")).model
-    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
-    preset = trainer_hf_config(dataclasses.replace(BASE, num_layers=None, model="graph-default"))
-    assert preset.num_hidden_layers == 48
-    qwen3_moe_config("tiny", hidden_size=64, head_dim=16).save_pretrained(tmp_path)
-    local = trainer_hf_config(dataclasses.replace(BASE, model_path=str(tmp_path)))
-    assert (local.hidden_size, local.num_hidden_layers) == (64, 1)
+@case("swap_tflops")
+def test_swap_tflops_decides_what_auto_swaps(swap_base: TrainerConfig) -> None:
+    """Slower compute leaves more time for the copies to hide behind."""
+    assert planned_bytes(swap_base, swap_tflops=0.5) > planned_bytes(swap_base) > 0
 
 
-@pytest.mark.parametrize("field", TRAINER_FIELDS)
-def test_trainer_fields_are_read_by_the_training_loop(field: str) -> None:
-    import graphswap.cli._train
-    import graphswap.preflight
-    import graphswap.train
+@case("swap_hide_margin")
+def test_swap_hide_margin_decides_what_auto_swaps(swap_base: TrainerConfig) -> None:
+    assert 0 < planned_bytes(swap_base, swap_hide_margin=0.5) < planned_bytes(swap_base)
+    with pytest.raises(ConfigError) as info:
+        dataclasses.replace(swap_base, swap_hide_margin=0.5)
+    assert info.value.key == "swap_hide_margin", "only activation_swap: auto reads it"
 
-    modules = (graphswap.train, graphswap.preflight, graphswap.cli._train)
-    sources = "".join(inspect.getsource(module) for module in modules)
-    assert f"config.{field}" in sources, (
-        f"graphswap train never reads config.{field}; consume it or remove the field"
-    )
+
+# The model.
+
+
+@case("model")
+def test_model_preset_sets_the_shape(base: TrainerConfig) -> None:
+    def hidden_size(model: str) -> int:
+        built = build(dataclasses.replace(base, model=model), device="meta")
+        return int(built.model.get_input_embeddings().weight.shape[1])
+
+    assert (hidden_size("tiny"), hidden_size("qwen3-30b-a3b")) == (128, 2048)
+
+
+@case("model_path")
+def test_model_path_trains_from_the_checkpoint_weights(base: TrainerConfig, tmp_path: Path) -> None:
+    saved = build(base).model
+    with torch.no_grad():
+        saved.get_input_embeddings().weight.fill_(0.25)
+    saved.save_pretrained(tmp_path)
+    loaded = build(dataclasses.replace(base, model_path=str(tmp_path))).model
+    assert bool((loaded.get_input_embeddings().weight == 0.25).all())
+    with pytest.raises(ConfigError) as info:
+        train(dataclasses.replace(base, model_path=str(tmp_path / "missing")), progress=False)
+    assert info.value.key == "model_path"
+
+
+@case("num_layers")
+def test_num_layers_sets_the_depth(base: TrainerConfig) -> None:
+    depths = [
+        len(build(dataclasses.replace(base, num_layers=n)).model.model.layers) for n in (1, 2)
+    ]
+    assert depths == [1, 2]
+
+
+@case("attn_implementation")
+def test_eager_attention_saves_more_than_sdpa(base: TrainerConfig, base_run: TrainResult) -> None:
+    """Eager attention saves the seq x seq probabilities for backward; sdpa does not."""
+    eager = run(base, attn_implementation="eager")
+    assert (base_run.attn_implementation, eager.attn_implementation) == ("sdpa", "eager")
+    assert eager.resident_activation_bytes > base_run.resident_activation_bytes
+
+
+@case("dtype")
+def test_bfloat16_builds_and_saves_in_bfloat16(base: TrainerConfig, base_run: TrainResult) -> None:
+    bf16 = run(base, dtype="bfloat16")
+    assert bf16.resident_activation_bytes < base_run.resident_activation_bytes
+    assert bf16.losses != base_run.losses
+    assert {
+        p.dtype for p in build(dataclasses.replace(base, dtype="bfloat16")).model.parameters()
+    } == {torch.bfloat16}
+
+
+# The training loop.
+
+
+@case("steps")
+def test_steps_is_the_number_of_losses(base: TrainerConfig, base_run: TrainResult) -> None:
+    assert len(base_run.losses) == 2
+    assert len(run(base, steps=3).losses) == 3
+
+
+@case("lr")
+def test_lr_changes_the_updates(base: TrainerConfig, base_run: TrainResult) -> None:
+    faster = run(base, lr=1e-1)
+    assert faster.losses[0] == base_run.losses[0], "the first loss comes before any update"
+    assert faster.losses[1] != base_run.losses[1]
+
+
+@case("seed")
+def test_seed_changes_the_initial_model_and_data(
+    base: TrainerConfig, base_run: TrainResult
+) -> None:
+    assert run(base, seed=1).losses[0] != base_run.losses[0]
+    assert run(base).losses == base_run.losses, "the same seed repeats the run exactly"
+
+
+@case("seq_len")
+def test_seq_len_sets_the_tokens_per_step(base: TrainerConfig, base_run: TrainResult) -> None:
+    longer = run(base, seq_len=32)
+    assert longer.resident_activation_bytes > base_run.resident_activation_bytes
+    assert longer.losses != base_run.losses
+
+
+@case("batch_size")
+def test_batch_size_sets_the_sequences_per_step(base: TrainerConfig, base_run: TrainResult) -> None:
+    larger = run(base, batch_size=2)
+    assert larger.resident_activation_bytes > base_run.resident_activation_bytes
+    assert larger.losses != base_run.losses
+
+
+@case("data")
+def test_data_trains_on_the_file(
+    base: TrainerConfig, base_run: TrainResult, tmp_path: Path
+) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("graphswap trains on local text. " * 20)
+    assert run(base, data=str(text)).losses != base_run.losses
+    with pytest.raises(ConfigError) as info:
+        run(base, data=str(tmp_path / "missing.txt"))
+    assert info.value.key == "data"
+
+
+@case("device")
+def test_device_chooses_where_the_model_trains(base: TrainerConfig, base_run: TrainResult) -> None:
+    assert base_run.device == "cpu"
+    if torch.cuda.is_available():
+        assert run(base, device="cuda").device.startswith("cuda")
+        return
+    with pytest.raises(ConfigError) as info:
+        run(base, device="cuda")
+    assert info.value.key == "device"
+
+
+@case("output_dir")
+def test_output_dir_receives_the_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from graphswap.cli import main
+
+    target = tmp_path / "runs" / "first"
+    argv = ["train", "--no-progress", "activation_swap=none", "num_layers=1", "seq_len=16"]
+    assert main([*argv, "batch_size=1", "steps=1", "device=cpu", f"output_dir={target}"]) == 0
+    assert f"summary written to {target / 'summary.json'}" in capsys.readouterr().out
+    [summary] = json.loads((target / "summary.json").read_text())
+    assert len(summary["losses"]) == 1
+
+
+# The passes that shard, compile or checkpoint the model.
+
+
+@case("activation_checkpointing")
+def test_activation_checkpointing_recomputes_instead_of_saving(
+    base: TrainerConfig, base_run: TrainResult
+) -> None:
+    checkpointed = run(base, activation_checkpointing=True)
+    assert checkpointed.applied_passes == ["activation_checkpointing"]
+    assert checkpointed.resident_activation_bytes < base_run.resident_activation_bytes
+    assert checkpointed.losses == base_run.losses
+
+
+@case("compile")
+def test_compile_compiles_each_layer(base: TrainerConfig) -> None:
+    torch._dynamo.reset()
+    built = build(dataclasses.replace(base, compile=True))
+    assert built.infrastructure.applied == ("compile",)
+    assert {type(layer).__name__ for layer in built.model.model.layers} == {"OptimizedModule"}
+
+
+@case("fsdp")
+def test_fsdp_shards_the_model(base: TrainerConfig, base_run: TrainResult, world: None) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    config = dataclasses.replace(base, fsdp=True)
+    assert passes.plan(config).names == ("fsdp",)
+    assert isinstance(build(config).model, FSDPModule)
+    sharded = run(base, fsdp=True)
+    assert sharded.applied_passes == ["fsdp"]
+    assert sharded.losses == pytest.approx(base_run.losses)
+
+
+@case("tp_size")
+def test_tp_size_plans_tensor_parallel_and_needs_its_ranks(base: TrainerConfig) -> None:
+    config = dataclasses.replace(base, tp_size=2)
+    assert passes.plan(config).names == ("tensor_parallel",)
+    with pytest.raises(passes.PlanError, match=r"^tp_size: 2 "):
+        run(base, tp_size=2)
+
+
+@case("cp_size", "ep_size", "pp_size")
+@pytest.mark.parametrize(
+    ("field", "name"),
+    [
+        ("cp_size", "context_parallel"),
+        ("ep_size", "expert_parallel"),
+        ("pp_size", "pipeline_parallel"),
+    ],
+)
+def test_declared_parallelisms_are_planned_and_refused(
+    base: TrainerConfig, field: str, name: str
+) -> None:
+    config = dataclasses.replace(base, **{field: 2})
+    assert passes.plan(config).names == (name,)
+    with pytest.raises(passes.PassNotImplementedError) as info:
+        run(base, **{field: 2})
+    assert str(info.value).startswith(f"{field}: 2 asks for {name}, which graphswap declares")
+
+
+@case("pass_order")
+def test_pass_order_is_the_order_that_runs(base: TrainerConfig) -> None:
+    both = dataclasses.replace(base, activation_checkpointing=True, compile=True)
+    torch._dynamo.reset()
+    built = build(dataclasses.replace(both, pass_order=("activation_checkpointing", "compile")))
+    assert built.infrastructure.applied == ("activation_checkpointing", "compile")
+    with pytest.raises(passes.PassOrderError, match=r"^pass_order: activation_checkpointing "):
+        run(both, pass_order=("compile", "activation_checkpointing"))
+    with pytest.raises(passes.PassSettingError, match=r"^pass_order: .*add compile to pass_order"):
+        run(both, pass_order=("activation_checkpointing",))

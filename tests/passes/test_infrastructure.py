@@ -17,6 +17,7 @@ from graphswap.errors import AlreadyTransformedError
 from passes import (
     PassConflictError,
     PassNotImplementedError,
+    PassOrderError,
     PassPostconditionError,
     PassRequirementError,
     PassSettingError,
@@ -338,4 +339,30 @@ def test_plan_errors_reach_apply(tiny_model: Model) -> None:
         passes.apply_model_infrastructure(
             model, TrainerConfig(activation_swap="attention", compile=True)
         )
+    assert type(model.model.layers[0]).__name__ == "Qwen3MoeDecoderLayer"
+
+
+def test_a_pass_order_runs_in_its_order(tiny_model: Model) -> None:
+    config = TrainerConfig(
+        activation_checkpointing=True,
+        compile=True,
+        pass_order=("activation_checkpointing", "compile"),
+    )
+    model = tiny_model(num_hidden_layers=1)
+    result = passes.apply_model_infrastructure(model, config)
+    assert result.applied == ("activation_checkpointing", "compile")
+    layer = model.model.layers[0]
+    assert type(layer).__name__ == "OptimizedModule", "compile ran last: it wraps the layer"
+    assert type(layer._orig_mod).__name__ == "CheckpointWrapper"
+
+
+def test_a_wrong_pass_order_changes_nothing(tiny_model: Model) -> None:
+    config = TrainerConfig(
+        activation_checkpointing=True,
+        compile=True,
+        pass_order=("compile", "activation_checkpointing"),
+    )
+    model = tiny_model(num_hidden_layers=1)
+    with pytest.raises(PassOrderError, match=r"^pass_order: activation_checkpointing \(position"):
+        passes.apply_model_infrastructure(model, config)
     assert type(model.model.layers[0]).__name__ == "Qwen3MoeDecoderLayer"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -78,6 +79,7 @@ def reference(order: tuple[str, ...]) -> type[PlanError] | None:
 def assert_matches_reference(order: tuple[str, ...]) -> None:
     expected = reference(order)
     plan = Plan.from_names(order, config_for(order))
+    assert_pass_order_matches(order, expected)
     if expected is None:
         assert plan.check() is plan
         assert plan.names == order
@@ -98,6 +100,26 @@ def assert_matches_reference(order: tuple[str, ...]) -> None:
         named = set(re.findall(r"(\w+) \(position \d\)", message))
         assert len(named) == 2 and frozenset(named) in EXCLUDED, message
     assert plan.names == order, "a plan is never re-sorted"
+
+
+def assert_pass_order_matches(order: tuple[str, ...], expected: type[PlanError] | None) -> None:
+    """The same order given as the config's ``pass_order``: the same verdict, a message
+    that starts with the key, and for a wrong order a suggested order that runs."""
+    config = dataclasses.replace(config_for(order), pass_order=order)
+    plan = passes.plan(config)
+    assert plan.names == order, "pass_order is taken as given, never re-sorted"
+    if expected is None:
+        assert plan.check() is plan
+        return
+    with pytest.raises(expected) as info:
+        plan.check()
+    message = str(info.value)
+    if expected is PassOrderError:
+        found = re.search(r"\(an order that runs: pass_order: \[([\w, ]*)\]\)", message)
+        assert message.startswith("pass_order: ") and found, message
+        suggested = tuple(found.group(1).split(", "))
+        assert sorted(suggested) == sorted(order) and reference(suggested) is None
+        passes.plan(dataclasses.replace(config, pass_order=suggested)).check()
 
 
 def test_every_declared_pass_has_a_setting_that_turns_it_on() -> None:
@@ -305,7 +327,7 @@ def test_plan_and_config_must_agree() -> None:
 def test_unknown_and_duplicate_pass_names() -> None:
     with pytest.raises(PlanError, match=r"^unknown pass 'swapp'; declared passes: "):
         Plan.from_names(["swapp"], TrainerConfig())
-    with pytest.raises(PlanError, match=r"^pass 'swap' appears 2 times in the plan$"):
+    with pytest.raises(PlanError, match=r"^pass 'swap' appears 2 times in the plan; list it once"):
         Plan.from_names(["swap", "swap"], TrainerConfig(activation_swap="attention"))
     with pytest.raises(PlanError, match=r"^unknown pass 'x'"):
         passes.get_spec("x")
@@ -360,3 +382,74 @@ def test_renderings_are_deterministic_and_parse() -> None:
     assert "1. swap" in text and "tp_size: 2" in text and "swap -> tensor_parallel" in text
     not_implemented = passes.plan(config_for(("context_parallel",))).to_text()
     assert "[declared, not implemented]" in not_implemented
+
+
+def test_pass_order_runs_as_given_when_legal() -> None:
+    config = TrainerConfig(
+        activation_swap="attention",
+        tp_size=2,
+        fsdp=True,
+        pass_order=("swap", "tensor_parallel", "fsdp"),
+    )
+    assert passes.plan(config).check().names == ("swap", "tensor_parallel", "fsdp")
+    assert passes.plan(TrainerConfig(pass_order=())).check().names == ()
+
+
+@pytest.mark.parametrize(
+    ("settings", "order", "error", "message"),
+    [
+        (
+            {"activation_swap": "attention", "tp_size": 2},
+            ("tensor_parallel", "swap"),
+            PassOrderError,
+            "pass_order: swap (position 2) must run before tensor_parallel (position 1): move"
+            " swap ahead of tensor_parallel (an order that runs: pass_order: [swap,"
+            " tensor_parallel]) or turn one off: set activation_swap: none or tp_size: 1",
+        ),
+        (
+            {"activation_swap": "attention", "tp_size": 2},
+            ("swap",),
+            PassSettingError,
+            "pass_order: tp_size: 2 asks for the tensor_parallel pass but pass_order does not"
+            " contain it; add tensor_parallel to pass_order or set tp_size: 1",
+        ),
+        (
+            {"activation_swap": "attention"},
+            ("swap", "fsdp"),
+            PassSettingError,
+            "pass_order: fsdp (position 2) is in pass_order but fsdp: false does not enable it;"
+            " remove fsdp from pass_order or change fsdp",
+        ),
+        (
+            {"activation_swap": "attention"},
+            ("swap", "swap"),
+            PlanError,
+            "pass_order: pass 'swap' appears 2 times in pass_order; list it once",
+        ),
+        (
+            {},
+            ("swapp",),
+            PlanError,
+            "pass_order: unknown pass 'swapp'; declared passes: pipeline_parallel, swap,"
+            " tensor_parallel, context_parallel, expert_parallel, activation_checkpointing,"
+            " compile, fsdp",
+        ),
+    ],
+    ids=["order", "missing", "not-enabled", "duplicate", "unknown"],
+)
+def test_bad_pass_order_names_the_key_and_the_fix(
+    settings: dict[str, Any], order: tuple[str, ...], error: type[PlanError], message: str
+) -> None:
+    config = TrainerConfig(**settings, pass_order=order)
+    with pytest.raises(error) as info:
+        passes.plan(config).check()
+    assert type(info.value) is error
+    assert str(info.value) == message
+
+
+def test_pass_order_keeps_the_exclusion_and_cycle_checks() -> None:
+    config = TrainerConfig(
+        activation_swap="attention", compile=True, pass_order=("swap", "compile")
+    )
+    with pytest.raises(PassConflictError, match=r"^activation_swap: attention excludes compile"):
+        passes.plan(config).check()
