@@ -15,7 +15,7 @@ import torch
 
 from graphswap.config import ActivationSwap, TrainerConfig
 from graphswap.hf import build_model, load_hf_config, load_weights, model_config
-from passes import apply_model_infrastructure
+from passes import apply_model_infrastructure, plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -61,6 +61,7 @@ def build(
     ``passes.apply_model_infrastructure`` from the same ``config``, so a setting
     cannot be dropped on the way.
     """
+    plan(config).check()  # a plan that cannot run is refused before a model is built
     if hf_config is None:
         hf_config = trainer_hf_config(config)
     dtype = getattr(torch, config.dtype)

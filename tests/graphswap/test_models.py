@@ -55,3 +55,12 @@ def test_build_exposes_the_swap_manager() -> None:
     assert built.swap_manager is not None
     assert len(built.swap_manager.links) == 2
     assert build(TrainerConfig(num_layers=3)).swap_manager is None
+
+
+def test_build_refuses_a_plan_that_cannot_run_before_it_reads_the_model(tmp_path) -> None:
+    """The plan is checked first: a folder with no checkpoint in it is never opened."""
+    from passes import PassConflictError
+
+    config = TrainerConfig(activation_swap="attention", compile=True)
+    with pytest.raises(PassConflictError, match=r"^activation_swap: attention excludes compile"):
+        build(config, weights=tmp_path / "no-checkpoint-here")
