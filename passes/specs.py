@@ -106,6 +106,13 @@ def _sharding(name: str, setting: str, summary: str, **more: Any) -> PassSpec:
     )
 
 
+def _switched(name: str, summary: str, leaves: Transform, **more: Any) -> PassSpec:
+    """A pass turned on by the boolean setting of its own name."""
+    return PassSpec(
+        name=name, setting=name, off_value=False, summary=summary, leaves=leaves, **more
+    )
+
+
 def _static_specs() -> tuple[PassSpec, ...]:
     return (
         PassSpec(
@@ -140,29 +147,23 @@ def _static_specs() -> tuple[PassSpec, ...]:
             must_run_after=("tensor_parallel",),
             implemented=False,
         ),
-        PassSpec(
-            name="activation_checkpointing",
-            setting="activation_checkpointing",
-            off_value=False,
-            summary="recompute each decoder layer in backward (torch checkpoint_wrapper)",
+        _switched(
+            "activation_checkpointing",
+            "recompute each decoder layer in backward (torch checkpoint_wrapper)",
+            Transform.CHECKPOINT,
             must_run_before=("compile", "fsdp"),
-            leaves=Transform.CHECKPOINT,
         ),
-        PassSpec(
-            name="compile",
-            setting="compile",
-            off_value=False,
-            summary="torch.compile each decoder layer",
+        _switched(
+            "compile",
+            "torch.compile each decoder layer",
+            Transform.COMPILE,
             must_run_before=("fsdp",),
-            leaves=Transform.COMPILE,
         ),
-        PassSpec(
-            name="fsdp",
-            setting="fsdp",
-            off_value=False,
-            summary="FSDP2 fully_shard each decoder layer and the root",
+        _switched(
+            "fsdp",
+            "FSDP2 fully_shard each decoder layer and the root",
+            Transform.FSDP,
             requires=(DISTRIBUTED,),
-            leaves=Transform.FSDP,
         ),
     )
 
