@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
+from graphswap.policy import CheckpointPolicy
+from graphswap.runtime import SwapManager, swap_wrapper, unwrap_swap
+
 TARGET_US_PER_TENSOR = 20.0
 
 
-def swap_every_tensor(t: torch.Tensor) -> Any:
+def swap_every_tensor(t: torch.Tensor) -> CheckpointPolicy:
     """Policy: swap every saved tensor (the runtime still never swaps parameters)."""
-    from graphswap.policy import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SWAP
 
 
@@ -52,10 +53,8 @@ def build_blocks(config: OverheadConfig, device: torch.device) -> torch.nn.Seque
 
 
 @contextmanager
-def swapped(model: torch.nn.Sequential, manager: Any) -> Iterator[None]:
+def swapped(model: torch.nn.Sequential, manager: SwapManager) -> Iterator[None]:
     """Every block wrapped and linked; no block kept on device (``keep_last=False``)."""
-    from graphswap.runtime import swap_wrapper, unwrap_swap
-
     blocks = list(model)
     for i, block in enumerate(blocks):
         swap_wrapper(block, manager=manager, policy=swap_every_tensor, name=f"block.{i}")
@@ -88,8 +87,6 @@ def measure_overhead(
 
     ``on_round`` gets the result so far after every timed round (to save it as it comes).
     """
-    from graphswap.runtime import SwapManager
-
     model = build_blocks(config, device)
     x = torch.randn(config.rows, config.width, device=device)
     manager = SwapManager(keep_last=False)
