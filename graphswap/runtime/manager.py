@@ -144,6 +144,10 @@ class _Kept:
 class _Entry:
     """One storage copied to host: shared by every handle that aliases it.
 
+    ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
+    that tensor covers its storage contiguously (the usual case: its reload is then
+    handed back as it is), else as bytes; ``layout`` says which.
+
     ``load`` is the reload of the current backward, ``gen`` counts reloads and
     ``waiting`` how many live handles have not yet consumed the current one: the
     set of consumers is fixed when the load is issued, so handles that die while
@@ -154,7 +158,10 @@ class _Entry:
         "__weakref__",
         "buf",
         "device",
+        "engine",
         "gen",
+        "host",
+        "layout",
         "load",
         "manager",
         "name",
@@ -172,16 +179,21 @@ class _Entry:
         name: str,
         stats: GroupStats,
         device: torch.device,
+        engine: CopyEngine,
         nbytes: int,
         buf: HostBuffer,
+        host: torch.Tensor,
         offload: Copy,
     ) -> None:
         self.manager = manager
         self.name = name
         self.stats = stats
         self.device = device
+        self.engine = engine
         self.nbytes = nbytes
         self.buf: HostBuffer | None = buf
+        self.host: torch.Tensor | None = host
+        self.layout = (host.dtype, host.shape, host.stride())
         self.offload = offload
         self.load: Copy | None = None
         self.prefetched = False
@@ -209,6 +221,7 @@ class _Swapped:
         "spec",
         "stride",
         "version",
+        "whole",
     )
 
     def __init__(self, entry: _Entry, t: torch.Tensor, local: torch.Tensor) -> None:
@@ -217,6 +230,8 @@ class _Swapped:
         self.size = local.size()
         self.stride = local.stride()
         self.offset = local.storage_offset()
+        self.whole = self.offset == 0 and entry.layout == (self.dtype, self.size, self.stride)
+        """Laid out as the entry's host copy: its reload is handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
         """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
         self.version = t._version
@@ -230,10 +245,11 @@ class _Swapped:
             entry.waiting += 1
 
     def check(self) -> None:
-        for ref in (self.source, self.base):
-            alias = ref() if ref is not None else None
-            if alias is not None and alias._version != self.version:
-                raise _integrity_error(self.entry.name, self.size, self.version, alias._version)
+        alias = self.source()
+        if alias is None and self.base is not None:
+            alias = self.base()
+        if alias is not None and alias._version != self.version:
+            raise _integrity_error(self.entry.name, self.size, self.version, alias._version)
 
     def __del__(self) -> None:
         self.entry.manager._handle_died(self)
@@ -278,11 +294,7 @@ class _Group:
 
     def is_protected(self, key: int) -> bool:
         if self.protected is None:
-            module = self.slot.module
-            self.protected = {
-                local_tensor(t).untyped_storage()._cdata
-                for t in (*module.parameters(), *module.buffers())
-            }
+            self.protected = _state_storages(self.slot.module)
         return key in self.protected
 
     @property
@@ -290,10 +302,26 @@ class _Group:
         return self.slot.name
 
 
-@dataclass
-class _InFlight:
-    seq: int
-    copy: Copy
+def _state_storages(module: torch.nn.Module) -> set[int]:
+    """Storages of the parameters and buffers of ``module`` and its submodules.
+
+    Read from the modules' own tables on every forward (parameters may be replaced
+    between forwards); ``Module.parameters()`` would also build every submodule's name.
+    Like ``state_dict``, this assumes a tree without cycles; a shared submodule is
+    simply read twice.
+    """
+    keys: set[int] = set()
+    modules = [module]
+    for m in modules:
+        for table in (m._parameters, m._buffers):
+            for t in table.values():
+                if t is not None:
+                    if type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor:
+                        t = local_tensor(t)
+                    keys.add(t.untyped_storage()._cdata)
+        if m._modules:
+            modules.extend(sub for sub in m._modules.values() if sub is not None)
+    return keys
 
 
 def _default_max_host_bytes() -> int:
@@ -349,12 +377,15 @@ class SwapManager:
         )
         self._engine_override = engine
         self._engines: dict[str, CopyEngine] = {}
+        self._device_engines: dict[torch.device, CopyEngine] = {}
         self._slots: dict[torch.nn.Module, _Slot] = {}
         self._registered = 0
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}
         self._latest: dict[torch.nn.Module, weakref.ref[_Group]] = {}
-        self._in_flight: dict[torch.device, collections.deque[_InFlight]] = {}
+        self._in_flight: dict[torch.device, collections.deque[tuple[int, Copy]]] = {}
+        """Offloads whose source is still held, per device in issue order, with the
+        ``seq`` of the forward that issued them."""
         self._seq = 0
         self._stats: dict[str, GroupStats] = {}
         self._lock = threading.RLock()
@@ -491,12 +522,12 @@ class SwapManager:
     def synchronize(self) -> None:
         """Block until every offload in flight completed, and free their sources."""
         with self._lock:
-            flights = [f for queue in self._in_flight.values() for f in queue]
+            copies = [copy for queue in self._in_flight.values() for _, copy in queue]
             for queue in self._in_flight.values():
                 queue.clear()
-        for flight in flights:
-            flight.copy.synchronize()
-            flight.copy.release_source()
+        for copy in copies:
+            copy.synchronize()
+            copy.release_source()
 
     def run_forward(
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -529,28 +560,31 @@ class SwapManager:
         ):
             out = forward(*args, **kwargs)
         self._boundary(seq)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         begins = functools.partial(self._backward_begins, group)
+        if type(out) is torch.Tensor:
+            if out.grad_fn is not None:
+                out.grad_fn.register_prehook(begins)
+            return out
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if len(outputs) == 1 and outputs[0].grad_fn is not None:
             outputs[0].grad_fn.register_prehook(begins)
         elif outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
         return out
 
-    def _trace(self, event: str, name: str) -> None:
-        if self.events is not None:
-            self.events.append((event, name))
-
     def _engine(self, device: torch.device) -> CopyEngine:
-        engine = self._engines.get(device.type)
+        engine = self._device_engines.get(device)
         if engine is None:
-            if self._engine_override is not None:
-                engine = self._engine_override
-            elif device.type == "cpu":
-                engine = SimulatedAccelerator(lag=0)
-            else:
-                engine = AcceleratorCopyEngine()
-            self._engines[device.type] = engine
+            engine = self._engines.get(device.type)
+            if engine is None:
+                if self._engine_override is not None:
+                    engine = self._engine_override
+                elif device.type == "cpu":
+                    engine = SimulatedAccelerator(lag=0)
+                else:
+                    engine = AcceleratorCopyEngine()
+                self._engines[device.type] = engine
+            self._device_engines[device] = engine
         return engine
 
     def _boundary(self, seq: int) -> None:
@@ -566,23 +600,19 @@ class SwapManager:
         with self._lock:
             for queue in self._in_flight.values():
                 while queue:
-                    head = queue[0]
-                    if head.seq <= limit:
-                        head.copy.fence()
-                    elif not head.copy.done():
+                    issued, copy = queue[0]
+                    if issued <= limit:
+                        copy.fence()
+                    elif not copy.done():
                         break
-                    head.copy.release_source()
+                    copy.release_source()
                     queue.popleft()
 
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
         index = group.saves
         group.saves = index + 1
         local = t if type(t) is torch.Tensor else local_tensor(t)
-        if (
-            type(local) is torch.Tensor
-            and local.layout is torch.strided
-            and local.device.type != "meta"
-        ):
+        if type(local) is torch.Tensor and local.layout is torch.strided and not local.is_meta:
             storage = local.untyped_storage()
             key = storage._cdata
             entry = group.entries.get(key)
@@ -592,15 +622,16 @@ class SwapManager:
                 and group.slot.decide(t, index) is CheckpointPolicy.MUST_SWAP
                 and not group.is_protected(key)
             ):
-                entry = self._offload(group, storage, local.device)
+                entry = self._offload(group, local, storage)
             if entry is not None:
                 return _Swapped(entry, t, local)
         return _Kept(t, group.slot.name)
 
     def _offload(
-        self, group: _Group, storage: torch.UntypedStorage, device: torch.device
+        self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage
     ) -> _Entry | None:
         nbytes = storage.nbytes()
+        device = local.device
         engine = self._engine(device)
         reason: str | None = None
         buf: HostBuffer | Refusal | None = None
@@ -619,22 +650,28 @@ class SwapManager:
                 stats.kept_bytes += nbytes
                 setattr(stats, reason, getattr(stats, reason) + 1)
             return None
-        src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        copy = engine.offload(src, buf.tensor, buf.last_use)
-        entry = _Entry(self, group.slot.name, stats, device, nbytes, buf, copy)
+        if local.storage_offset() == 0 and local.nbytes == nbytes and local.is_contiguous():
+            src = local
+        else:
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        host = buf.view_as(src)
+        copy = engine.offload(src, host, buf.last_use)
+        entry = _Entry(self, group.slot.name, stats, device, engine, nbytes, buf, host, copy)
         group.entries[storage._cdata] = entry
         with self._lock:
             queue = self._in_flight.get(device)
             if queue is None:
                 queue = self._in_flight[device] = collections.deque()
-            queue.append(_InFlight(group.seq, copy))
+            queue.append((group.seq, copy))
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
-        self._trace("offload", group.slot.name)
+        if self.events is not None:
+            self.events.append(("offload", group.slot.name))
         return entry
 
     def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
-        self._trace("backward_begin", group.name)
+        if self.events is not None:
+            self.events.append(("backward_begin", group.name))
         self._boundary(self._seq)
         target = group.prev
         for _ in range(self.prefetch_depth):
@@ -651,15 +688,13 @@ class SwapManager:
                     self._load(entry)
                     entry.prefetched = True
                     issued = True
-        if issued:
-            self._trace("prefetch", group.name)
+        if issued and self.events is not None:
+            self.events.append(("prefetch", group.name))
 
     def _load(self, entry: _Entry) -> Copy:
         """Issue the reload of ``entry`` for the live handles that have not consumed one."""
-        assert entry.buf is not None
-        load = self._engine(entry.device).load(
-            entry.buf.tensor, entry.nbytes, entry.device, (entry.offload,)
-        )
+        assert entry.host is not None
+        load = entry.engine.load(entry.host, entry.device, (entry.offload,))
         entry.load = load
         entry.gen += 1
         entry.waiting = entry.refs
@@ -681,9 +716,8 @@ class SwapManager:
                 if load is None:
                     load = self._load(entry)
                 else:
-                    load = self._engine(entry.device).load(
-                        entry.buf.tensor,  # type: ignore[union-attr]
-                        entry.nbytes,
+                    load = entry.engine.load(
+                        entry.host,  # type: ignore[arg-type]
                         entry.device,
                         (entry.offload,),
                     )
@@ -697,10 +731,14 @@ class SwapManager:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.load = None
-        self._trace("unpack", entry.name)
+        if self.events is not None:
+            self.events.append(("unpack", entry.name))
         load.fence()
-        out = torch.empty(0, dtype=packed.dtype, device=entry.device)
-        out.set_(load.result().untyped_storage(), packed.offset, packed.size, packed.stride)
+        out = load.result()
+        if not packed.whole:
+            storage = out.untyped_storage()
+            out = torch.empty(0, dtype=packed.dtype, device=entry.device)
+            out.set_(storage, packed.offset, packed.size, packed.stride)
         if packed.spec is not None:
             # Loaded only when a DTensor was packed, so torch.distributed is imported already.
             from torch.distributed.tensor import DTensor
@@ -718,7 +756,7 @@ class SwapManager:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.load = None
-                    if not self._engine(entry.device).capturing():
+                    if not entry.engine.capturing():
                         load.fence()
             if entry.refs == 0:
                 self._release(entry)
@@ -732,8 +770,9 @@ class SwapManager:
         buf, entry.buf = entry.buf, None
         if buf is None:
             return
-        last_use = [entry.offload] if entry.load is None else [entry.offload, entry.load]
-        if not self._engine(entry.device).capturing():
+        entry.host = None
+        last_use = (entry.offload,) if entry.load is None else (entry.offload, entry.load)
+        if not entry.engine.capturing():
             if not entry.offload.done():
                 entry.offload.fence()
             entry.offload.release_source()
