@@ -127,17 +127,17 @@ class _Kept:
     """A saved tensor that stays on device: a detached alias (same storage and version
     counter, no ``grad_fn``) and the version it had when saved."""
 
-    __slots__ = ("alias", "name", "version")
+    __slots__ = ("alias", "group", "version")
 
-    def __init__(self, t: torch.Tensor, name: str) -> None:
+    def __init__(self, t: torch.Tensor, group: _Group) -> None:
         self.alias = t.detach()
         self.version = t._version
-        self.name = name
+        self.group = group
 
     def unpack(self) -> torch.Tensor:
         now = self.alias._version
         if now != self.version:
-            raise _integrity_error(self.name, self.alias.size(), self.version, now)
+            raise _integrity_error(self.group.name, self.alias.size(), self.version, now)
         return self.alias
 
 
@@ -215,6 +215,7 @@ class _Swapped:
         "dtype",
         "entry",
         "gen",
+        "group",
         "offset",
         "size",
         "source",
@@ -224,7 +225,8 @@ class _Swapped:
         "whole",
     )
 
-    def __init__(self, entry: _Entry, t: torch.Tensor, local: torch.Tensor) -> None:
+    def __init__(self, group: _Group, entry: _Entry, t: torch.Tensor, local: torch.Tensor) -> None:
+        self.group = group
         self.entry = entry
         self.dtype = local.dtype
         self.size = local.size()
@@ -268,6 +270,7 @@ class _Group:
         "seq",
         "slot",
         "stats",
+        "task",
     )
 
     def __init__(
@@ -291,6 +294,8 @@ class _Group:
         self.entries: dict[int, _Entry] = {}
         self.saves = 0
         """Pack calls so far in this forward (parameters and aliases too)."""
+        self.task = -1
+        """The autograd graph task whose backward reached this group last (-1: none)."""
 
     def is_protected(self, key: int) -> bool:
         if self.protected is None:
@@ -560,17 +565,19 @@ class SwapManager:
         ):
             out = forward(*args, **kwargs)
         self._boundary(seq)
+        if group.saves == 0:
+            # Nothing saved, so no unpack will tell when this group's backward begins.
+            self._on_backward(group, out)
+        return out
+
+    def _on_backward(self, group: _Group, out: Any) -> None:
+        """Call ``_backward_begins(group)`` when backward reaches the outputs ``out``."""
         begins = functools.partial(self._backward_begins, group)
-        if type(out) is torch.Tensor:
-            if out.grad_fn is not None:
-                out.grad_fn.register_prehook(begins)
-            return out
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if len(outputs) == 1 and outputs[0].grad_fn is not None:
             outputs[0].grad_fn.register_prehook(begins)
         elif outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
-        return out
 
     def _engine(self, device: torch.device) -> CopyEngine:
         engine = self._device_engines.get(device)
@@ -624,8 +631,8 @@ class SwapManager:
             ):
                 entry = self._offload(group, local, storage)
             if entry is not None:
-                return _Swapped(entry, t, local)
-        return _Kept(t, group.slot.name)
+                return _Swapped(group, entry, t, local)
+        return _Kept(t, group)
 
     def _offload(
         self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage
@@ -670,6 +677,9 @@ class SwapManager:
         return entry
 
     def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
+        """Backward reached ``group``: at its first unpack (a hook on its outputs would
+        cost more than the whole swap of a small layer), or, for a group that saved
+        nothing, at its outputs."""
         if self.events is not None:
             self.events.append(("backward_begin", group.name))
         self._boundary(self._seq)
@@ -704,6 +714,12 @@ class SwapManager:
         return load
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        group = packed.group
+        task = torch._C._current_graph_task_id()
+        if task != group.task and task != -1:
+            # The first unpack of this group in this backward: its backward begins.
+            group.task = task
+            self._backward_begins(group)
         if type(packed) is _Kept:
             return packed.unpack()
         assert type(packed) is _Swapped

@@ -147,6 +147,28 @@ def test_unlinked_module_reloads_synchronously_as_a_miss() -> None:
     assert torch.equal(x.grad, expected)
 
 
+class AddOne(torch.nn.Module):
+    """Saves nothing for backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def test_a_layer_that_saves_nothing_still_prefetches_its_prev() -> None:
+    """A group's backward begins at its first unpack, or at its output if it saved nothing."""
+    lin, add = torch.nn.Linear(64, 64), AddOne()
+    manager = SwapManager(trace=True)
+    swap_wrapper(lin, manager=manager, policy=swap_everything, name="lin")
+    swap_wrapper(add, manager=manager, policy=swap_everything, name="add")
+    manager.set_forward_prefetch_layer(lin, add)
+    add(lin(torch.randn(32, 64, requires_grad=True))).pow(2).sum().backward()
+    stats = manager.stats
+    assert (stats.offloaded_tensors, stats.prefetch_hits, stats.prefetch_misses) == (1, 1, 0)
+    events = list(manager.events)
+    assert events[events.index(("backward_begin", "add")) + 1] == ("prefetch", "lin")
+    assert events.index(("prefetch", "lin")) < events.index(("unpack", "lin"))
+
+
 class Tanh(torch.nn.Module):
     """Saves its own output: the tensor a caller may modify in place."""
 
