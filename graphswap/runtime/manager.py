@@ -44,6 +44,9 @@ from graphswap.runtime.stats import GroupStats, SwapStats
 
 TRACE_LIMIT = 100_000
 
+Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]
+"""A tensor's dtype, size and stride."""
+
 
 class SwapIntegrityError(RuntimeError):
     """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
@@ -183,6 +186,7 @@ class _Entry:
         nbytes: int,
         buf: HostBuffer,
         host: torch.Tensor,
+        layout: Layout,
         offload: Copy,
     ) -> None:
         self.manager = manager
@@ -193,7 +197,7 @@ class _Entry:
         self.nbytes = nbytes
         self.buf: HostBuffer | None = buf
         self.host: torch.Tensor | None = host
-        self.layout = (host.dtype, host.shape, host.stride())
+        self.layout = layout
         self.offload = offload
         self.load: Copy | None = None
         self.prefetched = False
@@ -212,27 +216,26 @@ class _Swapped:
 
     __slots__ = (
         "base",
-        "dtype",
         "entry",
         "gen",
         "group",
+        "layout",
         "offset",
-        "size",
         "source",
         "spec",
-        "stride",
         "version",
         "whole",
     )
 
-    def __init__(self, group: _Group, entry: _Entry, t: torch.Tensor, local: torch.Tensor) -> None:
+    def __init__(
+        self, group: _Group, entry: _Entry, t: torch.Tensor, local: torch.Tensor, layout: Layout
+    ) -> None:
         self.group = group
         self.entry = entry
-        self.dtype = local.dtype
-        self.size = local.size()
-        self.stride = local.stride()
+        self.layout = layout
+        """``local``'s dtype, size and stride."""
         self.offset = local.storage_offset()
-        self.whole = self.offset == 0 and entry.layout == (self.dtype, self.size, self.stride)
+        self.whole = self.offset == 0 and entry.layout == layout
         """Laid out as the entry's host copy: its reload is handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
         """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
@@ -251,7 +254,7 @@ class _Swapped:
         if alias is None and self.base is not None:
             alias = self.base()
         if alias is not None and alias._version != self.version:
-            raise _integrity_error(self.entry.name, self.size, self.version, alias._version)
+            raise _integrity_error(self.entry.name, self.layout[1], self.version, alias._version)
 
     def __del__(self) -> None:
         self.entry.manager._handle_died(self)
@@ -619,23 +622,29 @@ class SwapManager:
         index = group.saves
         group.saves = index + 1
         local = t if type(t) is torch.Tensor else local_tensor(t)
-        if type(local) is torch.Tensor and local.layout is torch.strided and not local.is_meta:
+        if (
+            type(local) is torch.Tensor
+            and local.layout is torch.strided
+            and not local.is_meta
+            and not is_parameter_like(t)
+        ):
             storage = local.untyped_storage()
             key = storage._cdata
             entry = group.entries.get(key)
-            if (
-                entry is None
-                and not is_parameter_like(t)
-                and group.slot.decide(t, index) is CheckpointPolicy.MUST_SWAP
-                and not group.is_protected(key)
+            if entry is None and (
+                group.slot.decide(t, index) is not CheckpointPolicy.MUST_SWAP
+                or group.is_protected(key)
             ):
-                entry = self._offload(group, local, storage)
+                return _Kept(t, group)
+            layout = (local.dtype, local.size(), local.stride())
+            if entry is None:
+                entry = self._offload(group, local, storage, layout)
             if entry is not None:
-                return _Swapped(group, entry, t, local)
+                return _Swapped(group, entry, t, local, layout)
         return _Kept(t, group)
 
     def _offload(
-        self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage
+        self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage, layout: Layout
     ) -> _Entry | None:
         nbytes = storage.nbytes()
         device = local.device
@@ -659,11 +668,16 @@ class SwapManager:
             return None
         if local.storage_offset() == 0 and local.nbytes == nbytes and local.is_contiguous():
             src = local
+            host = buf.view(layout[0], layout[1], nbytes)
+            layout = (layout[0], layout[1], host.stride())
         else:
             src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        host = buf.view_as(src)
+            host = buf.view(torch.uint8, src.shape, nbytes)
+            layout = (torch.uint8, src.shape, (1,))
         copy = engine.offload(src, host, buf.last_use)
-        entry = _Entry(self, group.slot.name, stats, device, engine, nbytes, buf, host, copy)
+        entry = _Entry(
+            self, group.slot.name, stats, device, engine, nbytes, buf, host, layout, copy
+        )
         group.entries[storage._cdata] = entry
         with self._lock:
             queue = self._in_flight.get(device)
@@ -753,8 +767,9 @@ class SwapManager:
         out = load.result()
         if not packed.whole:
             storage = out.untyped_storage()
-            out = torch.empty(0, dtype=packed.dtype, device=entry.device)
-            out.set_(storage, packed.offset, packed.size, packed.stride)
+            dtype, size, stride = packed.layout
+            out = torch.empty(0, dtype=dtype, device=entry.device)
+            out.set_(storage, packed.offset, size, stride)
         if packed.spec is not None:
             # Loaded only when a DTensor was packed, so torch.distributed is imported already.
             from torch.distributed.tensor import DTensor

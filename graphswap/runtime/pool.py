@@ -45,7 +45,7 @@ class HostBuffer:
     """One pooled buffer, the copies that used it last, and its view last asked for:
     the same tensor shapes come back every step, so the view is made once."""
 
-    __slots__ = ("_view", "key", "last_use", "nbytes", "tensor")
+    __slots__ = ("_dtype", "_shape", "_view", "key", "last_use", "nbytes", "tensor")
 
     def __init__(self, tensor: torch.Tensor, key: tuple[torch.device, bool, int]) -> None:
         self.tensor = tensor
@@ -53,13 +53,15 @@ class HostBuffer:
         self.nbytes = key[2]
         self.last_use: tuple[Copy, ...] = ()
         self._view = tensor
+        self._dtype = tensor.dtype
+        self._shape = tensor.shape
 
-    def view_as(self, t: torch.Tensor) -> torch.Tensor:
-        """The buffer's first bytes as a contiguous tensor of ``t``'s dtype and shape."""
-        view = self._view
-        if view.dtype != t.dtype or view.shape != t.shape:
-            view = self._view = self.tensor[: t.nbytes].view(t.dtype).view(t.shape)
-        return view
+    def view(self, dtype: torch.dtype, shape: torch.Size, nbytes: int) -> torch.Tensor:
+        """The buffer's first ``nbytes`` bytes as a contiguous tensor of ``dtype`` and ``shape``."""
+        if dtype is not self._dtype or shape != self._shape:
+            self._view = self.tensor[:nbytes].view(dtype).view(shape)
+            self._dtype, self._shape = dtype, shape
+        return self._view
 
 
 def _empty_host_cache() -> None:
