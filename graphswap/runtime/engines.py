@@ -210,17 +210,22 @@ class _SimCopy(Copy):
         other way (None: never queued, or completed)."""
 
     def done(self) -> bool:
-        self._engine._legal("an event query")
+        if self._engine._capturing:
+            self._engine._illegal("an event query")
         return self.executed
 
     def fence(self) -> None:
-        self._engine._legal("a stream wait")
-        self._engine._force(self)
+        if self._engine._capturing:
+            self._engine._illegal("a stream wait")
+        if not self.executed:
+            self._engine._force(self)
         self.fenced = True
 
     def synchronize(self) -> None:
-        self._engine._legal("a synchronize")
-        self._engine._force(self)
+        if self._engine._capturing:
+            self._engine._illegal("a synchronize")
+        if not self.executed:
+            self._engine._force(self)
 
     def release_source(self) -> None:
         if not self.executed:
@@ -271,12 +276,14 @@ class SimulatedAccelerator(CopyEngine):
         return SimulatedAccelerator, (self.lag,)
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
-        self._legal("a device-to-host copy")
+        if self._capturing:
+            self._illegal("a device-to-host copy")
         return self._submit(_SimCopy(self, "offload", src, host, after), self._d2h)
 
     def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
         """``device`` is the CPU: the simulated device's memory is host memory."""
-        self._legal("a host-to-device copy")
+        if self._capturing:
+            self._illegal("a host-to-device copy")
         return self._submit(_SimCopy(self, "load", host, None, after), self._h2d)
 
     def tick(self) -> None:
@@ -324,9 +331,8 @@ class SimulatedAccelerator(CopyEngine):
         copy.conflicts = [c for c in touching if c.kind != copy.kind]
         touching.append(copy)
 
-    def _legal(self, what: str) -> None:
-        if self._capturing:
-            raise HazardError(f"{what} while the current stream captures a graph")
+    def _illegal(self, what: str) -> None:
+        raise HazardError(f"{what} while the current stream captures a graph")
 
     def _advance(self) -> None:
         progressed = True

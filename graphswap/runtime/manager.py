@@ -99,23 +99,13 @@ class _Slot:
     index: int
     policy: SwapPolicy
     module_type: str
-    decide: Callable[[torch.Tensor, int], CheckpointPolicy] = dataclasses.field(init=False)
-    """``policy.decide(t, index)`` when the policy has one (it is told which save of the
-    forward ``t`` is: every pack call counts), else ``policy(t)``."""
+    decide: Callable[[torch.Tensor, int], CheckpointPolicy] | None = dataclasses.field(init=False)
+    """``policy.decide`` when the policy has one: it is asked ``decide(t, index)``, told
+    which save of the forward ``t`` is (every pack call counts); else ``policy(t)`` is."""
 
     def __post_init__(self) -> None:
-        self.decide = _decider(self.policy)
-
-
-def _decider(policy: SwapPolicy) -> Callable[[torch.Tensor, int], CheckpointPolicy]:
-    decide = getattr(policy, "decide", None)
-    if callable(decide):
-        return decide  # type: ignore[no-any-return]
-    return functools.partial(_ask, policy)
-
-
-def _ask(policy: SwapPolicy, t: torch.Tensor, index: int) -> CheckpointPolicy:
-    return policy(t)
+        decide = getattr(self.policy, "decide", None)
+        self.decide = decide if callable(decide) else None
 
 
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
@@ -631,11 +621,11 @@ class SwapManager:
             storage = local.untyped_storage()
             key = storage._cdata
             entry = group.entries.get(key)
-            if entry is None and (
-                group.slot.decide(t, index) is not CheckpointPolicy.MUST_SWAP
-                or group.is_protected(key)
-            ):
-                return _Kept(t, group)
+            if entry is None:
+                slot = group.slot
+                decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
+                if decision is not CheckpointPolicy.MUST_SWAP or group.is_protected(key):
+                    return _Kept(t, group)
             layout = (local.dtype, local.size(), local.stride())
             if entry is None:
                 entry = self._offload(group, local, storage, layout)
