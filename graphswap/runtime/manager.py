@@ -47,6 +47,16 @@ TRACE_LIMIT = 100_000
 Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]
 """A tensor's dtype, size and stride."""
 
+_TYPED_COPIES = frozenset(
+    {
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.complex64, torch.complex128, torch.bool, torch.uint8),
+        *(torch.int8, torch.int16, torch.int32, torch.int64),
+    }
+)
+"""Dtypes a host view of bytes can take and copy; others (sub-byte, quantized, float8)
+are copied as bytes."""
+
 
 class SwapIntegrityError(RuntimeError):
     """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
@@ -656,7 +666,12 @@ class SwapManager:
                 stats.kept_bytes += nbytes
                 setattr(stats, reason, getattr(stats, reason) + 1)
             return None
-        if local.storage_offset() == 0 and local.nbytes == nbytes and local.is_contiguous():
+        if (
+            local.dtype in _TYPED_COPIES
+            and local.storage_offset() == 0
+            and local.nbytes == nbytes
+            and local.is_contiguous()
+        ):
             src = local
             host = buf.view(layout[0], layout[1], nbytes)
             layout = (layout[0], layout[1], host.stride())
