@@ -70,8 +70,10 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 def is_parameter_like(t: torch.Tensor) -> bool:
     """A parameter, or a view of one (``weight.t()`` as saved by ``F.linear``)."""
+    if _is_parameter(t):
+        return True
     base = t._base
-    return _is_parameter(t) or (base is not None and _is_parameter(base))
+    return base is not None and _is_parameter(base)
 
 
 @dataclass(frozen=True)
