@@ -70,7 +70,10 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 def is_parameter_like(t: torch.Tensor) -> bool:
     """A parameter, or a view of one (``weight.t()`` as saved by ``F.linear``)."""
-    if _is_parameter(t):
+    if type(t) is torch.Tensor:  # _is_parameter(t), inline: this runs for every saved tensor
+        if getattr(t, "_is_param", False):
+            return True
+    elif isinstance(t, torch.nn.Parameter):
         return True
     base = t._base
     return base is not None and _is_parameter(base)

@@ -327,8 +327,9 @@ def _state_storages(module: torch.nn.Module) -> set[int]:
                     if type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor:
                         t = local_tensor(t)
                     keys.add(t.untyped_storage()._cdata)
-        if m._modules:
-            modules.extend(sub for sub in m._modules.values() if sub is not None)
+        for sub in m._modules.values():
+            if sub is not None:
+                modules.append(sub)
     return keys
 
 
