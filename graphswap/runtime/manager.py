@@ -587,19 +587,18 @@ class SwapManager:
         elif outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
 
-    def _engine(self, device: torch.device) -> CopyEngine:
-        engine = self._device_engines.get(device)
+    def _first_engine(self, device: torch.device) -> CopyEngine:
+        """The engine of a device met for the first time: one per device type."""
+        engine = self._engines.get(device.type)
         if engine is None:
-            engine = self._engines.get(device.type)
-            if engine is None:
-                if self._engine_override is not None:
-                    engine = self._engine_override
-                elif device.type == "cpu":
-                    engine = SimulatedAccelerator(lag=0)
-                else:
-                    engine = AcceleratorCopyEngine()
-                self._engines[device.type] = engine
-            self._device_engines[device] = engine
+            if self._engine_override is not None:
+                engine = self._engine_override
+            elif device.type == "cpu":
+                engine = SimulatedAccelerator(lag=0)
+            else:
+                engine = AcceleratorCopyEngine()
+            self._engines[device.type] = engine
+        self._device_engines[device] = engine
         return engine
 
     def _boundary(self, seq: int) -> None:
@@ -653,7 +652,7 @@ class SwapManager:
     ) -> _Entry | None:
         nbytes = storage.nbytes()
         device = local.device
-        engine = self._device_engines.get(device) or self._engine(device)
+        engine = self._device_engines.get(device) or self._first_engine(device)
         reason: str | None = None
         buf: HostBuffer | Refusal | None = None
         if group.keep:
