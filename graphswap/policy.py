@@ -62,12 +62,23 @@ def owns_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == tensor_nbytes(t)
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, Parameter)``, without running ``Parameter``'s Python instance check
+    for plain tensors: a plain tensor is a parameter only through the ``_is_param`` flag."""
+    if type(t) is torch.Tensor:
+        return bool(getattr(t, "_is_param", False))
+    return isinstance(t, torch.nn.Parameter)
+
+
 def is_parameter_like(t: torch.Tensor) -> bool:
     """A parameter, or a view of one (``weight.t()`` as saved by ``F.linear``)."""
-    if isinstance(t, torch.nn.Parameter):
+    if type(t) is torch.Tensor:  # _is_parameter(t), inline: this runs for every saved tensor
+        if getattr(t, "_is_param", False):
+            return True
+    elif isinstance(t, torch.nn.Parameter):
         return True
     base = t._base
-    return base is not None and isinstance(base, torch.nn.Parameter)
+    return base is not None and _is_parameter(base)
 
 
 @dataclass(frozen=True)

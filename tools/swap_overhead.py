@@ -4,8 +4,10 @@ On a GPU the saved-tensor hooks run on the host while kernels queue; every
 microsecond they take is time the host cannot run ahead of the device. The model is
 a stack of small ``Linear + ReLU`` blocks, each wrapped and every saved tensor
 swapped (2 KiB each by default), so the copies cost next to nothing and the step-time
-difference against the same model without swap is the bookkeeping. Steps of the two
-modes are interleaved in one run.
+difference against the same model without swap is the bookkeeping. The same model
+under PyTorch's ``save_on_cpu`` is measured beside it: on CPU, where ``save_on_cpu``
+copies nothing, that difference is what saved-tensor hooks cost by themselves, the
+floor under any swap built on them. Steps of the three modes are interleaved in one run.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from typing import Any
 
 import torch
 
+from graphswap.policy import CheckpointPolicy
+from graphswap.runtime import SwapManager, swap_wrapper, unwrap_swap
+
 TARGET_US_PER_TENSOR = 20.0
 
 
-def swap_every_tensor(t: torch.Tensor) -> Any:
+def swap_every_tensor(t: torch.Tensor) -> CheckpointPolicy:
     """Policy: swap every saved tensor (the runtime still never swaps parameters)."""
-    from graphswap.policy import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SWAP
 
 
@@ -52,10 +55,8 @@ def build_blocks(config: OverheadConfig, device: torch.device) -> torch.nn.Seque
 
 
 @contextmanager
-def swapped(model: torch.nn.Sequential, manager: Any) -> Iterator[None]:
+def swapped(model: torch.nn.Sequential, manager: SwapManager) -> Iterator[None]:
     """Every block wrapped and linked; no block kept on device (``keep_last=False``)."""
-    from graphswap.runtime import swap_wrapper, unwrap_swap
-
     blocks = list(model)
     for i, block in enumerate(blocks):
         swap_wrapper(block, manager=manager, policy=swap_every_tensor, name=f"block.{i}")
@@ -88,12 +89,10 @@ def measure_overhead(
 
     ``on_round`` gets the result so far after every timed round (to save it as it comes).
     """
-    from graphswap.runtime import SwapManager
-
     model = build_blocks(config, device)
     x = torch.randn(config.rows, config.width, device=device)
     manager = SwapManager(keep_last=False)
-    times: dict[str, list[float]] = {"none": [], "swap": []}
+    times: dict[str, list[float]] = {"none": [], "swap": [], "save_on_cpu": []}
     result: dict[str, Any] = {}
     for rep in range(config.warmup + config.steps):
         none_s = _step(model, x, device)
@@ -101,21 +100,25 @@ def measure_overhead(
             manager.reset_stats()
             swap_s = _step(model, x, device)
             stats = manager.stats
+        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+            save_on_cpu_s = _step(model, x, device)
         if rep < config.warmup:
             continue
         times["none"].append(none_s)
         times["swap"].append(swap_s)
+        times["save_on_cpu"].append(save_on_cpu_s)
         result = _result(config, times, stats)
         on_round(result)
     return result
 
 
 def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -> dict[str, Any]:
-    none_s, swap_s = statistics.median(times["none"]), statistics.median(times["swap"])
+    medians = {mode: statistics.median(steps) for mode, steps in times.items()}
+    none_s, swap_s = medians["none"], medians["swap"]
     tensors = stats.offloaded_tensors
     return {
         "config": dataclasses.asdict(config),
-        "median_step_s": {"none": none_s, "swap": swap_s},
+        "median_step_s": medians,
         "step_times_s": times,
         "per_step": {
             "offloaded_tensors": tensors,
@@ -125,6 +128,9 @@ def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -
             "prefetch_misses": stats.prefetch_misses,
         },
         "us_per_swapped_tensor": (swap_s - none_s) / tensors * 1e6 if tensors else None,
+        "save_on_cpu_us_per_swapped_tensor": (
+            (medians["save_on_cpu"] - none_s) / tensors * 1e6 if tensors else None
+        ),
         "target_us_per_swapped_tensor": TARGET_US_PER_TENSOR,
     }
 
@@ -138,5 +144,7 @@ def target_line(result: dict[str, Any]) -> str:
     return (
         f"TARGET host_overhead_per_swapped_tensor: {verdict} ({value:.1f} us per swapped tensor, "
         f"target <= {TARGET_US_PER_TENSOR:g} us; step {steps['none'] * 1e3:.2f} ms -> "
-        f"{steps['swap'] * 1e3:.2f} ms, {result['per_step']['offloaded_tensors']} tensors)"
+        f"{steps['swap'] * 1e3:.2f} ms, {result['per_step']['offloaded_tensors']} tensors; "
+        f"save_on_cpu {steps['save_on_cpu'] * 1e3:.2f} ms, "
+        f"{result['save_on_cpu_us_per_swapped_tensor']:.1f} us per tensor)"
     )

@@ -60,14 +60,15 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
-        """Copy ``src`` (uint8, device) into ``host[: src.numel()]`` once every copy in
-        ``after`` (earlier users of the host buffer) has completed."""
+        """Copy ``src`` (a contiguous device tensor) into ``host`` (a host tensor of its
+        dtype and shape) once every copy in ``after`` (earlier users of the host buffer)
+        has completed. ``src`` may be the saved tensor itself (the pack hook runs
+        without grad): the copy keeps its storage, never its autograd graph."""
 
     @abc.abstractmethod
-    def load(
-        self, host: torch.Tensor, nbytes: int, device: torch.device, after: Sequence[Copy]
-    ) -> Copy:
-        """Copy ``host[:nbytes]`` into a new uint8 tensor on ``device`` after ``after``."""
+    def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
+        """Copy ``host`` into a new tensor of its dtype and shape on ``device`` after
+        ``after``."""
 
     @abc.abstractmethod
     def tick(self) -> None:
@@ -86,7 +87,7 @@ class _EventCopy(Copy):
         event: torch.Event,
         device: torch.device,
         *,
-        hold: torch.Tensor | None = None,
+        hold: torch.UntypedStorage | None = None,
         out: torch.Tensor | None = None,
     ) -> None:
         self._event = event
@@ -148,17 +149,15 @@ class AcceleratorCopyEngine(CopyEngine):
         d2h, _ = self._streams_of(device)
         self._issue(d2h, device, after)
         with d2h:
-            host[: src.numel()].copy_(src, non_blocking=True)
-        return _EventCopy(d2h.record_event(), device, hold=src)
+            host.copy_(src, non_blocking=True)
+        return _EventCopy(d2h.record_event(), device, hold=src.untyped_storage())
 
-    def load(
-        self, host: torch.Tensor, nbytes: int, device: torch.device, after: Sequence[Copy]
-    ) -> Copy:
+    def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
         _, h2d = self._streams_of(device)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty(host.shape, dtype=host.dtype, device=device)
         self._issue(h2d, device, after)
         with h2d:
-            dst.copy_(host[:nbytes], non_blocking=True)
+            dst.copy_(host, non_blocking=True)
         return _EventCopy(h2d.record_event(), device, out=dst)
 
     def tick(self) -> None:
@@ -177,6 +176,7 @@ class _SimCopy(Copy):
         "due",
         "executed",
         "fenced",
+        "hold",
         "key",
         "kind",
         "src",
@@ -187,35 +187,45 @@ class _SimCopy(Copy):
         engine: SimulatedAccelerator,
         kind: str,
         src: torch.Tensor,
-        dst: torch.Tensor,
+        dst: torch.Tensor | None,
         after: Sequence[Copy],
     ) -> None:
         self._engine = engine
         self.kind = kind
         self.src: torch.Tensor | None = src
+        """Read when the copy executes."""
+        self.hold = src.untyped_storage() if kind == "offload" else None
+        """An offload's device memory, held until ``release_source``."""
         self.dst = dst
-        self.after = tuple(after)
+        """A load's destination is made when the load executes: on CPU, when it is
+        allocated changes no ordering."""
+        self.after = after
         self.due = engine.now + engine.lag
         self.executed = False
         self.fenced = False
-        self.key = self.dst.data_ptr() if kind == "offload" else src.data_ptr()
-        """The host buffer this copy writes (offload) or reads (load)."""
+        self.key = 0
+        """The host buffer this copy writes (offload) or reads (load); set when queued."""
         self.conflicts: list[_SimCopy] | None = None
         """Copies in flight when this one was queued that touch the same host buffer the
         other way (None: never queued, or completed)."""
 
     def done(self) -> bool:
-        self._engine._legal("an event query")
+        if self._engine._capturing:
+            self._engine._illegal("an event query")
         return self.executed
 
     def fence(self) -> None:
-        self._engine._legal("a stream wait")
-        self._engine._force(self)
+        if self._engine._capturing:
+            self._engine._illegal("a stream wait")
+        if not self.executed:
+            self._engine._force(self)
         self.fenced = True
 
     def synchronize(self) -> None:
-        self._engine._legal("a synchronize")
-        self._engine._force(self)
+        if self._engine._capturing:
+            self._engine._illegal("a synchronize")
+        if not self.executed:
+            self._engine._force(self)
 
     def release_source(self) -> None:
         if not self.executed:
@@ -223,13 +233,14 @@ class _SimCopy(Copy):
                 f"the source of a {self.kind} was released before its copy completed:"
                 " the allocator could hand its memory to compute while the copy reads it"
             )
-        self.src = None
+        self.hold = None
 
     def result(self) -> torch.Tensor:
         if not self.fenced:
             raise HazardError(
                 "a reload was read before compute waited for its copy: it may hold stale bytes"
             )
+        assert self.dst is not None, "result() of an offload"
         return self.dst
 
 
@@ -265,19 +276,20 @@ class SimulatedAccelerator(CopyEngine):
         return SimulatedAccelerator, (self.lag,)
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
-        self._legal("a device-to-host copy")
-        return self._submit(_SimCopy(self, "offload", src, host[: src.numel()], after), self._d2h)
+        if self._capturing:
+            self._illegal("a device-to-host copy")
+        return self._submit(_SimCopy(self, "offload", src, host, after), self._d2h)
 
-    def load(
-        self, host: torch.Tensor, nbytes: int, device: torch.device, after: Sequence[Copy]
-    ) -> Copy:
-        self._legal("a host-to-device copy")
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._submit(_SimCopy(self, "load", host[:nbytes], dst, after), self._h2d)
+    def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
+        """``device`` is the CPU: the simulated device's memory is host memory."""
+        if self._capturing:
+            self._illegal("a host-to-device copy")
+        return self._submit(_SimCopy(self, "load", host, None, after), self._h2d)
 
     def tick(self) -> None:
         self.now += 1
-        self._advance()
+        if self._d2h or self._h2d:
+            self._advance()
 
     def capturing(self) -> bool:
         return self._capturing
@@ -306,13 +318,21 @@ class SimulatedAccelerator(CopyEngine):
         return copy
 
     def _issue(self, copy: _SimCopy) -> None:
+        assert copy.src is not None
+        if copy.kind == "offload":
+            # Queued, the copy may outlive the forward: it keeps the bytes, not the graph.
+            copy.src = copy.src.detach()
+            host = copy.dst
+        else:
+            host = copy.src
+        assert host is not None
+        copy.key = host.data_ptr()
         touching = self._touching[copy.key]
         copy.conflicts = [c for c in touching if c.kind != copy.kind]
         touching.append(copy)
 
-    def _legal(self, what: str) -> None:
-        if self._capturing:
-            raise HazardError(f"{what} while the current stream captures a graph")
+    def _illegal(self, what: str) -> None:
+        raise HazardError(f"{what} while the current stream captures a graph")
 
     def _advance(self) -> None:
         progressed = True
@@ -351,7 +371,9 @@ class SimulatedAccelerator(CopyEngine):
             if not touching:
                 del self._touching[copy.key]
         copy.conflicts = None
-        copy.dst.copy_(copy.src)
+        if copy.dst is None:
+            copy.dst = copy.src.clone()
+        else:
+            copy.dst.copy_(copy.src)
+        copy.src = None
         copy.executed = True
-        if copy.kind == "load":
-            copy.src = None

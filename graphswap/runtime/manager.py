@@ -44,6 +44,19 @@ from graphswap.runtime.stats import GroupStats, SwapStats
 
 TRACE_LIMIT = 100_000
 
+Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]
+"""A tensor's dtype, size and stride."""
+
+_TYPED_COPIES = frozenset(
+    {
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.complex64, torch.complex128, torch.bool, torch.uint8),
+        *(torch.int8, torch.int16, torch.int32, torch.int64),
+    }
+)
+"""Dtypes a host view of bytes can take and copy; others (sub-byte, quantized, float8)
+are copied as bytes."""
+
 
 class SwapIntegrityError(RuntimeError):
     """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
@@ -96,23 +109,13 @@ class _Slot:
     index: int
     policy: SwapPolicy
     module_type: str
-    decide: Callable[[torch.Tensor, int], CheckpointPolicy] = dataclasses.field(init=False)
-    """``policy.decide(t, index)`` when the policy has one (it is told which save of the
-    forward ``t`` is: every pack call counts), else ``policy(t)``."""
+    decide: Callable[[torch.Tensor, int], CheckpointPolicy] | None = dataclasses.field(init=False)
+    """``policy.decide`` when the policy has one: it is asked ``decide(t, index)``, told
+    which save of the forward ``t`` is (every pack call counts); else ``policy(t)`` is."""
 
     def __post_init__(self) -> None:
-        self.decide = _decider(self.policy)
-
-
-def _decider(policy: SwapPolicy) -> Callable[[torch.Tensor, int], CheckpointPolicy]:
-    decide = getattr(policy, "decide", None)
-    if callable(decide):
-        return decide  # type: ignore[no-any-return]
-    return functools.partial(_ask, policy)
-
-
-def _ask(policy: SwapPolicy, t: torch.Tensor, index: int) -> CheckpointPolicy:
-    return policy(t)
+        decide = getattr(self.policy, "decide", None)
+        self.decide = decide if callable(decide) else None
 
 
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
@@ -127,22 +130,26 @@ class _Kept:
     """A saved tensor that stays on device: a detached alias (same storage and version
     counter, no ``grad_fn``) and the version it had when saved."""
 
-    __slots__ = ("alias", "name", "version")
+    __slots__ = ("alias", "group", "version")
 
-    def __init__(self, t: torch.Tensor, name: str) -> None:
+    def __init__(self, t: torch.Tensor, group: _Group) -> None:
         self.alias = t.detach()
         self.version = t._version
-        self.name = name
+        self.group = group
 
     def unpack(self) -> torch.Tensor:
         now = self.alias._version
         if now != self.version:
-            raise _integrity_error(self.name, self.alias.size(), self.version, now)
+            raise _integrity_error(self.group.name, self.alias.size(), self.version, now)
         return self.alias
 
 
 class _Entry:
     """One storage copied to host: shared by every handle that aliases it.
+
+    ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
+    that tensor covers its storage contiguously (the usual case: its reload is then
+    handed back as it is), else as bytes; ``layout`` says which.
 
     ``load`` is the reload of the current backward, ``gen`` counts reloads and
     ``waiting`` how many live handles have not yet consumed the current one: the
@@ -154,7 +161,10 @@ class _Entry:
         "__weakref__",
         "buf",
         "device",
+        "engine",
         "gen",
+        "host",
+        "layout",
         "load",
         "manager",
         "name",
@@ -172,16 +182,22 @@ class _Entry:
         name: str,
         stats: GroupStats,
         device: torch.device,
+        engine: CopyEngine,
         nbytes: int,
         buf: HostBuffer,
+        host: torch.Tensor,
+        layout: Layout,
         offload: Copy,
     ) -> None:
         self.manager = manager
         self.name = name
         self.stats = stats
         self.device = device
+        self.engine = engine
         self.nbytes = nbytes
         self.buf: HostBuffer | None = buf
+        self.host: torch.Tensor | None = host
+        self.layout = layout
         self.offload = offload
         self.load: Copy | None = None
         self.prefetched = False
@@ -200,23 +216,27 @@ class _Swapped:
 
     __slots__ = (
         "base",
-        "dtype",
         "entry",
         "gen",
+        "group",
+        "layout",
         "offset",
-        "size",
         "source",
         "spec",
-        "stride",
         "version",
+        "whole",
     )
 
-    def __init__(self, entry: _Entry, t: torch.Tensor, local: torch.Tensor) -> None:
+    def __init__(
+        self, group: _Group, entry: _Entry, t: torch.Tensor, local: torch.Tensor, layout: Layout
+    ) -> None:
+        self.group = group
         self.entry = entry
-        self.dtype = local.dtype
-        self.size = local.size()
-        self.stride = local.stride()
+        self.layout = layout
+        """``local``'s dtype, size and stride."""
         self.offset = local.storage_offset()
+        self.whole = self.offset == 0 and entry.layout == layout
+        """Laid out as the entry's host copy: its reload is handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
         """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
         self.version = t._version
@@ -230,10 +250,11 @@ class _Swapped:
             entry.waiting += 1
 
     def check(self) -> None:
-        for ref in (self.source, self.base):
-            alias = ref() if ref is not None else None
-            if alias is not None and alias._version != self.version:
-                raise _integrity_error(self.entry.name, self.size, self.version, alias._version)
+        alias = self.source()
+        if alias is None and self.base is not None:
+            alias = self.base()
+        if alias is not None and alias._version != self.version:
+            raise _integrity_error(self.entry.name, self.layout[1], self.version, alias._version)
 
     def __del__(self) -> None:
         self.entry.manager._handle_died(self)
@@ -252,6 +273,7 @@ class _Group:
         "seq",
         "slot",
         "stats",
+        "task",
     )
 
     def __init__(
@@ -275,14 +297,12 @@ class _Group:
         self.entries: dict[int, _Entry] = {}
         self.saves = 0
         """Pack calls so far in this forward (parameters and aliases too)."""
+        self.task = -1
+        """The autograd graph task whose backward reached this group last (-1: none)."""
 
     def is_protected(self, key: int) -> bool:
         if self.protected is None:
-            module = self.slot.module
-            self.protected = {
-                local_tensor(t).untyped_storage()._cdata
-                for t in (*module.parameters(), *module.buffers())
-            }
+            self.protected = _state_storages(self.slot.module)
         return key in self.protected
 
     @property
@@ -290,10 +310,27 @@ class _Group:
         return self.slot.name
 
 
-@dataclass
-class _InFlight:
-    seq: int
-    copy: Copy
+def _state_storages(module: torch.nn.Module) -> set[int]:
+    """Storages of the parameters and buffers of ``module`` and its submodules.
+
+    Read from the modules' own tables on every forward (parameters may be replaced
+    between forwards); ``Module.parameters()`` would also build every submodule's name.
+    Like ``state_dict``, this assumes a tree without cycles; a shared submodule is
+    simply read twice.
+    """
+    keys: set[int] = set()
+    modules = [module]
+    for m in modules:
+        for table in (m._parameters, m._buffers):
+            for t in table.values():
+                if t is not None:
+                    if type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor:
+                        t = local_tensor(t)
+                    keys.add(t.untyped_storage()._cdata)
+        for sub in m._modules.values():
+            if sub is not None:
+                modules.append(sub)
+    return keys
 
 
 def _default_max_host_bytes() -> int:
@@ -349,12 +386,15 @@ class SwapManager:
         )
         self._engine_override = engine
         self._engines: dict[str, CopyEngine] = {}
+        self._device_engines: dict[torch.device, CopyEngine] = {}
         self._slots: dict[torch.nn.Module, _Slot] = {}
         self._registered = 0
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}
         self._latest: dict[torch.nn.Module, weakref.ref[_Group]] = {}
-        self._in_flight: dict[torch.device, collections.deque[_InFlight]] = {}
+        self._in_flight: dict[torch.device, collections.deque[tuple[int, Copy]]] = {}
+        """Offloads whose source is still held, per device in issue order, with the
+        ``seq`` of the forward that issued them."""
         self._seq = 0
         self._stats: dict[str, GroupStats] = {}
         self._lock = threading.RLock()
@@ -491,12 +531,12 @@ class SwapManager:
     def synchronize(self) -> None:
         """Block until every offload in flight completed, and free their sources."""
         with self._lock:
-            flights = [f for queue in self._in_flight.values() for f in queue]
+            copies = [copy for queue in self._in_flight.values() for _, copy in queue]
             for queue in self._in_flight.values():
                 queue.clear()
-        for flight in flights:
-            flight.copy.synchronize()
-            flight.copy.release_source()
+        for copy in copies:
+            copy.synchronize()
+            copy.release_source()
 
     def run_forward(
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -524,24 +564,31 @@ class SwapManager:
             prev=prev_ref() if prev_ref is not None else None,
         )
         self._latest[module] = weakref.ref(group)
-        with torch.autograd.graph.saved_tensors_hooks(
+        # What saved_tensors_hooks does, without three Python calls per forward.
+        torch._C._autograd._push_saved_tensors_default_hooks(
             functools.partial(self._pack, group), self._unpack
-        ):
+        )
+        try:
             out = forward(*args, **kwargs)
+        finally:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         self._boundary(seq)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if group.saves == 0:
+            # Nothing saved, so no unpack will tell when this group's backward begins.
+            self._on_backward(group, out)
+        return out
+
+    def _on_backward(self, group: _Group, out: Any) -> None:
+        """Call ``_backward_begins(group)`` when backward reaches the outputs ``out``."""
         begins = functools.partial(self._backward_begins, group)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if len(outputs) == 1 and outputs[0].grad_fn is not None:
             outputs[0].grad_fn.register_prehook(begins)
         elif outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
-        return out
 
-    def _trace(self, event: str, name: str) -> None:
-        if self.events is not None:
-            self.events.append((event, name))
-
-    def _engine(self, device: torch.device) -> CopyEngine:
+    def _first_engine(self, device: torch.device) -> CopyEngine:
+        """The engine of a device met for the first time: one per device type."""
         engine = self._engines.get(device.type)
         if engine is None:
             if self._engine_override is not None:
@@ -551,6 +598,7 @@ class SwapManager:
             else:
                 engine = AcceleratorCopyEngine()
             self._engines[device.type] = engine
+        self._device_engines[device] = engine
         return engine
 
     def _boundary(self, seq: int) -> None:
@@ -566,12 +614,12 @@ class SwapManager:
         with self._lock:
             for queue in self._in_flight.values():
                 while queue:
-                    head = queue[0]
-                    if head.seq <= limit:
-                        head.copy.fence()
-                    elif not head.copy.done():
+                    issued, copy = queue[0]
+                    if issued <= limit:
+                        copy.fence()
+                    elif not copy.done():
                         break
-                    head.copy.release_source()
+                    copy.release_source()
                     queue.popleft()
 
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
@@ -581,27 +629,30 @@ class SwapManager:
         if (
             type(local) is torch.Tensor
             and local.layout is torch.strided
-            and local.device.type != "meta"
+            and not local.is_meta
+            and not is_parameter_like(t)
         ):
             storage = local.untyped_storage()
             key = storage._cdata
             entry = group.entries.get(key)
-            if (
-                entry is None
-                and not is_parameter_like(t)
-                and group.slot.decide(t, index) is CheckpointPolicy.MUST_SWAP
-                and not group.is_protected(key)
-            ):
-                entry = self._offload(group, storage, local.device)
+            if entry is None:
+                slot = group.slot
+                decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
+                if decision is not CheckpointPolicy.MUST_SWAP or group.is_protected(key):
+                    return _Kept(t, group)
+            layout = (local.dtype, local.size(), local.stride())
+            if entry is None:
+                entry = self._offload(group, local, storage, layout)
             if entry is not None:
-                return _Swapped(entry, t, local)
-        return _Kept(t, group.slot.name)
+                return _Swapped(group, entry, t, local, layout)
+        return _Kept(t, group)
 
     def _offload(
-        self, group: _Group, storage: torch.UntypedStorage, device: torch.device
+        self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage, layout: Layout
     ) -> _Entry | None:
         nbytes = storage.nbytes()
-        engine = self._engine(device)
+        device = local.device
+        engine = self._device_engines.get(device) or self._first_engine(device)
         reason: str | None = None
         buf: HostBuffer | Refusal | None = None
         if group.keep:
@@ -619,22 +670,41 @@ class SwapManager:
                 stats.kept_bytes += nbytes
                 setattr(stats, reason, getattr(stats, reason) + 1)
             return None
-        src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        copy = engine.offload(src, buf.tensor, buf.last_use)
-        entry = _Entry(self, group.slot.name, stats, device, nbytes, buf, copy)
+        if (
+            local.dtype in _TYPED_COPIES
+            and local.storage_offset() == 0
+            and local.nbytes == nbytes
+            and local.is_contiguous()
+        ):
+            src = local
+            host = buf.view(layout[0], layout[1], nbytes)
+            layout = (layout[0], layout[1], host.stride())
+        else:
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            host = buf.view(torch.uint8, src.shape, nbytes)
+            layout = (torch.uint8, src.shape, (1,))
+        copy = engine.offload(src, host, buf.last_use)
+        entry = _Entry(
+            self, group.slot.name, stats, device, engine, nbytes, buf, host, layout, copy
+        )
         group.entries[storage._cdata] = entry
         with self._lock:
             queue = self._in_flight.get(device)
             if queue is None:
                 queue = self._in_flight[device] = collections.deque()
-            queue.append(_InFlight(group.seq, copy))
+            queue.append((group.seq, copy))
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
-        self._trace("offload", group.slot.name)
+        if self.events is not None:
+            self.events.append(("offload", group.slot.name))
         return entry
 
     def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
-        self._trace("backward_begin", group.name)
+        """Backward reached ``group``: at its first unpack (a hook on its outputs would
+        cost more than the whole swap of a small layer), or, for a group that saved
+        nothing, at its outputs."""
+        if self.events is not None:
+            self.events.append(("backward_begin", group.name))
         self._boundary(self._seq)
         target = group.prev
         for _ in range(self.prefetch_depth):
@@ -651,15 +721,13 @@ class SwapManager:
                     self._load(entry)
                     entry.prefetched = True
                     issued = True
-        if issued:
-            self._trace("prefetch", group.name)
+        if issued and self.events is not None:
+            self.events.append(("prefetch", group.name))
 
     def _load(self, entry: _Entry) -> Copy:
         """Issue the reload of ``entry`` for the live handles that have not consumed one."""
-        assert entry.buf is not None
-        load = self._engine(entry.device).load(
-            entry.buf.tensor, entry.nbytes, entry.device, (entry.offload,)
-        )
+        assert entry.host is not None
+        load = entry.engine.load(entry.host, entry.device, (entry.offload,))
         entry.load = load
         entry.gen += 1
         entry.waiting = entry.refs
@@ -669,6 +737,12 @@ class SwapManager:
         return load
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        group = packed.group
+        task = torch._C._current_graph_task_id()
+        if task != group.task and task != -1:
+            # The first unpack of this group in this backward: its backward begins.
+            group.task = task
+            self._backward_begins(group)
         if type(packed) is _Kept:
             return packed.unpack()
         assert type(packed) is _Swapped
@@ -681,9 +755,8 @@ class SwapManager:
                 if load is None:
                     load = self._load(entry)
                 else:
-                    load = self._engine(entry.device).load(
-                        entry.buf.tensor,  # type: ignore[union-attr]
-                        entry.nbytes,
+                    load = entry.engine.load(
+                        entry.host,  # type: ignore[arg-type]
                         entry.device,
                         (entry.offload,),
                     )
@@ -697,10 +770,15 @@ class SwapManager:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.load = None
-        self._trace("unpack", entry.name)
+        if self.events is not None:
+            self.events.append(("unpack", entry.name))
         load.fence()
-        out = torch.empty(0, dtype=packed.dtype, device=entry.device)
-        out.set_(load.result().untyped_storage(), packed.offset, packed.size, packed.stride)
+        out = load.result()
+        if not packed.whole:
+            storage = out.untyped_storage()
+            dtype, size, stride = packed.layout
+            out = torch.empty(0, dtype=dtype, device=entry.device)
+            out.set_(storage, packed.offset, size, stride)
         if packed.spec is not None:
             # Loaded only when a DTensor was packed, so torch.distributed is imported already.
             from torch.distributed.tensor import DTensor
@@ -718,7 +796,7 @@ class SwapManager:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.load = None
-                    if not self._engine(entry.device).capturing():
+                    if not entry.engine.capturing():
                         load.fence()
             if entry.refs == 0:
                 self._release(entry)
@@ -732,8 +810,9 @@ class SwapManager:
         buf, entry.buf = entry.buf, None
         if buf is None:
             return
-        last_use = [entry.offload] if entry.load is None else [entry.offload, entry.load]
-        if not self._engine(entry.device).capturing():
+        entry.host = None
+        last_use = (entry.offload,) if entry.load is None else (entry.offload, entry.load)
+        if not entry.engine.capturing():
             if not entry.offload.done():
                 entry.offload.fence()
             entry.offload.release_source()

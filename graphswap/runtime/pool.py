@@ -15,8 +15,6 @@ from __future__ import annotations
 import collections
 import enum
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -43,15 +41,27 @@ class Refusal(enum.Enum):
     ALLOC_FAILED = "alloc_failures"
 
 
-@dataclass(eq=False)
 class HostBuffer:
-    tensor: torch.Tensor
-    key: tuple[torch.device, bool, int]
-    last_use: tuple[Copy, ...] = field(default=())
+    """One pooled buffer, the copies that used it last, and its view last asked for:
+    the same tensor shapes come back every step, so the view is made once."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.key[2]
+    __slots__ = ("_dtype", "_shape", "_view", "key", "last_use", "nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[torch.device, bool, int]) -> None:
+        self.tensor = tensor
+        self.key = key
+        self.nbytes = key[2]
+        self.last_use: tuple[Copy, ...] = ()
+        self._view = tensor
+        self._dtype = tensor.dtype
+        self._shape = tensor.shape
+
+    def view(self, dtype: torch.dtype, shape: torch.Size, nbytes: int) -> torch.Tensor:
+        """The buffer's first ``nbytes`` bytes as a contiguous tensor of ``dtype`` and ``shape``."""
+        if dtype is not self._dtype or shape != self._shape:
+            self._view = self.tensor[:nbytes].view(dtype).view(shape)
+            self._dtype, self._shape = dtype, shape
+        return self._view
 
 
 def _empty_host_cache() -> None:
@@ -102,15 +112,17 @@ class HostPool:
                     return Refusal.ALLOC_FAILED
                 buf = HostBuffer(tensor, key)
                 self.reserved_bytes += size
-            self.in_use_bytes += size
-            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-            self._high_water = max(self._high_water, self.in_use_bytes)
-            self._trim(2 * self._high_water)
+            in_use = self.in_use_bytes = self.in_use_bytes + size
+            if in_use > self.peak_in_use_bytes:  # the high water is never below the peak
+                self.peak_in_use_bytes = in_use
+                self._high_water = max(self._high_water, in_use)
+            if self.reserved_bytes > 2 * self._high_water:
+                self._trim(2 * self._high_water)
             return buf
 
-    def release(self, buf: HostBuffer, last_use: Sequence[Copy]) -> None:
+    def release(self, buf: HostBuffer, last_use: tuple[Copy, ...]) -> None:
         """Back to the pool; the next offload into ``buf`` waits for ``last_use``."""
-        buf.last_use = tuple(last_use)
+        buf.last_use = last_use
         with self._lock:
             self.in_use_bytes -= buf.nbytes
             self._idle[buf.key].append(buf)

@@ -51,9 +51,9 @@ def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
     # auto at the default link model hides everything layer swap moves, and moves exactly
     # what it planned.
     assert run["auto_plan"]["matches_plan"] is True
-    assert modes["auto"]["verify"]["counters"]["offloaded_bytes"] == run["auto_plan"][
-        "swapped_bytes"
-    ]
+    assert (
+        modes["auto"]["verify"]["counters"]["offloaded_bytes"] == run["auto_plan"]["swapped_bytes"]
+    )
     shares = {row["kernel"]: row for row in result["kernel_shares"]}
     assert set(shares) == {"eager", "math"}
     for row in shares.values():
@@ -71,8 +71,10 @@ def test_overhead_reports_microseconds_per_swapped_tensor(tmp_path: Path) -> Non
     # Every block's ReLU output at least; parameters are never swapped.
     assert per_step["offloaded_tensors"] >= 4
     assert per_step["reloaded_bytes"] == per_step["offloaded_bytes"]
-    assert len(result["step_times_s"]["none"]) == len(result["step_times_s"]["swap"]) == 3
+    assert {len(steps) for steps in result["step_times_s"].values()} == {3}
+    assert set(result["step_times_s"]) == {"none", "swap", "save_on_cpu"}
     assert isinstance(result["us_per_swapped_tensor"], float)
+    assert isinstance(result["save_on_cpu_us_per_swapped_tensor"], float)
     assert "TARGET host_overhead_per_swapped_tensor: " in done.stdout
 
 

@@ -17,7 +17,7 @@ def test_copies_complete_lag_ticks_after_issue_in_order() -> None:
     host = torch.zeros(4096, dtype=torch.uint8)
     offload = engine.offload(src, host, ())
     engine.tick()
-    load = engine.load(host, 4096, CPU, (offload,))
+    load = engine.load(host, CPU, (offload,))
     assert not offload.done() and torch.count_nonzero(host) == 0
     engine.tick()
     assert offload.done()
@@ -32,7 +32,7 @@ def test_a_fence_completes_the_copy_and_everything_it_waits_for() -> None:
     engine = SimulatedAccelerator(lag=5)
     src = torch.full((64,), 7, dtype=torch.uint8)
     host = torch.zeros(64, dtype=torch.uint8)
-    load = engine.load(host, 64, CPU, (engine.offload(src, host, ()),))
+    load = engine.load(host, CPU, (engine.offload(src, host, ()),))
     load.fence()
     assert torch.equal(load.result(), src)
     assert engine.pending() == 0
@@ -55,9 +55,7 @@ def test_source_released_before_its_copy_completed_is_a_hazard() -> None:
 def test_reading_a_reload_without_a_fence_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=0)
     host = torch.zeros(16, dtype=torch.uint8)
-    load = engine.load(
-        host, 16, CPU, (engine.offload(torch.ones(16, dtype=torch.uint8), host, ()),)
-    )
+    load = engine.load(host, CPU, (engine.offload(torch.ones(16, dtype=torch.uint8), host, ()),))
     assert load.done()
     with pytest.raises(HazardError, match="before compute waited"):
         load.result()
@@ -67,13 +65,13 @@ def test_rewriting_a_host_buffer_a_reload_still_reads_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=1)
     host = torch.zeros(16, dtype=torch.uint8)
     first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = engine.load(host, 16, CPU, (first,))
+    load = engine.load(host, CPU, (first,))
     engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, ())
     with pytest.raises(HazardError, match="rewritten while a reload still reads it"):
         engine.tick()
     engine = SimulatedAccelerator(lag=1)
     first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = engine.load(host, 16, CPU, (first,))
+    load = engine.load(host, CPU, (first,))
     engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, (load,))
     engine.tick()
     load.fence()
@@ -84,7 +82,7 @@ def test_reading_a_host_buffer_before_its_offload_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=3)
     host = torch.zeros(16, dtype=torch.uint8)
     engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = engine.load(host, 16, CPU, ())
+    load = engine.load(host, CPU, ())
     with pytest.raises(HazardError, match="before its offload filled it"):
         load.fence()
 

@@ -17,6 +17,11 @@ VOCAB = 512
 swap_everything = size_threshold_policy(0)
 
 
+def swap_what_needs_grad(t: torch.Tensor) -> CheckpointPolicy:
+    """Views and slices too, unlike the size-threshold policies."""
+    return CheckpointPolicy.MUST_SWAP if t.requires_grad else CheckpointPolicy.MUST_SAVE
+
+
 def wrap_attention(model: torch.nn.Module, manager: SwapManager, policies=None) -> list:
     layers = model.model.layers
     attns = [
@@ -147,6 +152,28 @@ def test_unlinked_module_reloads_synchronously_as_a_miss() -> None:
     assert torch.equal(x.grad, expected)
 
 
+class AddOne(torch.nn.Module):
+    """Saves nothing for backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def test_a_layer_that_saves_nothing_still_prefetches_its_prev() -> None:
+    """A group's backward begins at its first unpack, or at its output if it saved nothing."""
+    lin, add = torch.nn.Linear(64, 64), AddOne()
+    manager = SwapManager(trace=True)
+    swap_wrapper(lin, manager=manager, policy=swap_everything, name="lin")
+    swap_wrapper(add, manager=manager, policy=swap_everything, name="add")
+    manager.set_forward_prefetch_layer(lin, add)
+    add(lin(torch.randn(32, 64, requires_grad=True))).pow(2).sum().backward()
+    stats = manager.stats
+    assert (stats.offloaded_tensors, stats.prefetch_hits, stats.prefetch_misses) == (1, 1, 0)
+    events = list(manager.events)
+    assert events[events.index(("backward_begin", "add")) + 1] == ("prefetch", "lin")
+    assert events.index(("prefetch", "lin")) < events.index(("unpack", "lin"))
+
+
 class Tanh(torch.nn.Module):
     """Saves its own output: the tensor a caller may modify in place."""
 
@@ -183,24 +210,27 @@ def test_parameters_are_never_swapped_whatever_the_policy() -> None:
 
 
 class Gram(torch.nn.Module):
-    """``h @ h.t()`` saves two aliases of one storage."""
+    """``h @ h.t()`` saves two aliases of one storage, ``h`` itself among them;
+    ``h[:, 32:] * h[:, :32]`` saves only slices, so the storage is copied as bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, slices: bool) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(64, 64)
+        self.slices = slices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        return h @ h.t()
+        return h[:, 32:] * h[:, :32] if self.slices else h @ h.t()
 
 
-def test_aliases_are_copied_once_and_restored_with_their_layout() -> None:
+@pytest.mark.parametrize("slices", [False, True])
+def test_aliases_are_copied_once_and_restored_with_their_layout(slices) -> None:
     torch.manual_seed(0)
-    plain = Gram()
-    module = Gram()
+    plain = Gram(slices)
+    module = Gram(slices)
     module.load_state_dict(plain.state_dict())
     manager = SwapManager()
-    swap_wrapper(module, manager=manager, policy=swap_everything)
+    swap_wrapper(module, manager=manager, policy=swap_what_needs_grad)
     x = torch.randn(128, 64)
     module(x).pow(2).sum().backward()
     plain(x).pow(2).sum().backward()
