@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead:
         return _main_overhead(args, device, stem, date)
     _prepare(device)
-    from graphswap.models import build_model
+    from graphswap.hf import build_model
     from graphswap.presets import qwen3_moe_config
 
     config = qwen3_moe_config(

@@ -118,6 +118,14 @@ class _Slot:
         self.decide = decide if callable(decide) else None
 
 
+def _bad_decision(slot: _Slot, decision: object) -> TypeError:
+    return TypeError(
+        f"the swap policy {policy_name(slot.policy)} of {slot.name!r} answered {decision!r};"
+        " a swap policy answers graphswap.CheckpointPolicy.MUST_SWAP or MUST_SAVE"
+        " (torch.utils.checkpoint.CheckpointPolicy is another enum, for recomputation)"
+    )
+
+
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
     return SwapIntegrityError(
         f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
@@ -452,26 +460,30 @@ class SwapManager:
         self._latest.pop(module, None)
         del self._stats[slot.name]
 
-    def set_forward_prefetch_layer(self, prev: torch.nn.Module, next: torch.nn.Module) -> None:
-        """When the backward of ``next`` begins, ``prev``'s tensors start coming back."""
-        for role, module in (("prev", prev), ("next", next)):
+    def set_forward_prefetch_layer(self, earlier: torch.nn.Module, later: torch.nn.Module) -> None:
+        """Link two wrapped modules, ``earlier`` before ``later`` in forward order: when the
+        backward of ``later`` begins, ``earlier``'s tensors start coming back.
+
+        The name is the origin's; what it sets is, in FSDP2's words, a backward prefetch.
+        """
+        for role, module in (("earlier", earlier), ("later", later)):
             if module not in self._slots:
                 raise ValueError(
                     f"{role} module {type(module).__name__} is not swap-wrapped by this manager;"
                     " call swap_wrapper(module, manager=manager) first"
                 )
-        if prev is next:
+        if earlier is later:
             raise ValueError("a module cannot prefetch itself")
-        if prev in self._next or next in self._prev:
-            taken = self._slots[prev if prev in self._next else next].name
+        if earlier in self._next or later in self._prev:
+            taken = self._slots[earlier if earlier in self._next else later].name
             raise ValueError(f"{taken!r} is already linked; each module has one prev and one next")
-        walk: torch.nn.Module | None = prev
+        walk: torch.nn.Module | None = earlier
         while walk is not None:
-            if walk is next:
+            if walk is later:
                 raise ValueError("this link would close a cycle in the prefetch chain")
             walk = self._prev.get(walk)
-        self._next[prev] = next
-        self._prev[next] = prev
+        self._next[earlier] = later
+        self._prev[later] = earlier
 
     @property
     def links(self) -> list[tuple[str, str]]:
@@ -638,7 +650,11 @@ class SwapManager:
             if entry is None:
                 slot = group.slot
                 decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
-                if decision is not CheckpointPolicy.MUST_SWAP or group.is_protected(key):
+                if decision is not CheckpointPolicy.MUST_SWAP:
+                    if decision is not CheckpointPolicy.MUST_SAVE:
+                        raise _bad_decision(slot, decision)
+                    return _Kept(t, group)
+                if group.is_protected(key):
                     return _Kept(t, group)
             layout = (local.dtype, local.size(), local.stride())
             if entry is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from graphswap.policy import SwapPolicy, qwen3_attention_swap_policy
+from graphswap.policy import SwapPolicy, swap_large_activations
 from graphswap.runtime.manager import SwapManager
 
 _STATE_ATTR = "_graphswap_swap_state"
@@ -91,7 +91,7 @@ def swap_wrapper(
     module: torch.nn.Module,
     *,
     manager: SwapManager,
-    policy: SwapPolicy = qwen3_attention_swap_policy,
+    policy: SwapPolicy = swap_large_activations,
     name: str | None = None,
 ) -> torch.nn.Module:
     """Make ``module`` swap the tensors it saves for backward, as ``policy`` decides.

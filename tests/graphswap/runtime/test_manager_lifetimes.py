@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphswap import SwapIntegrityError, SwapManager, swap_wrapper
-from graphswap.models import build_model
+from graphswap.hf import build_model
 from graphswap.policy import SwapPolicy, qwen3_attention_swap_policy, size_threshold_policy
 from graphswap.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 )
 
 from graphswap import SwapIntegrityError, SwapManager, swap_wrapper
-from graphswap.models import build_model
+from graphswap.hf import build_model
 from graphswap.policy import size_threshold_policy
 from graphswap.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator

@@ -10,7 +10,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
-from graphswap.models import build_model
+from graphswap.hf import build_model
 from graphswap.policy import qwen3_attention_swap_policy
 from graphswap.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator

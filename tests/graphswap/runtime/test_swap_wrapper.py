@@ -84,3 +84,41 @@ def test_duplicate_names_are_refused(tiny_model) -> None:
     with pytest.raises(ValueError, match="already registered"):
         swap_wrapper(layers[1].self_attn, manager=manager, name="attn")
     assert type(layers[1].self_attn) is Qwen3MoeAttention
+
+
+def test_the_default_policy_is_generic_and_swaps_large_activations() -> None:
+    """A wrapper of any module, not only a Qwen3 one, swaps what the 1 MiB test picks."""
+    from graphswap.policy import MIN_SWAP_TENSOR_BYTES
+
+    manager = SwapManager(keep_last=False)
+    block = swap_wrapper(
+        torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()),
+        manager=manager,
+        name="block",
+    )
+    (info,) = manager.groups()
+    assert info.policy == "swap_large_activations"
+    rows = MIN_SWAP_TENSOR_BYTES // (512 * 4)
+    block(torch.randn(rows, 512, requires_grad=True)).sum().backward()
+    assert manager.stats.offloaded_bytes >= MIN_SWAP_TENSOR_BYTES
+    assert manager.stats.reloaded_bytes == manager.stats.offloaded_bytes
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE, True, None],
+    ids=["torch's enum", "a bool", "None"],
+)
+def test_a_policy_answering_anything_else_is_an_error(answer: object) -> None:
+    """Another answer is never taken as 'keep': the user meant something graphswap
+    does not do (torch's recompute policies), and a silent keep would free nothing."""
+    manager = SwapManager(keep_last=False)
+    block = swap_wrapper(
+        torch.nn.Linear(8, 8), manager=manager, name="block", policy=lambda t: answer
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"of 'block' answered .*; a swap policy answers"
+        r" graphswap\.CheckpointPolicy\.MUST_SWAP or MUST_SAVE",
+    ):
+        block(torch.randn(4, 8, requires_grad=True))
