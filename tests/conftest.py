@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,3 +31,16 @@ def tiny_model() -> Callable[..., torch.nn.Module]:
         return build_model(qwen3_moe_config("tiny", **overrides), device=device)
 
     return make
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[None]:
+    """A one-process gloo world, so that sharding APIs and distributed passes can run in
+    this process."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -3,12 +3,10 @@ and raise the same error for them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import graphswap
@@ -18,18 +16,6 @@ from graphswap.runtime import SwapManager, swap_wrapper
 from graphswap.transforms import Transform, find_transforms, shown_by
 
 Model = Callable[..., nn.Module]
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[None]:
-    """A one-process gloo world, so that sharding APIs can run in this process."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def composable_checkpoint(model: nn.Module) -> None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import passes
 from graphswap.config import ConfigError, TrainerConfig
@@ -73,18 +72,6 @@ def swap_base(base: TrainerConfig) -> TrainerConfig:
 
 def run(config: TrainerConfig, **changes: Any) -> TrainResult:
     return train(dataclasses.replace(config, **changes), progress=False)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[None]:
-    """A one-process gloo world, so that a distributed pass can run in this process."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # The swap and its settings.

@@ -3,12 +3,10 @@ and a model transformed outside the plan is refused (I2, I5, I6, P2)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import passes
@@ -41,18 +39,6 @@ def loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, l
 @pytest.fixture
 def ids() -> torch.Tensor:
     return torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[None]:
-    """A one-process gloo world, so that sharding APIs can run in this process."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_nothing_asked_changes_nothing(tiny_model: Model) -> None:
