@@ -4,10 +4,13 @@ On a GPU the saved-tensor hooks run on the host while kernels queue; every
 microsecond they take is time the host cannot run ahead of the device. The model is
 a stack of small ``Linear + ReLU`` blocks, each wrapped and every saved tensor
 swapped (2 KiB each by default), so the copies cost next to nothing and the step-time
-difference against the same model without swap is the bookkeeping. The same model
-under PyTorch's ``save_on_cpu`` is measured beside it: on CPU, where ``save_on_cpu``
-copies nothing, that difference is what saved-tensor hooks cost by themselves, the
-floor under any swap built on them. Steps of the three modes are interleaved in one run.
+difference against the same model without swap is the bookkeeping. Two references run
+beside it. PyTorch's ``save_on_cpu``: on CPU, where it copies nothing, its difference is
+what saved-tensor hooks cost by themselves. ``bare_copy``: hooks that copy each tensor
+the runtime swaps to a fresh host tensor and back, in the fewest torch calls and with no
+bookkeeping at all (no pool, no overlap, no checks); what the runtime adds above it is
+its bookkeeping, and it is a floor for any swap that copies tensor by tensor. Steps of
+the four modes are interleaved in one run, since this machine's speed drifts.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from graphswap.policy import CheckpointPolicy
+from graphswap.policy import CheckpointPolicy, is_parameter_like
 from graphswap.runtime import SwapManager, swap_wrapper, unwrap_swap
 
 TARGET_US_PER_TENSOR = 20.0
@@ -69,6 +72,35 @@ def swapped(model: torch.nn.Sequential, manager: SwapManager) -> Iterator[None]:
             unwrap_swap(block)
 
 
+class _Host:
+    """A tensor copied to host by ``bare_copy``: the device to copy it back to."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, device: torch.device, host: torch.Tensor) -> None:
+        self.device = device
+        self.host = host
+
+
+def _bare_pack(t: torch.Tensor) -> torch.Tensor | _Host:
+    if is_parameter_like(t):
+        return t
+    host = torch.empty(t.size(), dtype=t.dtype, pin_memory=t.is_cuda)
+    host.copy_(t, non_blocking=True)
+    return _Host(t.device, host)
+
+
+def _bare_unpack(packed: torch.Tensor | _Host) -> torch.Tensor:
+    if type(packed) is _Host:
+        return packed.host.to(packed.device, non_blocking=True, copy=True)
+    return packed
+
+
+def bare_copy() -> torch.autograd.graph.saved_tensors_hooks:
+    """Every tensor the runtime would swap copied out and back on the compute stream."""
+    return torch.autograd.graph.saved_tensors_hooks(_bare_pack, _bare_unpack)
+
+
 def _step(model: torch.nn.Module, x: torch.Tensor, device: torch.device) -> float:
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -92,7 +124,7 @@ def measure_overhead(
     model = build_blocks(config, device)
     x = torch.randn(config.rows, config.width, device=device)
     manager = SwapManager(keep_last=False)
-    times: dict[str, list[float]] = {"none": [], "swap": [], "save_on_cpu": []}
+    times: dict[str, list[float]] = {"none": [], "swap": [], "bare_copy": [], "save_on_cpu": []}
     result: dict[str, Any] = {}
     for rep in range(config.warmup + config.steps):
         none_s = _step(model, x, device)
@@ -100,12 +132,15 @@ def measure_overhead(
             manager.reset_stats()
             swap_s = _step(model, x, device)
             stats = manager.stats
+        with bare_copy():
+            bare_copy_s = _step(model, x, device)
         with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
             save_on_cpu_s = _step(model, x, device)
         if rep < config.warmup:
             continue
         times["none"].append(none_s)
         times["swap"].append(swap_s)
+        times["bare_copy"].append(bare_copy_s)
         times["save_on_cpu"].append(save_on_cpu_s)
         result = _result(config, times, stats)
         on_round(result)
@@ -116,6 +151,10 @@ def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -
     medians = {mode: statistics.median(steps) for mode, steps in times.items()}
     none_s, swap_s = medians["none"], medians["swap"]
     tensors = stats.offloaded_tensors
+
+    def per_tensor(mode: str) -> float | None:
+        return (medians[mode] - none_s) / tensors * 1e6 if tensors else None
+
     return {
         "config": dataclasses.asdict(config),
         "median_step_s": medians,
@@ -127,9 +166,11 @@ def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -
             "reloaded_bytes": stats.reloaded_bytes,
             "prefetch_misses": stats.prefetch_misses,
         },
-        "us_per_swapped_tensor": (swap_s - none_s) / tensors * 1e6 if tensors else None,
-        "save_on_cpu_us_per_swapped_tensor": (
-            (medians["save_on_cpu"] - none_s) / tensors * 1e6 if tensors else None
+        "us_per_swapped_tensor": per_tensor("swap"),
+        "bare_copy_us_per_swapped_tensor": per_tensor("bare_copy"),
+        "save_on_cpu_us_per_swapped_tensor": per_tensor("save_on_cpu"),
+        "bookkeeping_us_per_swapped_tensor": (
+            (swap_s - medians["bare_copy"]) / tensors * 1e6 if tensors else None
         ),
         "target_us_per_swapped_tensor": TARGET_US_PER_TENSOR,
     }
@@ -145,6 +186,9 @@ def target_line(result: dict[str, Any]) -> str:
         f"TARGET host_overhead_per_swapped_tensor: {verdict} ({value:.1f} us per swapped tensor, "
         f"target <= {TARGET_US_PER_TENSOR:g} us; step {steps['none'] * 1e3:.2f} ms -> "
         f"{steps['swap'] * 1e3:.2f} ms, {result['per_step']['offloaded_tensors']} tensors; "
+        f"bare_copy {steps['bare_copy'] * 1e3:.2f} ms, "
+        f"{result['bare_copy_us_per_swapped_tensor']:.1f} us per tensor, bookkeeping above it "
+        f"{result['bookkeeping_us_per_swapped_tensor']:.1f} us; "
         f"save_on_cpu {steps['save_on_cpu'] * 1e3:.2f} ms, "
         f"{result['save_on_cpu_us_per_swapped_tensor']:.1f} us per tensor)"
     )
