@@ -9,8 +9,11 @@ beside it. PyTorch's ``save_on_cpu``: on CPU, where it copies nothing, its diffe
 what saved-tensor hooks cost by themselves. ``bare_copy``: hooks that copy each tensor
 the runtime swaps to a fresh host tensor and back, in the fewest torch calls and with no
 bookkeeping at all (no pool, no overlap, no checks); what the runtime adds above it is
-its bookkeeping, and it is a floor for any swap that copies tensor by tensor. Steps of
-the four modes are interleaved in one run, since this machine's speed drifts.
+its bookkeeping, and it is a floor for any swap that copies tensor by tensor. ``keep``
+wraps every block as ``swap`` does but keeps every tensor on device: what a wrapped
+module's forward and backward cost whether or not anything moves, so a user can tell the
+host time of a model (per wrapped forward, plus per swapped tensor). Steps of the five
+modes are interleaved in one run, since this machine's speed drifts.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from graphswap.policy import CheckpointPolicy, is_parameter_like
+from graphswap.policy import CheckpointPolicy, SwapPolicy, is_parameter_like
 from graphswap.runtime import SwapManager, swap_wrapper, unwrap_swap
 
 TARGET_US_PER_TENSOR = 20.0
@@ -35,6 +38,11 @@ TARGET_US_PER_TENSOR = 20.0
 def swap_every_tensor(t: torch.Tensor) -> CheckpointPolicy:
     """Policy: swap every saved tensor (the runtime still never swaps parameters)."""
     return CheckpointPolicy.MUST_SWAP
+
+
+def keep_every_tensor(t: torch.Tensor) -> CheckpointPolicy:
+    """Policy: keep every saved tensor on device (the wrapping alone)."""
+    return CheckpointPolicy.MUST_SAVE
 
 
 @dataclass(frozen=True)
@@ -58,11 +66,13 @@ def build_blocks(config: OverheadConfig, device: torch.device) -> torch.nn.Seque
 
 
 @contextmanager
-def swapped(model: torch.nn.Sequential, manager: SwapManager) -> Iterator[None]:
+def swapped(
+    model: torch.nn.Sequential, manager: SwapManager, policy: SwapPolicy = swap_every_tensor
+) -> Iterator[None]:
     """Every block wrapped and linked; no block kept on device (``keep_last=False``)."""
     blocks = list(model)
     for i, block in enumerate(blocks):
-        swap_wrapper(block, manager=manager, policy=swap_every_tensor, name=f"block.{i}")
+        swap_wrapper(block, manager=manager, policy=policy, name=f"block.{i}")
     for prev, nxt in itertools.pairwise(blocks):
         manager.set_forward_prefetch_layer(prev, nxt)
     try:
@@ -124,36 +134,38 @@ def measure_overhead(
     model = build_blocks(config, device)
     x = torch.randn(config.rows, config.width, device=device)
     manager = SwapManager(keep_last=False)
-    times: dict[str, list[float]] = {"none": [], "swap": [], "bare_copy": [], "save_on_cpu": []}
+    keeper = SwapManager(keep_last=False)
+    modes: dict[str, Callable[[], AbstractContextManager[Any]]] = {
+        "none": nullcontext,
+        "swap": lambda: swapped(model, manager),
+        "keep": lambda: swapped(model, keeper, keep_every_tensor),
+        "bare_copy": bare_copy,
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     result: dict[str, Any] = {}
     for rep in range(config.warmup + config.steps):
-        none_s = _step(model, x, device)
-        with swapped(model, manager):
-            manager.reset_stats()
-            swap_s = _step(model, x, device)
-            stats = manager.stats
-        with bare_copy():
-            bare_copy_s = _step(model, x, device)
-        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
-            save_on_cpu_s = _step(model, x, device)
-        if rep < config.warmup:
-            continue
-        times["none"].append(none_s)
-        times["swap"].append(swap_s)
-        times["bare_copy"].append(bare_copy_s)
-        times["save_on_cpu"].append(save_on_cpu_s)
-        result = _result(config, times, stats)
-        on_round(result)
+        for mode, installed in modes.items():
+            with installed():
+                manager.reset_stats()
+                seconds = _step(model, x, device)
+                if mode == "swap":
+                    stats = manager.stats  # unwrapping drops the per-module counters
+            if rep >= config.warmup:
+                times[mode].append(seconds)
+        if rep >= config.warmup:
+            result = _result(config, times, stats)
+            on_round(result)
     return result
 
 
 def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -> dict[str, Any]:
     medians = {mode: statistics.median(steps) for mode, steps in times.items()}
-    none_s, swap_s = medians["none"], medians["swap"]
+    none_s = medians["none"]
     tensors = stats.offloaded_tensors
 
-    def per_tensor(mode: str) -> float | None:
-        return (medians[mode] - none_s) / tensors * 1e6 if tensors else None
+    def per_tensor(mode: str, base: str = "none") -> float | None:
+        return (medians[mode] - medians[base]) / tensors * 1e6 if tensors else None
 
     return {
         "config": dataclasses.asdict(config),
@@ -169,9 +181,9 @@ def _result(config: OverheadConfig, times: dict[str, list[float]], stats: Any) -
         "us_per_swapped_tensor": per_tensor("swap"),
         "bare_copy_us_per_swapped_tensor": per_tensor("bare_copy"),
         "save_on_cpu_us_per_swapped_tensor": per_tensor("save_on_cpu"),
-        "bookkeeping_us_per_swapped_tensor": (
-            (swap_s - medians["bare_copy"]) / tensors * 1e6 if tensors else None
-        ),
+        "bookkeeping_us_per_swapped_tensor": per_tensor("swap", "bare_copy"),
+        "us_per_wrapped_forward": (medians["keep"] - none_s) / config.blocks * 1e6,
+        "us_per_swapped_tensor_beyond_wrapping": per_tensor("swap", "keep"),
         "target_us_per_swapped_tensor": TARGET_US_PER_TENSOR,
     }
 
@@ -188,7 +200,9 @@ def target_line(result: dict[str, Any]) -> str:
         f"{steps['swap'] * 1e3:.2f} ms, {result['per_step']['offloaded_tensors']} tensors; "
         f"bare_copy {steps['bare_copy'] * 1e3:.2f} ms, "
         f"{result['bare_copy_us_per_swapped_tensor']:.1f} us per tensor, bookkeeping above it "
-        f"{result['bookkeeping_us_per_swapped_tensor']:.1f} us; "
+        f"{result['bookkeeping_us_per_swapped_tensor']:.1f} us; wrapping alone "
+        f"{result['us_per_wrapped_forward']:.1f} us per block forward and backward, then "
+        f"{result['us_per_swapped_tensor_beyond_wrapping']:.1f} us per swapped tensor; "
         f"save_on_cpu {steps['save_on_cpu'] * 1e3:.2f} ms, "
         f"{result['save_on_cpu_us_per_swapped_tensor']:.1f} us per tensor)"
     )

@@ -72,9 +72,11 @@ def test_overhead_reports_microseconds_per_swapped_tensor(tmp_path: Path) -> Non
     assert per_step["offloaded_tensors"] >= 4
     assert per_step["reloaded_bytes"] == per_step["offloaded_bytes"]
     assert {len(steps) for steps in result["step_times_s"].values()} == {3}
-    assert set(result["step_times_s"]) == {"none", "swap", "bare_copy", "save_on_cpu"}
+    assert set(result["step_times_s"]) == {"none", "swap", "keep", "bare_copy", "save_on_cpu"}
     for mode in ("", "bare_copy_", "save_on_cpu_", "bookkeeping_"):
         assert isinstance(result[f"{mode}us_per_swapped_tensor"], float)
+    assert isinstance(result["us_per_wrapped_forward"], float)
+    assert isinstance(result["us_per_swapped_tensor_beyond_wrapping"], float)
     assert "TARGET host_overhead_per_swapped_tensor: " in done.stdout
 
 
