@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -119,7 +120,9 @@ def test_json_is_node_link_data() -> None:
     graph = default_graph(3)
     data = json.loads(to_json(graph))
     assert data == graph_to_dict(graph)
-    back = nx.node_link_graph(data, edges="edges")
+    # networkx 3.4 renamed node_link_graph's ``link`` keyword to ``edges``.
+    keyword = "edges" if "edges" in inspect.signature(nx.node_link_graph).parameters else "link"
+    back = nx.node_link_graph(data, **{keyword: "edges"})
     assert nx.utils.graphs_equal(back, graph)
 
 
