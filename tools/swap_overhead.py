@@ -147,10 +147,10 @@ def measure_overhead(
     for rep in range(config.warmup + config.steps):
         for mode, installed in modes.items():
             with installed():
-                manager.reset_stats()
                 seconds = _step(model, x, device)
                 if mode == "swap":
-                    stats = manager.stats  # unwrapping drops the per-module counters
+                    # Wrapping starts each block's counters at zero; unwrapping drops them.
+                    stats = manager.stats
             if rep >= config.warmup:
                 times[mode].append(seconds)
         if rep >= config.warmup:
