@@ -1,0 +1,215 @@
+"""Device profiles and the roofline cost of one operator: the clock's two inputs.
+
+A :class:`DeviceProfile` says how fast a device computes (sustained TFLOP/s), reads
+and writes its own memory (HBM GB/s) and copies to and from the host (GB/s per
+direction, both directions at once). The simulated device and the planner both
+cost an executed operator as ``max(FLOPs / TFLOP/s, bytes / HBM GB/s)`` with
+:func:`op_seconds`, so a planned step and a clocked run of the real runtime differ
+only in the schedule, which is what the comparison between them checks.
+
+Not modelled: kernel launch latency, the host's own time, and link or HBM
+contention between copies and compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+
+class ProfileError(ValueError):
+    """A device profile name or figure that cannot describe a device."""
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """How fast one accelerator computes, reads its memory and talks to the host."""
+
+    name: str
+    """A preset's name, or what the user called a custom profile."""
+    d2h_gbps: float
+    """Device-to-host copy bandwidth, GB/s (10^9 bytes), pinned host memory, sustained
+    while a host-to-device copy runs the other way."""
+    h2d_gbps: float
+    """Host-to-device copy bandwidth, GB/s, likewise."""
+    tflops: float
+    """Sustained (not peak) dense matmul throughput in the training dtype, TFLOP/s."""
+    hbm_gbps: float
+    """Sustained device-memory bandwidth, GB/s: the time of an operator that moves more
+    bytes than it has FLOPs to hide them."""
+    memory_bytes: int
+    """Device memory: what ``plan-memory --fit`` fits a step into when not told."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        for key in ("d2h_gbps", "h2d_gbps", "tflops", "hbm_gbps", "memory_bytes"):
+            value = getattr(self, key)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ProfileError(
+                    f"device profile {self.name!r}: {key} must be a finite number > 0, got "
+                    f"{value!r}"
+                )
+
+    def with_figures(self, **figures: Any) -> DeviceProfile:
+        """This profile with some figures replaced (``link_gbps`` sets both directions)."""
+        link = figures.pop("link_gbps", None)
+        if link is not None:
+            figures = {"d2h_gbps": link, "h2d_gbps": link, **figures}
+        unknown = sorted(set(figures) - set(FIGURES))
+        if unknown:
+            raise ProfileError(
+                f"unknown device profile figure {unknown[0]!r}; figures: link_gbps, "
+                f"{', '.join(FIGURES)}"
+            )
+        return dataclasses.replace(self, name=f"{self.name} (custom)", **figures)
+
+
+FIGURES = ("d2h_gbps", "h2d_gbps", "tflops", "hbm_gbps", "memory_bytes")
+"""The figures a profile spec may set, besides ``link_gbps`` (both directions)."""
+
+_PCIE5 = (
+    "host link: PCIe Gen5 x16, 64 GB/s per direction nominal, about 50 GB/s sustained "
+    "device-host copies of pinned memory in each direction; "
+)
+_COMPUTE = (
+    "compute: 400 TFLOP/s, about 40% of the 989 TFLOP/s dense bf16 peak of the Hopper SXM "
+    "datasheet (the model FLOP utilisation large training runs report); "
+)
+
+PRESETS: Mapping[str, DeviceProfile] = {
+    "h100": DeviceProfile(
+        name="h100",
+        d2h_gbps=50.0,
+        h2d_gbps=50.0,
+        tflops=400.0,
+        hbm_gbps=2850.0,
+        memory_bytes=80 * 10**9,
+        source=_PCIE5
+        + _COMPUTE
+        + "HBM: 85% of the 3.35 TB/s HBM3 of the H100 SXM datasheet; memory: its 80 GB",
+    ),
+    "h200": DeviceProfile(
+        name="h200",
+        d2h_gbps=50.0,
+        h2d_gbps=50.0,
+        tflops=400.0,
+        hbm_gbps=4080.0,
+        memory_bytes=141 * 10**9,
+        source=_PCIE5
+        + _COMPUTE
+        + "HBM: 85% of the 4.8 TB/s HBM3e of the H200 SXM datasheet; memory: its 141 GB",
+    ),
+}
+"""Hopper GPUs on a PCIe Gen5 host; the first GPU run calibrates them
+(``tools/device_check.sh`` prints measured beside predicted)."""
+
+
+def device_profile(spec: str | DeviceProfile) -> DeviceProfile:
+    """A profile from a preset name, optionally with figures replaced:
+    ``h200``, ``h200,link_gbps=25``, ``h100,tflops=300,hbm_gbps=2000``."""
+    if isinstance(spec, DeviceProfile):
+        return spec
+    if not isinstance(spec, str):
+        raise ProfileError(f"a device profile is a preset name or a DeviceProfile, got {spec!r}")
+    name, *pairs = (part.strip() for part in spec.split(","))
+    if name not in PRESETS:
+        raise ProfileError(
+            f"unknown device profile {name!r}; presets: {', '.join(sorted(PRESETS))} "
+            "(figures may follow: h200,link_gbps=25,tflops=300)"
+        )
+    figures: dict[str, float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ProfileError(f"device profile {spec!r}: {pair!r} is not key=value")
+        try:
+            figures[key.strip()] = float(value)
+        except ValueError:
+            raise ProfileError(
+                f"device profile {spec!r}: {key.strip()} must be a number, got {value!r}"
+            ) from None
+    if "memory_bytes" in figures:
+        figures["memory_bytes"] = int(figures["memory_bytes"])
+    return PRESETS[name].with_figures(**figures) if figures else PRESETS[name]
+
+
+_ops = torch.ops.aten
+
+_NO_KERNEL = frozenset(
+    {
+        _ops.empty,
+        _ops.empty_like,
+        _ops.empty_strided,
+        _ops.new_empty,
+        _ops.new_empty_strided,
+        _ops.set_,
+        _ops.detach,
+        _ops.alias,
+        _ops.lift_fresh,
+        _ops._local_scalar_dense,
+    }
+)
+"""Operators that launch no kernel: allocation, metadata and host reads of a scalar."""
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, *, backward: bool) -> float:
+    batch_heads = math.prod(q.shape[:-2])
+    flops = 4.0 * batch_heads * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    return 2.5 * flops if backward else flops
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``_grouped_mm``: 2D x 3D (tokens x K by experts x K x N), or 2D x 2D (a weight
+    gradient, K x tokens by tokens x N): every row multiplies one group's matrix."""
+    if b.dim() == 3:
+        return 2.0 * math.prod(a.shape[:-1]) * a.shape[-1] * b.shape[-1]
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[-1]
+
+
+def op_flops(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> float:
+    """Multiply-add FLOPs (2 per multiply-add) of one operator; 0 for elementwise ones."""
+    packet = func._overloadpacket
+    counted = flop_registry.get(packet)
+    if counted is not None:
+        return float(counted(*args, **kwargs, out_val=out))
+    if packet is _ops._grouped_mm:
+        return _grouped_mm_flops(args[0], args[1])
+    if packet is _ops._scaled_dot_product_flash_attention_for_cpu:
+        return _attention_flops(args[0], args[1], backward=False)
+    if packet is _ops._scaled_dot_product_flash_attention_for_cpu_backward:
+        return _attention_flops(args[1], args[2], backward=True)
+    return 0.0
+
+
+def op_bytes(args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> int:
+    """Bytes an operator reads and writes: its tensor inputs and outputs, each whole."""
+    return sum(
+        t.numel() * t.element_size()
+        for t in tree_leaves((args, kwargs, out))
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def op_seconds(
+    profile: DeviceProfile, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any
+) -> float:
+    """Roofline time of one executed operator on ``profile``'s device."""
+    if func.is_view or func._overloadpacket in _NO_KERNEL:
+        return 0.0
+    flops = op_flops(func, args, kwargs, out)
+    return max(
+        flops / (profile.tflops * 1e12), op_bytes(args, kwargs, out) / (profile.hbm_gbps * 1e9)
+    )
