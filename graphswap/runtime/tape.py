@@ -75,7 +75,9 @@ class OpTape(TorchDispatchMode):
             return out
         device_type = self.device_type
         outputs = [
-            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == device_type
+            t
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.device.type == device_type
         ]
         if not outputs and not any(
             isinstance(t, torch.Tensor) and t.device.type == device_type
@@ -83,8 +85,18 @@ class OpTape(TorchDispatchMode):
         ):
             return out
         self.listener.on_op(func, op_seconds(self.profile, func, args, kwargs, out))
-        for t in outputs:
-            self.track(t.untyped_storage())
+        if outputs:
+            # A view, an in-place op, set_ or detach returns a storage it was given: no birth.
+            given = {
+                x._cdata if isinstance(x, torch.UntypedStorage) else x.untyped_storage()._cdata
+                for x in tree_leaves((args, kwargs))
+                if isinstance(x, torch.UntypedStorage)
+                or (isinstance(x, torch.Tensor) and x.layout is torch.strided)
+            }
+            for t in outputs:
+                storage = t.untyped_storage()
+                if storage._cdata not in given:
+                    self.track(storage)
         return out
 
     def track(self, storage: torch.UntypedStorage) -> None:

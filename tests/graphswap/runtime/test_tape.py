@@ -1,0 +1,45 @@
+"""The op tape's memory account: only what an operator allocates is born."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphswap.runtime.profile import device_profile
+from graphswap.runtime.tape import OpTape
+
+
+class Births:
+    """A tape listener that keeps the sizes of the storages born and freed."""
+
+    def __init__(self) -> None:
+        self.born: list[int] = []
+        self.freed: list[int] = []
+
+    def on_op(self, func: Any, seconds: float) -> None:
+        pass
+
+    def on_alloc(self, key: int, nbytes: int) -> None:
+        self.born.append(nbytes)
+
+    def on_free(self, key: int, nbytes: int) -> None:
+        self.freed.append(nbytes)
+
+
+def test_views_in_place_ops_and_storage_swaps_of_older_tensors_are_no_births() -> None:
+    """A parameter made before the step and only viewed (``weight.t()`` inside a Linear),
+    changed in place, detached or aliased through ``set_`` is not device memory the step
+    allocated; the Linear's output is."""
+    linear = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    births = Births()
+    with OpTape("cpu", device_profile("h200"), births):
+        y = linear(x)
+        x.mul_(2)
+        x.detach()
+        torch.empty(0).set_(linear.weight.untyped_storage())
+    assert births.born == [8 * 32 * 4, 0]  # the output, the empty tensor set_ re-points
+    assert births.freed == [0]
+    del y
+    assert births.freed == [0, 8 * 32 * 4]
