@@ -4,32 +4,42 @@ A copy is asynchronous. The manager drives it through four calls, and the order
 of those calls is what keeps memory correct:
 
 - ``done()`` asks, without blocking, whether the copy has completed;
-- ``fence()`` orders the compute stream after the copy (a stream wait, the host
-  does not block): from then on compute may reuse the source's memory or read a
-  reload's result;
+- ``fence()`` orders a stream after the copy (a stream wait, the host does not
+  block): for an offload, the stream that produced the source, so that the caching
+  allocator may hand the source's memory out again on it; for a reload, the current
+  stream, which reads the result;
 - ``release_source()`` drops the offload's reference to its device source; legal
   only after ``done()`` answered True or after ``fence()``;
 - ``synchronize()`` blocks the host until the copy completed (never in the hot path).
 
-``AcceleratorCopyEngine`` runs copies on side streams of a real accelerator.
-``SimulatedAccelerator`` runs the same protocol on CPU tensors with a device that
-lags a chosen number of module boundaries behind the host, and turns every call in
-the wrong order into a ``HazardError``: the CPU test suite exercises the schedule
-a GPU runs (invariant I11).
+``AcceleratorCopyEngine`` is written once against the device interface of
+``graphswap.runtime._device``: on a GPU it drives torch's streams and events;
+``SimulatedAccelerator`` is the same engine over a simulated device on CPU tensors
+that lags a chosen number of module boundaries behind the host, turns every call in
+the wrong order into a ``HazardError``, and, given a device profile, keeps a clock:
+the CPU test suite runs the engine a GPU runs (invariant I11).
 """
 
 from __future__ import annotations
 
 import abc
-import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
 
+from graphswap.runtime._device import Device, Event, HazardError, Stream, TorchDevice
+from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
+from graphswap.runtime.profile import DeviceProfile, device_profile
+from graphswap.runtime.tape import step_labels
 
-class HazardError(RuntimeError):
-    """An asynchronous copy was used in an order a real accelerator would corrupt."""
+__all__ = [
+    "AcceleratorCopyEngine",
+    "Copy",
+    "CopyEngine",
+    "HazardError",
+    "SimulatedAccelerator",
+]
 
 
 class Copy(abc.ABC):
@@ -71,6 +81,10 @@ class CopyEngine(abc.ABC):
         ``after``."""
 
     @abc.abstractmethod
+    def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes`` bytes (uint8) for copies to and from ``device``."""
+
+    @abc.abstractmethod
     def tick(self) -> None:
         """A module boundary on the host; a simulated device advances here."""
 
@@ -80,85 +94,138 @@ class CopyEngine(abc.ABC):
 
 
 class _EventCopy(Copy):
-    __slots__ = ("_device", "_event", "_hold", "_out")
+    """A copy of this engine: the device it runs on and the event that ends it."""
 
-    def __init__(
-        self,
-        event: torch.Event,
-        device: torch.device,
-        *,
-        hold: torch.UntypedStorage | None = None,
-        out: torch.Tensor | None = None,
-    ) -> None:
-        self._event = event
+    __slots__ = ("_device", "_event")
+
+    def __init__(self, device: Device, event: Event) -> None:
         self._device = device
-        self._hold = hold
-        self._out = out
+        """The device interface the copy was issued through."""
+        self._event = event
+        """Recorded on the copy stream right after the copy: it completes with it."""
 
     def done(self) -> bool:
         return self._event.query()
 
-    def fence(self) -> None:
-        torch.accelerator.current_stream(self._device).wait_event(self._event)
-
     def synchronize(self) -> None:
         self._event.synchronize()
 
+
+class _Offload(_EventCopy):
+    __slots__ = ("_hold", "_producer")
+
+    def __init__(
+        self, device: Device, event: Event, producer: Stream, hold: torch.UntypedStorage
+    ) -> None:
+        super().__init__(device, event)
+        self._producer = producer
+        """The stream current when the source was saved: the one that produced it, and
+        the allocation stream whose pool its memory returns to."""
+        self._hold: torch.UntypedStorage | None = hold
+        """The source's device memory, held until ``release_source``."""
+
+    def fence(self) -> None:
+        self._producer.wait_event(self._event)
+
     def release_source(self) -> None:
-        self._hold = None
+        hold = self._hold
+        if hold is not None:
+            self._device.drop(hold, self._event)
+            self._hold = None
 
     def result(self) -> torch.Tensor:
-        assert self._out is not None, "result() of an offload"
-        return self._out
+        raise TypeError("result() of an offload: an offload fills a host buffer")
+
+
+class _Load(_EventCopy):
+    __slots__ = ("_out",)
+
+    def __init__(self, device: Device, event: Event, out: torch.Tensor) -> None:
+        super().__init__(device, event)
+        self._out = out
+        """The destination, allocated on the stream current at issue."""
+
+    def fence(self) -> None:
+        self._device.current_stream().wait_event(self._event)
+
+    def release_source(self) -> None:
+        """A load holds no source: its host buffer is the pool's, which orders its reuse."""
+
+    def result(self) -> torch.Tensor:
+        return self._device.read(self._out, self._event)
+
+
+class _Lane:
+    """One device as the engine drives it: its interface and the engine's two streams."""
+
+    __slots__ = ("d2h", "device", "h2d")
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        """The device's interface: torch's accelerator or the simulated device."""
+        self.d2h = device.new_stream()
+        """Offloads, in issue order."""
+        self.h2d = device.new_stream()
+        """Reloads, in issue order: both directions run at once."""
 
 
 class AcceleratorCopyEngine(CopyEngine):
     """Side streams per device and direction, events, pinned host buffers.
 
-    Offload: the d2h stream waits for compute and for the host buffer's last users,
-    copies, records an event; the source stays referenced until the manager releases
-    it after a fence or a completed query. Load: the destination is allocated on the
-    compute stream; the h2d stream waits for compute (the block may still be in use by
-    queued kernels) and for the offload, copies, records an event that compute waits on
-    before reading.
+    Offload: the d2h stream waits for the stream that produced the source (the current
+    stream when it is saved) and for the host buffer's last users, copies, records an
+    event; the source stays referenced until the manager releases it after a fence
+    (which makes the producing stream wait) or a completed query. Load: the destination
+    is allocated on the current stream; the h2d stream waits for it (the block may still
+    be in use by queued kernels) and for the offload, copies, records an event that the
+    reading stream waits on before reading.
     """
 
     pin = True
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, tuple[torch.Stream, torch.Stream]] = {}
+        self._lanes: dict[torch.device, _Lane] = {}
+        """Per device met, its interface and copy streams."""
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return AcceleratorCopyEngine, ()
 
-    def _streams_of(self, device: torch.device) -> tuple[torch.Stream, torch.Stream]:
-        streams = self._streams.get(device)
-        if streams is None:
-            streams = (torch.Stream(device=device), torch.Stream(device=device))
-            self._streams[device] = streams
-        return streams
+    def _open(self, device: torch.device) -> Device:
+        """The device interface for ``device``, met for the first time."""
+        return TorchDevice(device)
 
-    def _issue(self, stream: torch.Stream, device: torch.device, after: Sequence[Copy]) -> None:
-        stream.wait_stream(torch.accelerator.current_stream(device))
-        for copy in after:
-            if isinstance(copy, _EventCopy):
-                stream.wait_event(copy._event)
+    def _lane(self, device: torch.device) -> _Lane:
+        lane = self._lanes.get(device)
+        if lane is None:
+            lane = self._lanes[device] = _Lane(self._open(device))
+        return lane
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
-        device = src.device
-        d2h, _ = self._streams_of(device)
-        self._issue(d2h, device, after)
-        with d2h:
-            host.copy_(src, non_blocking=True)
-        return _EventCopy(d2h.record_event(), device, hold=src.untyped_storage())
+        lane = self._lanes.get(src.device) or self._lane(src.device)
+        device = lane.device
+        producer = device.current_stream()
+        d2h = lane.d2h
+        d2h.wait_stream(producer)
+        for copy in after:
+            if isinstance(copy, _EventCopy):
+                d2h.wait_event(copy._event)
+        device.to_host(d2h, src, host)
+        return _Offload(device, d2h.record_event(), producer, src.untyped_storage())
 
     def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
-        _, h2d = self._streams_of(device)
-        dst = torch.empty(host.shape, dtype=host.dtype, device=device)
-        self._issue(h2d, device, after)
-        with h2d:
-            dst.copy_(host, non_blocking=True)
-        return _EventCopy(h2d.record_event(), device, out=dst)
+        lane = self._lanes.get(device) or self._lane(device)
+        interface = lane.device
+        dst = interface.empty(host.shape, host.dtype)
+        h2d = lane.h2d
+        h2d.wait_stream(interface.current_stream())
+        for copy in after:
+            if isinstance(copy, _EventCopy):
+                h2d.wait_event(copy._event)
+        interface.to_device(h2d, host, dst)
+        return _Load(interface, h2d.record_event(), dst)
+
+    def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        return self._lane(device).device.host_empty(nbytes)
 
     def tick(self) -> None:
         """Copies progress on their own streams; nothing to drive from the host."""
@@ -167,213 +234,96 @@ class AcceleratorCopyEngine(CopyEngine):
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-class _SimCopy(Copy):
-    __slots__ = (
-        "_engine",
-        "after",
-        "conflicts",
-        "dst",
-        "due",
-        "executed",
-        "fenced",
-        "hold",
-        "key",
-        "kind",
-        "src",
-    )
+class SimulatedAccelerator(AcceleratorCopyEngine):
+    """The accelerator engine over a simulated device on CPU tensors.
 
-    def __init__(
-        self,
-        engine: SimulatedAccelerator,
-        kind: str,
-        src: torch.Tensor,
-        dst: torch.Tensor | None,
-        after: Sequence[Copy],
-    ) -> None:
-        self._engine = engine
-        self.kind = kind
-        self.src: torch.Tensor | None = src
-        """Read when the copy executes."""
-        self.hold = src.untyped_storage() if kind == "offload" else None
-        """An offload's device memory, held until ``release_source``."""
-        self.dst = dst
-        """A load's destination is made when the load executes: on CPU, when it is
-        allocated changes no ordering."""
-        self.after = after
-        self.due = engine.now + engine.lag
-        self.executed = False
-        self.fenced = False
-        self.key = 0
-        """The host buffer this copy writes (offload) or reads (load); set when queued."""
-        self.conflicts: list[_SimCopy] | None = None
-        """Copies in flight when this one was queued that touch the same host buffer the
-        other way (None: never queued, or completed)."""
+    ``lag``: a copy completes when the device reaches it, ``lag`` ticks (module
+    boundaries) after it was issued (0: at once), in issue order per stream and after
+    what it waits for, or earlier when a compute stream waits for it. Sources are held
+    until the manager releases them. Every ordering hazard raises ``HazardError``: a
+    source released before the stream that allocated it waited for its copy (or the
+    host saw it completed), a reload read before the reading stream waited for it, a
+    copy that reads bytes its stream has not waited for (a tensor written on another
+    stream, a host buffer before its offload filled it), a host buffer rewritten while
+    a reload still reads it, and any copy, query or wait while ``capture()`` is active.
 
-    def done(self) -> bool:
-        if self._engine._capturing:
-            self._engine._illegal("an event query")
-        return self.executed
+    User code makes streams with ``stream()`` and runs on one under ``with stream:``,
+    as it would with ``torch.Stream``; ``current_stream()`` is the one it runs on.
 
-    def fence(self) -> None:
-        if self._engine._capturing:
-            self._engine._illegal("a stream wait")
-        if not self.executed:
-            self._engine._force(self)
-        self.fenced = True
-
-    def synchronize(self) -> None:
-        if self._engine._capturing:
-            self._engine._illegal("a synchronize")
-        if not self.executed:
-            self._engine._force(self)
-
-    def release_source(self) -> None:
-        if not self.executed:
-            raise HazardError(
-                f"the source of a {self.kind} was released before its copy completed:"
-                " the allocator could hand its memory to compute while the copy reads it"
-            )
-        self.hold = None
-
-    def result(self) -> torch.Tensor:
-        if not self.fenced:
-            raise HazardError(
-                "a reload was read before compute waited for its copy: it may hold stale bytes"
-            )
-        assert self.dst is not None, "result() of an offload"
-        return self.dst
-
-
-class SimulatedAccelerator(CopyEngine):
-    """An accelerator's side streams on CPU tensors, lagging ``lag`` module boundaries.
-
-    A copy completes when the simulated device reaches it: ``lag`` ticks after it was
-    issued (0: at once), in issue order per direction and after the copies it waits
-    for, or earlier when compute fences it. Sources are held until the manager
-    releases them. Every ordering hazard raises ``HazardError``: a source released
-    before its copy completed, a reload read without a fence, a host buffer written
-    while a copy still reads it or read before its offload wrote it, and any copy,
-    query or wait while ``capture()`` is active.
+    ``profile``: a device profile (a preset name such as ``"h200"``, with figures
+    optionally replaced, or a ``DeviceProfile``); with one, ``clock()`` measures a step.
     """
 
     pin = False
 
-    def __init__(self, lag: int = 0) -> None:
+    def __init__(self, lag: int = 0, profile: str | DeviceProfile | None = None) -> None:
         if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
             raise ValueError(f"lag must be an int >= 0, got {lag!r}")
+        super().__init__()
         self.lag = lag
-        self.now = 0
-        self._d2h: collections.deque[_SimCopy] = collections.deque()
-        self._h2d: collections.deque[_SimCopy] = collections.deque()
-        self._touching: dict[int, list[_SimCopy]] = collections.defaultdict(list)
-        self._capturing = False
+        """Module boundaries a copy trails the host by."""
+        self.profile = None if profile is None else device_profile(profile)
+        """What the clock costs work with (None: no clock)."""
+        self._sim = SimDevice(lag, self.profile)
+        """The one simulated device, whatever ``torch.device`` its tensors name."""
 
     def __repr__(self) -> str:
-        return f"SimulatedAccelerator(lag={self.lag})"
+        if self.profile is None:
+            return f"SimulatedAccelerator(lag={self.lag})"
+        return f"SimulatedAccelerator(lag={self.lag}, profile={self.profile.name!r})"
 
-    def __reduce__(self) -> tuple[type, tuple[int]]:
-        """A copy is a fresh device with the same lag, nothing in flight."""
-        return SimulatedAccelerator, (self.lag,)
+    def __reduce__(self) -> tuple[type, tuple[int, DeviceProfile | None]]:  # type: ignore[override]
+        """A copy is a fresh device with the same lag and profile, nothing in flight."""
+        return SimulatedAccelerator, (self.lag, self.profile)
 
-    def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
-        if self._capturing:
-            self._illegal("a device-to-host copy")
-        return self._submit(_SimCopy(self, "offload", src, host, after), self._d2h)
-
-    def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
-        """``device`` is the CPU: the simulated device's memory is host memory."""
-        if self._capturing:
-            self._illegal("a host-to-device copy")
-        return self._submit(_SimCopy(self, "load", host, None, after), self._h2d)
+    def _open(self, device: torch.device) -> Device:
+        return self._sim
 
     def tick(self) -> None:
-        self.now += 1
-        if self._d2h or self._h2d:
-            self._advance()
+        self._sim.tick()
 
     def capturing(self) -> bool:
-        return self._capturing
+        return self._sim.capturing
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """Behave as if the current stream captured a graph."""
-        self._capturing = True
-        try:
+        with self._sim.capture():
             yield
-        finally:
-            self._capturing = False
 
     def pending(self) -> int:
         """Copies issued and not yet completed."""
-        return len(self._d2h) + len(self._h2d)
+        return self._sim.pending()
 
-    def _submit(self, copy: _SimCopy, stream: collections.deque[_SimCopy]) -> _SimCopy:
-        if copy.due <= self.now and not self._d2h and not self._h2d:
-            # Nothing in flight: nothing to order against; the copy completes now.
-            self._execute(copy)
-            return copy
-        self._issue(copy)
-        stream.append(copy)
-        self._advance()
-        return copy
+    def stream(self) -> SimStream:
+        """A new stream for user code (``torch.Stream()`` on a GPU)."""
+        return self._sim.compute_stream()
 
-    def _issue(self, copy: _SimCopy) -> None:
-        assert copy.src is not None
-        if copy.kind == "offload":
-            # Queued, the copy may outlive the forward: it keeps the bytes, not the graph.
-            copy.src = copy.src.detach()
-            host = copy.dst
-        else:
-            host = copy.src
-        assert host is not None
-        copy.key = host.data_ptr()
-        touching = self._touching[copy.key]
-        copy.conflicts = [c for c in touching if c.kind != copy.kind]
-        touching.append(copy)
+    def current_stream(self) -> SimStream:
+        """The stream operators run on now (``torch.accelerator.current_stream()``)."""
+        return self._sim.current
 
-    def _illegal(self, what: str) -> None:
-        raise HazardError(f"{what} while the current stream captures a graph")
+    @contextlib.contextmanager
+    def clock(
+        self, layers: Sequence[torch.nn.Module] = (), *, base_bytes: int = 0
+    ) -> Iterator[Clock]:
+        """Measure one step run inside: ``clock.timeline`` is filled when it ends.
 
-    def _advance(self) -> None:
-        progressed = True
-        while progressed:
-            progressed = False
-            for stream in (self._h2d, self._d2h):
-                while (
-                    stream
-                    and stream[0].due <= self.now
-                    and all(isinstance(a, _SimCopy) and a.executed for a in stream[0].after)
-                ):
-                    self._execute(stream.popleft())
-                    progressed = True
-
-    def _force(self, copy: _SimCopy) -> None:
-        stream = self._d2h if copy.kind == "offload" else self._h2d
-        while not copy.executed:
-            head = stream.popleft()
-            for dep in head.after:
-                if isinstance(dep, _SimCopy) and not dep.executed:
-                    self._force(dep)
-            self._execute(head)
-
-    def _execute(self, copy: _SimCopy) -> None:
-        assert copy.src is not None
-        if copy.conflicts and any(not c.executed for c in copy.conflicts):
-            raise HazardError(
-                "a host buffer was rewritten while a reload still reads it;"
-                " an offload must wait for the buffer's last use"
-                if copy.kind == "offload"
-                else "a reload read a host buffer before its offload filled it"
+        ``layers``: the decoder layers, in forward order, that label the timeline
+        (``F<i>``, ``B<i>``); ``base_bytes``: device memory already held when the step
+        begins (parameters, gradients, optimizer state), counted in every figure of
+        memory. ``clock.label("optimizer")`` names what runs next.
+        """
+        if self.profile is None:
+            raise ValueError(
+                "SimulatedAccelerator(profile=None) keeps no clock; pass a device profile,"
+                " e.g. SimulatedAccelerator(profile='h200') or a DeviceProfile"
             )
-        if copy.conflicts is not None:
-            touching = self._touching[copy.key]
-            touching.remove(copy)
-            if not touching:
-                del self._touching[copy.key]
-        copy.conflicts = None
-        if copy.dst is None:
-            copy.dst = copy.src.clone()
-        else:
-            copy.dst.copy_(copy.src)
-        copy.src = None
-        copy.executed = True
+        if not isinstance(base_bytes, int) or isinstance(base_bytes, bool) or base_bytes < 0:
+            raise ValueError(f"base_bytes must be an int >= 0, got {base_bytes!r}")
+        clock = self._sim.start_clock(base_bytes)
+        try:
+            with clock.tape, step_labels(layers, clock.tape):
+                yield clock
+        finally:
+            self._sim.stop_clock()

@@ -362,9 +362,10 @@ class SwapManager:
     and ``pool_exhausted`` counts them. ``offload_lag``: a layer's swapped storages
     leave device memory no later than when the forward of the wrapped module
     ``offload_lag`` forwards later begins (0: at the end of its own forward); the
-    compute stream waits for the copy there, the host never blocks. ``engine``: the
-    copy engine (default: ``AcceleratorCopyEngine`` for accelerator tensors, a
-    ``SimulatedAccelerator(lag=0)`` for CPU tensors). ``trace``: record events.
+    stream that produced the tensor waits for the copy there, the host never blocks.
+    ``engine``: the copy engine (default: ``AcceleratorCopyEngine`` for accelerator
+    tensors, a ``SimulatedAccelerator(lag=0)`` for CPU tensors). ``trace``: record
+    events.
 
     Every forward of a wrapped module opens its own group, linked to the group its
     prev module opened last, so several forwards before one backward (gradient
@@ -615,7 +616,8 @@ class SwapManager:
 
     def _boundary(self, seq: int) -> None:
         """A module boundary: the device advances; offloads of groups ``offload_lag``
-        forwards back are fenced and their sources dropped; finished ones too."""
+        forwards back are fenced (their producing stream waits for them) and their
+        sources dropped; finished ones too."""
         engines = self._engines.values()
         for engine in engines:
             if engine.capturing():
@@ -676,7 +678,7 @@ class SwapManager:
         elif engine.capturing():
             reason = "kept_capturing"
         else:
-            buf = self._pool.acquire(device, nbytes, pin=engine.pin)
+            buf = self._pool.acquire(device, nbytes, engine)
             if isinstance(buf, Refusal):
                 reason = buf.value
         stats = group.stats
@@ -820,8 +822,9 @@ class SwapManager:
     def _release(self, entry: _Entry) -> None:
         """The last handle died: free the source once ordered, pool the host buffer.
 
-        Nothing here blocks the host: the compute stream waits for a copy still in
-        flight, and the next offload into the buffer waits for its last users.
+        Nothing here blocks the host: the stream that produced the source waits for its
+        copy still in flight, compute for a reload, and the next offload into the
+        buffer waits for its last users.
         """
         buf, entry.buf = entry.buf, None
         if buf is None:

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from graphswap.runtime.engines import Copy
+from graphswap.runtime.engines import Copy, CopyEngine
 
 _MIN_CLASS = 4096
 
@@ -95,7 +95,13 @@ class HostPool:
         self.peak_in_use_bytes = 0
         self._high_water = 0
 
-    def acquire(self, device: torch.device, nbytes: int, *, pin: bool) -> HostBuffer | Refusal:
+    def acquire(
+        self, device: torch.device, nbytes: int, engine: CopyEngine
+    ) -> HostBuffer | Refusal:
+        """A buffer for copies of ``nbytes`` between ``device`` and the host; a new one is
+        allocated by ``engine`` (pinned if it pins), whose device may keep it apart from
+        the memory it accounts for."""
+        pin = engine.pin
         key = (device, pin, size_class(nbytes, pinned=pin))
         size = key[2]
         with self._lock:
@@ -107,7 +113,7 @@ class HostPool:
                 if not self._make_room(size):
                     return Refusal.POOL_FULL
                 try:
-                    tensor = self._allocate(size, pin)
+                    tensor = engine.host_buffer(device, size)
                 except RuntimeError:
                     return Refusal.ALLOC_FAILED
                 buf = HostBuffer(tensor, key)
@@ -127,9 +133,6 @@ class HostPool:
             self.in_use_bytes -= buf.nbytes
             self._idle[buf.key].append(buf)
             self._lru[buf] = None
-
-    def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def _make_room(self, nbytes: int) -> bool:
         if nbytes > self.max_bytes - self.in_use_bytes:

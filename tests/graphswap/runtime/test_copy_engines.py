@@ -8,6 +8,8 @@ from graphswap.runtime import HazardError, SimulatedAccelerator
 from graphswap.runtime.pool import HostPool, Refusal, size_class
 
 CPU = torch.device("cpu")
+UNPINNED = SimulatedAccelerator()
+"""An engine whose host buffers are pageable."""
 
 
 def test_copies_complete_lag_ticks_after_issue_in_order() -> None:
@@ -121,31 +123,31 @@ def test_size_classes_bound_the_slack() -> None:
 
 def test_pool_reuses_a_class_and_respects_its_cap() -> None:
     pool = HostPool(max_bytes=3 << 20)
-    a = pool.acquire(CPU, 1_000_000, pin=False)
+    a = pool.acquire(CPU, 1_000_000, UNPINNED)
     assert not isinstance(a, Refusal)
     pool.release(a, ())
-    b = pool.acquire(CPU, 1_010_000, pin=False)
+    b = pool.acquire(CPU, 1_010_000, UNPINNED)
     assert b is a, "a nearby size reuses the same class"
-    assert pool.acquire(CPU, 3 << 20, pin=False) is Refusal.POOL_FULL
+    assert pool.acquire(CPU, 3 << 20, UNPINNED) is Refusal.POOL_FULL
     pool.release(b, ())
-    c = pool.acquire(CPU, 2 << 20, pin=False)
+    c = pool.acquire(CPU, 2 << 20, UNPINNED)
     assert not isinstance(c, Refusal)
     assert pool.reserved_bytes <= 3 << 20
 
 
 def test_pool_keeps_buffers_per_device() -> None:
     pool = HostPool(max_bytes=1 << 30)
-    a = pool.acquire(torch.device("cpu", 0), 1 << 20, pin=False)
+    a = pool.acquire(torch.device("cpu", 0), 1 << 20, UNPINNED)
     assert not isinstance(a, Refusal)
     pool.release(a, ())
-    b = pool.acquire(torch.device("meta"), 1 << 20, pin=False)
+    b = pool.acquire(torch.device("meta"), 1 << 20, UNPINNED)
     assert b is not a
 
 
 def test_pool_trims_idle_buffers_to_twice_the_peak_in_use() -> None:
     pool = HostPool(max_bytes=1 << 40)
     for n in range(1, 200):
-        buf = pool.acquire(CPU, n * 50_000, pin=False)
+        buf = pool.acquire(CPU, n * 50_000, UNPINNED)
         assert not isinstance(buf, Refusal)
         pool.release(buf, ())
         assert pool.reserved_bytes <= 2 * pool.peak_in_use_bytes
@@ -153,12 +155,13 @@ def test_pool_trims_idle_buffers_to_twice_the_peak_in_use() -> None:
 
 def test_failed_allocation_is_a_refusal(monkeypatch) -> None:
     pool = HostPool(max_bytes=1 << 30)
+    engine = SimulatedAccelerator()
 
-    def fail(nbytes: int, pin: bool) -> torch.Tensor:
+    def fail(device: torch.device, nbytes: int) -> torch.Tensor:
         raise torch.OutOfMemoryError("no pinned memory left")
 
-    monkeypatch.setattr(pool, "_allocate", fail)
-    assert pool.acquire(CPU, 1 << 20, pin=True) is Refusal.ALLOC_FAILED
+    monkeypatch.setattr(engine, "host_buffer", fail)
+    assert pool.acquire(CPU, 1 << 20, engine) is Refusal.ALLOC_FAILED
     assert pool.reserved_bytes == pool.in_use_bytes == 0
 
 

@@ -185,12 +185,13 @@ def test_under_graph_capture_tensors_stay_on_device_and_are_counted() -> None:
 
 def test_failed_host_allocation_keeps_the_tensor_and_counts_it(monkeypatch) -> None:
     model = make_model(layers=3, attn="sdpa")
-    manager = wrap(model)
+    engine = SimulatedAccelerator()
+    manager = wrap(model, engine=engine)
 
-    def fail(nbytes: int, pin: bool) -> torch.Tensor:
+    def fail(device: torch.device, nbytes: int) -> torch.Tensor:
         raise torch.OutOfMemoryError("pinned allocation failed")
 
-    monkeypatch.setattr(manager._pool, "_allocate", fail)
+    monkeypatch.setattr(engine, "host_buffer", fail)
     x = ids(1024)
     model(input_ids=x, labels=x).loss.backward()
     stats = manager.stats

@@ -11,9 +11,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.hf import build_model
-from graphswap.policy import qwen3_attention_swap_policy
+from graphswap.policy import qwen3_attention_swap_policy, size_threshold_policy
 from graphswap.presets import qwen3_moe_config
-from graphswap.runtime import SimulatedAccelerator
+from graphswap.runtime import HazardError, SimulatedAccelerator
+from graphswap.runtime.engines import _Offload
 
 LAYERS = 6
 
@@ -86,3 +87,67 @@ def test_without_fences_a_lagging_device_frees_nothing_during_forward() -> None:
     """What the bound prevents: with an unbounded lag every layer stays resident."""
     resident, _, smallest = resident_at_each_layer(engine_lag=100, offload_lag=LAYERS + 10)
     assert resident[LAYERS - 1] >= (LAYERS - 1) * smallest
+
+
+class SideStreamBlock(torch.nn.Module):
+    """Computes its activation on a side stream, as overlapped kernels do: the tensor it
+    saves is allocated by that stream and saved while it is current."""
+
+    def __init__(self, engine: SimulatedAccelerator, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, n) / n**0.5)
+        self.engine = engine
+        self.side = engine.stream()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main = self.engine.current_stream()
+        self.side.wait_stream(main)
+        with self.side:
+            h = x * 2
+            y = h @ self.weight
+        main.wait_stream(self.side)
+        return y
+
+
+def side_stream_step(engine: SimulatedAccelerator, swap: bool) -> tuple[list, SwapManager]:
+    torch.manual_seed(0)
+    blocks = [SideStreamBlock(engine, 64) for _ in range(3)]
+    manager = SwapManager(engine=engine, offload_lag=1)
+    if swap:
+        wrapped = [
+            swap_wrapper(b, manager=manager, name=f"b{i}", policy=size_threshold_policy(0))
+            for i, b in enumerate(blocks)
+        ]
+        for prev, nxt in itertools.pairwise(wrapped):
+            manager.set_forward_prefetch_layer(prev, nxt)
+    x = torch.randn(32, 64, requires_grad=True)
+    h = x
+    for block in blocks:
+        h = block(h)
+    h.pow(2).sum().backward()
+    return [x.grad, *(b.weight.grad for b in blocks)], manager
+
+
+def test_a_tensor_saved_on_a_side_stream_is_fenced_on_that_stream() -> None:
+    """However far the device lags, the side stream waits for the copy before the source
+    is dropped, and no number changes."""
+    expected, _ = side_stream_step(SimulatedAccelerator(lag=3), swap=False)
+    grads, manager = side_stream_step(SimulatedAccelerator(lag=3), swap=True)
+    stats = manager.stats
+    assert stats.offloaded_tensors == stats.reloaded_tensors == 2
+    assert stats.prefetch_misses == 0
+    for got, want in zip(grads, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_fencing_the_current_stream_instead_of_the_producer_is_caught(monkeypatch) -> None:
+    """The fence before this one: compute (the default stream) waits, the side stream that
+    allocated the source does not, so the allocator may reuse it under the copy."""
+
+    def fence_current_stream(self: _Offload) -> None:
+        self._device.current_stream().wait_event(self._event)
+
+    monkeypatch.setattr(_Offload, "fence", fence_current_stream)
+    with pytest.raises(HazardError, match=r"stream \d+ \(the stream that allocated it\)"):
+        side_stream_step(SimulatedAccelerator(lag=3), swap=True)
+

@@ -1,0 +1,134 @@
+"""The device interface the copy engine is written against, and torch's accelerator.
+
+The engine needs little of a device: its current stream, new streams, events,
+waits, asynchronous copies in both directions, device and host allocations, and a
+word when it lets go of a source a copy read. Streams and events are used through
+the methods ``torch.Stream`` and ``torch.Event`` have, so on a GPU the engine holds
+torch's own objects and calls them directly; everything else goes through a
+:class:`Device`. :class:`TorchDevice` is torch's accelerator API; the simulated
+device (``graphswap.runtime._simdevice``) is the same interface on CPU, with every
+ordering hazard checked, so the engine a GPU runs is the engine CI runs.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Protocol
+
+import torch
+
+
+class HazardError(RuntimeError):
+    """An asynchronous copy was used in an order a real accelerator would corrupt."""
+
+
+class Event(Protocol):
+    """A point on a stream (``torch.Event``)."""
+
+    def query(self) -> bool:
+        """True once the work before the point completed; never blocks."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the work before the point completed."""
+        ...
+
+
+class Stream(Protocol):
+    """An ordered queue of device work (``torch.Stream``); ``with stream:`` makes it current."""
+
+    def wait_event(self, event: Any) -> None:
+        """Work queued later on this stream starts after ``event``; the host does not block."""
+        ...
+
+    def wait_stream(self, stream: Any) -> None:
+        """Work queued later on this stream starts after all work queued on ``stream``."""
+        ...
+
+    def record_event(self) -> Any:
+        """An event at the end of what is queued on this stream now."""
+        ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+
+class Device(abc.ABC):
+    """One accelerator, as the copy engine uses it."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream compute runs on now (``with stream:`` changes it)."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A stream of the engine's own, for copies."""
+
+    @abc.abstractmethod
+    def to_host(self, stream: Stream, src: torch.Tensor, host: torch.Tensor) -> None:
+        """Queue the copy of device tensor ``src`` into host tensor ``host`` on ``stream``."""
+
+    @abc.abstractmethod
+    def to_device(self, stream: Stream, host: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue the copy of host tensor ``host`` into device tensor ``dst`` on ``stream``."""
+
+    @abc.abstractmethod
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor allocated on the current stream (the caching allocator's pool
+        of that stream)."""
+
+    @abc.abstractmethod
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes`` bytes for copies to and from this device."""
+
+    @abc.abstractmethod
+    def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
+        """The engine lets go of ``storage``, which the copy ending at ``event`` read.
+
+        Legal once the copy completed or the stream that allocated the storage waited
+        for ``event``: the caching allocator hands a block freed on its allocation
+        stream out again at once, to that stream's next kernel."""
+
+    @abc.abstractmethod
+    def read(self, dst: torch.Tensor, event: Event) -> torch.Tensor:
+        """``dst``, filled by the copy ending at ``event``, for the current stream to
+        read; legal once the current stream waited for ``event``."""
+
+
+class TorchDevice(Device):
+    """torch's accelerator API (CUDA, ROCm, XPU, ...): nothing here checks anything."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        """The accelerator this interface drives."""
+
+    def current_stream(self) -> Stream:
+        return torch.accelerator.current_stream(self.device)
+
+    def new_stream(self) -> Stream:
+        return torch.Stream(device=self.device)
+
+    def to_host(self, stream: Stream, src: torch.Tensor, host: torch.Tensor) -> None:
+        with stream:
+            host.copy_(src, non_blocking=True)
+
+    def to_device(self, stream: Stream, host: torch.Tensor, dst: torch.Tensor) -> None:
+        with stream:
+            dst.copy_(host, non_blocking=True)
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
+        """The engine orders the drop (a completed query or a fence); nothing to add."""
+
+    def read(self, dst: torch.Tensor, event: Event) -> torch.Tensor:
+        return dst
