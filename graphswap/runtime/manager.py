@@ -732,9 +732,11 @@ class SwapManager:
             target = target.prev
 
     def _prefetch(self, group: _Group) -> None:
+        """Reload ``group``'s swapped storages, first needed first: backward consumes
+        them in reverse saving order, and each waits only for its own copy."""
         issued = False
         with self._lock:
-            for entry in group.entries.values():
+            for entry in reversed(group.entries.values()):
                 if entry.load is None and entry.buf is not None and entry.refs:
                     self._load(entry)
                     entry.prefetched = True

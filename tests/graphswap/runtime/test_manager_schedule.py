@@ -151,3 +151,36 @@ def test_fencing_the_current_stream_instead_of_the_producer_is_caught(monkeypatc
     with pytest.raises(HazardError, match=r"stream \d+ \(the stream that allocated it\)"):
         side_stream_step(SimulatedAccelerator(lag=3), swap=True)
 
+
+class WideThenNarrow(torch.nn.Module):
+    """Saves a wide tensor (for the matmul) and then a narrow one (tanh's output):
+    backward consumes the narrow one first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x * 2) @ self.weight).tanh()
+
+
+def test_reloads_are_issued_first_needed_first() -> None:
+    engine = SimulatedAccelerator()
+    manager = SwapManager(engine=engine)
+    first, last = WideThenNarrow(), WideThenNarrow()
+    for name, block in (("first", first), ("last", last)):
+        swap_wrapper(block, manager=manager, name=name, policy=size_threshold_policy(0))
+    manager.set_forward_prefetch_layer(first, last)
+    loads: list[int] = []
+    load = engine.load
+
+    def recording_load(host: torch.Tensor, device: torch.device, after: tuple) -> object:
+        loads.append(host.nbytes)
+        return load(host, device, after)
+
+    engine.load = recording_load  # type: ignore[method-assign]
+    x = torch.randn(64, 32, requires_grad=True)
+    last(first(x) @ torch.ones(8, 32)).sum().backward()
+    narrow, wide = 64 * 8 * 4, 64 * 32 * 4
+    assert loads == [narrow, wide]
+    assert manager.stats.prefetch_misses == 0
