@@ -75,7 +75,9 @@ class OpTape(TorchDispatchMode):
             return out
         device_type = self.device_type
         outputs = [
-            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == device_type
+            t
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.device.type == device_type
         ]
         if not outputs and not any(
             isinstance(t, torch.Tensor) and t.device.type == device_type
