@@ -24,12 +24,12 @@ from typing import Any, Literal, Union
 import yaml
 
 from graphswap.presets import preset_names
+from graphswap.runtime.profile import ProfileError, simulated_profile
 
 ActivationSwap = Literal["none", "attention", "layer", "auto"]
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
 AttnImplementation = Literal["eager", "sdpa"]
 DType = Literal["float32", "bfloat16"]
-Device = Literal["auto", "cpu", "cuda"]
 
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 """PyYAML follows YAML 1.1, which reads ``1e-3`` (no dot) as a string; such text is
@@ -51,6 +51,12 @@ AUTO_ONLY_SETTINGS = {
     "swap_hide_margin": DEFAULT_SWAP_HIDE_MARGIN,
 }
 """Settings that only ``activation_swap: auto`` reads, with their defaults."""
+
+
+SWAP_ONLY_SETTINGS = {"swap_prefetch_depth": 1, "swap_offload_lag": 1}
+"""Settings of the swap runtime that ``activation_swap: none`` must leave at their defaults."""
+
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -80,7 +86,11 @@ class TrainerConfig:
     steps: int = 10
     lr: float = 1e-3
     dtype: DType = "float32"
-    device: Device = "auto"
+    device: str = "auto"
+    """``auto`` (CUDA when visible, else CPU), ``cpu``, ``cuda``, or ``sim:<profile>``: CPU
+    tensors on a clocked simulated accelerator (``sim:h200``, ``sim:h100``, figures may
+    follow: ``sim:h200,link_gbps=25``) that predicts the step time, stalls and peak the
+    profile's GPU would see."""
     seed: int = 0
     compile: bool = False
     activation_checkpointing: bool = False
@@ -90,6 +100,9 @@ class TrainerConfig:
     pp_size: int = 1
     fsdp: bool = False
     swap_prefetch_depth: int = 1
+    swap_offload_lag: int = 1
+    """A layer's swapped tensors leave the device no later than when the forward of the
+    wrapped module this many forwards later begins (``SwapManager(offload_lag=)``)."""
     swap_bandwidth_gbps: SwapBandwidth = DEFAULT_SWAP_BANDWIDTH_GBPS
     swap_tflops: float = DEFAULT_SWAP_TFLOPS
     swap_hide_margin: float = DEFAULT_SWAP_HIDE_MARGIN
@@ -107,13 +120,16 @@ class TrainerConfig:
         for key in ("seq_len", "batch_size", "steps", "tp_size", "cp_size", "ep_size", "pp_size"):
             _check_at_least(key, getattr(self, key), 1)
         _check_at_least("swap_prefetch_depth", self.swap_prefetch_depth, 1)
-        if self.swap_prefetch_depth != 1 and self.activation_swap == "none":
-            raise ConfigError(
-                "swap_prefetch_depth",
-                f"is {self.swap_prefetch_depth} but activation_swap: none, so it would change"
-                " nothing; set activation_swap: attention, layer or auto, or leave"
-                " swap_prefetch_depth at 1",
-            )
+        _check_at_least("swap_offload_lag", self.swap_offload_lag, 0)
+        for key, default in SWAP_ONLY_SETTINGS.items():
+            value = getattr(self, key)
+            if value != default and self.activation_swap == "none":
+                raise ConfigError(
+                    key,
+                    f"is {value} but activation_swap: none, so it would change nothing; set"
+                    f" activation_swap: attention, layer or auto, or leave {key} at {default}",
+                )
+        _check_device(self.device)
         self._check_auto_settings()
         _check_at_least("seed", self.seed, 0)
         if self.num_layers is not None:
@@ -283,6 +299,21 @@ def _coerce(value: Any, annotation: Any) -> Any:
     if lists and isinstance(value, str):
         return parse_names(value)
     return value
+
+
+def _check_device(device: str) -> None:
+    if device in DEVICES:
+        return
+    try:
+        if simulated_profile(device) is not None:
+            return
+    except ProfileError as error:
+        raise ConfigError("device", str(error)) from None
+    raise ConfigError(
+        "device",
+        f"got {device!r}; allowed values: {', '.join(DEVICES)}, or sim:<profile> for the"
+        f" clocked simulated accelerator (sim:h200, sim:h100, sim:h200,link_gbps=25)",
+    )
 
 
 def _checked(key: str, value: Any, annotation: Any) -> Any:

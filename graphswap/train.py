@@ -3,6 +3,7 @@ and a summary of what the swap bought (memory) and cost (time)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -17,9 +18,13 @@ import torch
 from tqdm import tqdm
 
 from graphswap.config import TrainerConfig
+from graphswap.hf import decoder_layers
 from graphswap.measure import ResidentActivationTracker, output_tensors
 from graphswap.models import BuiltModel, build
 from graphswap.preflight import check_data, check_inputs, resolve_device
+from graphswap.runtime import SimulatedAccelerator
+from graphswap.runtime.profile import simulated_profile
+from graphswap.runtime.tape import OPTIMIZER_LABEL, StepTimeline
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -46,6 +51,12 @@ class TrainResult:
     auto_swap: dict[str, Any] | None = None
     """``activation_swap: auto``: the plan (per layer what is swapped, copy against
     overlap time) and how many planned tensors the model saved otherwise."""
+    clock: dict[str, Any] | None = None
+    """``device: sim:<profile>``: the last step on the clocked simulated accelerator
+    (``StepTimeline.to_dict()``: step time, stalls per layer and phase, copy streams
+    busy, peak device memory and where it falls) and ``profile``."""
+    clock_step_seconds: list[float] = field(default_factory=list)
+    """``device: sim:<profile>``: every step's time on the simulated accelerator."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,6 +132,8 @@ class _Run:
         self.seconds: list[float] = []
         self.resident = 0
         self.peak_rise = 0
+        self.sim = _simulated_accelerator(config, self.built)
+        self.timelines: list[StepTimeline] = []
 
     def step(self) -> None:
         model = self.built.model
@@ -131,15 +144,20 @@ class _Run:
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
         start = time.perf_counter()
-        if not self.losses:
-            loss, self.resident = _measured_forward(self.built, ids, self.device)
-        else:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._clocked() as clock:
+            if not self.losses:
+                loss, self.resident = _measured_forward(self.built, ids, self.device)
+            else:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            if clock is not None:
+                clock.label(OPTIMIZER_LABEL)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self._synchronize()
         self.seconds.append(time.perf_counter() - start)
+        if clock is not None:
+            self.timelines.append(clock.timeline)
         if self.built.auto_swap is not None:
             self.built.auto_swap.check()
         if self.device.type == "cuda":
@@ -153,6 +171,13 @@ class _Run:
             value = value / self.world_size
         self.losses.append(value.item())
 
+    def _clocked(self) -> contextlib.AbstractContextManager[Any]:
+        """On a simulated accelerator, the step on its clock; elsewhere nothing."""
+        if self.sim is None:
+            return contextlib.nullcontext()
+        _, layers = decoder_layers(self.built.model)
+        return self.sim.clock(layers, base_bytes=_state_bytes(self.built.model, self.optimizer))
+
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -161,7 +186,10 @@ class _Run:
         config = self.config
         timed = self.seconds[1:] or self.seconds
         tokens = config.batch_size * config.seq_len * self.dp_size
-        if self.device.type == "cuda":
+        if self.timelines:
+            peak = self.timelines[-1].peak_bytes
+            kind = f"device memory at the step's peak on {config.device} (predicted)"
+        elif self.device.type == "cuda":
             peak = self.peak_rise
             kind = "cuda max_memory_allocated during a step, above its start"
         else:
@@ -182,7 +210,41 @@ class _Run:
             swap=manager.stats.to_dict() if manager is not None else {},
             applied_passes=list(self.built.infrastructure.applied),
             auto_swap=auto.to_dict() if auto is not None else None,
+            clock=self._clock_summary(),
+            clock_step_seconds=[timeline.step_seconds for timeline in self.timelines],
         )
+
+    def _clock_summary(self) -> dict[str, Any] | None:
+        if not self.timelines:
+            return None
+        assert self.sim is not None
+        return {"profile": self.sim.profile.name, **self.timelines[-1].to_dict()}
+
+
+def _simulated_accelerator(config: TrainerConfig, built: BuiltModel) -> SimulatedAccelerator | None:
+    """``device: sim:<profile>``: the swap's own engine (its copies are on the clock), or
+    one of the same profile for a run without swap."""
+    profile = simulated_profile(config.device)
+    if profile is None:
+        return None
+    manager = built.swap_manager
+    engine = manager.engine if manager is not None else None
+    if isinstance(engine, SimulatedAccelerator):
+        return engine
+    return SimulatedAccelerator(profile=profile)
+
+
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Device bytes a step starts with: parameters, buffers, gradients, optimizer state."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [t for state in optimizer.state.values() for t in state.values()]
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(storages.values())
 
 
 def train(
@@ -270,6 +332,30 @@ def _swapped_share(base: TrainResult, result: TrainResult) -> str:
     return f"{moved / base.resident_activation_bytes:.1%}"
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _stalls(clock: dict[str, Any], phase: str) -> float:
+    return sum(s for label, s in clock["stalls"].items() if label.startswith(phase))
+
+
+def _clock_rows(base: TrainResult, results: list[TrainResult]) -> list[tuple[str, list[str]]]:
+    """The simulated accelerator's figures of the last step: time, stalls, peak."""
+    clocks = [r.clock for r in results if r.clock is not None]
+    base_seconds = base.clock["step_seconds"] if base.clock is not None else 0.0
+    return [
+        (f"sim step time ({clocks[0]['profile']})", [_ms(c["step_seconds"]) for c in clocks]),
+        ("sim compute busy", [_ms(c["compute_seconds"]) for c in clocks]),
+        (
+            "sim stalls forward/backward",
+            [f"{_ms(_stalls(c, 'F'))} / {_ms(_stalls(c, 'B'))}" for c in clocks],
+        ),
+        ("sim step ratio", [f"{c['step_seconds'] / base_seconds:.3f}" for c in clocks]),
+        ("sim peak memory", [f"{_mib(c['peak_bytes'])} at {c['peak_label']}" for c in clocks]),
+    ]
+
+
 def format_summary(results: list[TrainResult]) -> str:
     """One column per run, side by side; ratios against the first run."""
     base = results[0]
@@ -299,6 +385,7 @@ def format_summary(results: list[TrainResult]) -> str:
             ],
         ),
         ("host pool peak", [_mib(r.swap.get("peak_host_bytes", 0)) for r in results]),
+        *(_clock_rows(base, results) if all(r.clock is not None for r in results) else []),
         ("passes", [" -> ".join(r.applied_passes) or "-" for r in results]),
     ]
     width = max(len(name) for name, _ in rows)

@@ -24,7 +24,7 @@ from passes.fsdp import apply_fsdp
 from passes.mesh import Meshes, resolve_meshes
 from passes.plan import Plan, plan
 from passes.specs import pass_specs
-from passes.swap import apply_swap, plan_auto_swap
+from passes.swap import apply_swap, plan_auto_swap, swap_engine
 from passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
 
 if TYPE_CHECKING:
@@ -67,6 +67,8 @@ def _swap(run: _Run) -> None:
         run.model,
         mode=config.activation_swap,
         prefetch_depth=config.swap_prefetch_depth,
+        offload_lag=config.swap_offload_lag,
+        engine=swap_engine(config.device),
         auto=run.auto_swap,
     )
 

@@ -15,6 +15,8 @@ class PassSettings(Protocol):
 
     activation_swap: str
     swap_prefetch_depth: int
+    swap_offload_lag: int
+    device: str
     swap_bandwidth_gbps: float | str
     swap_tflops: float
     swap_hide_margin: float

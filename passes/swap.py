@@ -14,7 +14,14 @@ from graphswap.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.hf import decoder_layers
 from graphswap.planner import plan_memory
 from graphswap.rewrite import rewrite
-from graphswap.runtime import SwapManager, is_swap_wrapped, swap_manager_of
+from graphswap.runtime import (
+    CopyEngine,
+    SimulatedAccelerator,
+    SwapManager,
+    is_swap_wrapped,
+    swap_manager_of,
+)
+from graphswap.runtime.profile import simulated_profile
 from passes.errors import PassPostconditionError, PassSettingError
 from passes.specs import SWAP_RULES
 
@@ -31,19 +38,28 @@ def apply_swap(
     *,
     mode: str = "attention",
     prefetch_depth: int = 1,
+    offload_lag: int = 1,
+    engine: CopyEngine | None = None,
     auto: AutoSwap | None = None,
 ) -> RewriteReport:
     """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
     the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
-    (:func:`plan_auto_swap`)."""
+    (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own)."""
     if mode not in SWAP_RULES:
         raise ValueError(f"activation_swap: {mode} has no swap rule; use one of {list(SWAP_RULES)}")
     if (mode == "auto") != (auto is not None):
         raise ValueError("apply_swap: an auto plan goes with activation_swap: auto, and only there")
     rule = auto.rule() if auto is not None else SWAP_RULES[mode]
-    report = rewrite(model, [rule], manager=SwapManager(prefetch_depth=prefetch_depth))
+    manager = SwapManager(prefetch_depth=prefetch_depth, offload_lag=offload_lag, engine=engine)
+    report = rewrite(model, [rule], manager=manager)
     verify_swap(model, report, prefetch_depth=prefetch_depth, mode=mode)
     return report
+
+
+def swap_engine(device: str) -> CopyEngine | None:
+    """``device: sim:<profile>``: the clocked simulated accelerator; else the device's own."""
+    profile = simulated_profile(device)
+    return None if profile is None else SimulatedAccelerator(profile=profile)
 
 
 def verify_swap(

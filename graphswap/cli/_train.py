@@ -62,15 +62,15 @@ def _as_mode(config: Any, mode: str) -> Any:
     """``config`` with ``activation_swap: mode``; swap-only settings reset for ``none``,
     and the swap pass left out of a ``pass_order``, whose other passes keep their order."""
     # Deferred so that `graphswap --help` does not load torch (see graphswap.cli).
-    from graphswap.config import AUTO_ONLY_SETTINGS
+    from graphswap.config import AUTO_ONLY_SETTINGS, SWAP_ONLY_SETTINGS
 
     if mode == "none":
         order = config.pass_order
         return dataclasses.replace(
             config,
             activation_swap="none",
-            swap_prefetch_depth=1,
             pass_order=None if order is None else tuple(n for n in order if n != "swap"),
+            **SWAP_ONLY_SETTINGS,
             **AUTO_ONLY_SETTINGS,
         )
     return dataclasses.replace(config, activation_swap=mode)

@@ -213,3 +213,14 @@ def op_seconds(
     return max(
         flops / (profile.tflops * 1e12), op_bytes(args, kwargs, out) / (profile.hbm_gbps * 1e9)
     )
+
+
+SIM_PREFIX = "sim:"
+"""How a device setting names the clocked simulated accelerator: ``sim:<profile>``."""
+
+
+def simulated_profile(device: str) -> DeviceProfile | None:
+    """The profile of a ``sim:<profile>`` device setting; None for a real device."""
+    if not device.startswith(SIM_PREFIX):
+        return None
+    return device_profile(device.removeprefix(SIM_PREFIX))
