@@ -487,6 +487,11 @@ class SwapManager:
         self._prev[later] = earlier
 
     @property
+    def engine(self) -> CopyEngine | None:
+        """The copy engine this manager was given; None: each device's own."""
+        return self._engine_override
+
+    @property
     def links(self) -> list[tuple[str, str]]:
         order = sorted(self._next.items(), key=lambda kv: self._slots[kv[0]].index)
         return [(self._slots[a].name, self._slots[b].name) for a, b in order]

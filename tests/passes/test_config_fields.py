@@ -23,6 +23,7 @@ import torch
 import passes
 from graphswap.config import ConfigError, TrainerConfig
 from graphswap.models import build
+from graphswap.runtime import SimulatedAccelerator
 from graphswap.train import TrainResult, train
 
 CASES: dict[str, str] = {}
@@ -95,6 +96,20 @@ def test_swap_prefetch_depth_reaches_the_swap_manager(base: TrainerConfig) -> No
         assert manager is not None
         depths.append(manager.prefetch_depth)
     assert depths == [1, 2]
+
+
+@case("swap_offload_lag")
+def test_swap_offload_lag_reaches_the_swap_manager(base: TrainerConfig) -> None:
+    swap = dataclasses.replace(base, activation_swap="attention", num_layers=3)
+    lags = []
+    for lag in (0, 2):
+        manager = build(dataclasses.replace(swap, swap_offload_lag=lag)).swap_manager
+        assert manager is not None
+        lags.append(manager.offload_lag)
+    assert lags == [0, 2]
+    with pytest.raises(ConfigError) as info:
+        dataclasses.replace(base, swap_offload_lag=2)
+    assert info.value.key == "swap_offload_lag"
 
 
 AUTO = {"swap_bandwidth_gbps": 2.0, "swap_tflops": 1.0, "swap_hide_margin": 0.1}
@@ -239,6 +254,19 @@ def test_device_chooses_where_the_model_trains(base: TrainerConfig, base_run: Tr
     with pytest.raises(ConfigError) as info:
         run(base, device="cuda")
     assert info.value.key == "device"
+
+
+def test_a_simulated_device_clocks_every_step_on_its_profile(base: TrainerConfig) -> None:
+    result = run(base, device="sim:h100,link_gbps=10", activation_swap="attention")
+    assert result.clock is not None and result.clock["profile"] == "h100 (custom)"
+    assert len(result.clock_step_seconds) == base.steps
+    assert result.clock["step_seconds"] >= result.clock["compute_seconds"] > 0
+    assert result.peak_memory_bytes == result.clock["peak_bytes"] > result.clock["base_bytes"]
+    swap = dataclasses.replace(base, activation_swap="attention", device="sim:h200")
+    manager = build(swap).swap_manager
+    assert manager is not None and isinstance(manager.engine, SimulatedAccelerator)
+    with pytest.raises(ConfigError, match="unknown device profile 'h300'; presets: h100, h200"):
+        dataclasses.replace(base, device="sim:h300")
 
 
 @case("output_dir")
