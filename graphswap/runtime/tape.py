@@ -75,7 +75,9 @@ class OpTape(TorchDispatchMode):
             return out
         device_type = self.device_type
         outputs = [
-            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == device_type
+            t
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.device.type == device_type
         ]
         if not outputs and not any(
             isinstance(t, torch.Tensor) and t.device.type == device_type
@@ -83,8 +85,19 @@ class OpTape(TorchDispatchMode):
         ):
             return out
         self.listener.on_op(func, op_seconds(self.profile, func, args, kwargs, out))
-        for t in outputs:
-            self.track(t.untyped_storage())
+        live = self._live
+        fresh = [s for s in (t.untyped_storage() for t in outputs) if s._cdata not in live]
+        if fresh:
+            # An output that aliases an input (a view, an in-place result) was not born
+            # here; one not known to the tape was alive before it started (a parameter).
+            inputs = {
+                (x.untyped_storage() if isinstance(x, torch.Tensor) else x)._cdata
+                for x in tree_leaves((args, kwargs))
+                if isinstance(x, (torch.Tensor, torch.UntypedStorage))
+            }
+            for storage in fresh:
+                if storage._cdata not in inputs:
+                    self.track(storage)
         return out
 
     def track(self, storage: torch.UntypedStorage) -> None:
