@@ -38,10 +38,11 @@ accepted for float settings because it is unambiguously a number."""
 
 DEFAULT_SWAP_BANDWIDTH_GBPS = 50.0
 """Host link per direction: PCIe 5 x16 delivers ~50 GB/s of its 64 GB/s nominal (the
-planner's default too)."""
+planner's default profile, h200, has the same)."""
 
 DEFAULT_SWAP_TFLOPS = 400.0
-"""Sustained bf16 throughput of one H100/H200-class GPU (the planner's default too)."""
+"""Sustained bf16 throughput of one H100/H200-class GPU (the planner's default profile
+has the same)."""
 
 DEFAULT_SWAP_HIDE_MARGIN = 0.1
 

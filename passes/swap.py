@@ -22,7 +22,15 @@ if TYPE_CHECKING:
     from graphswap.rewrite import RewriteReport
     from passes.settings import PassSettings
 
-_PLAN_KEYS = {"seq": "seq_len", "batch": "batch_size", "tp": "tp_size"}
+_PLAN_KEYS = {
+    "seq": "seq_len",
+    "batch": "batch_size",
+    "tp": "tp_size",
+    "bandwidth_gbps": "swap_bandwidth_gbps",
+    "tflops": "swap_tflops",
+    "hide_margin": "swap_hide_margin",
+    "prefetch_depth": "swap_prefetch_depth",
+}
 """The planner's setting names that are ``PassSettings`` attributes under another name."""
 
 
@@ -77,8 +85,9 @@ def verify_swap(
 def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size`` and the ``swap_*`` keys from
-    ``config``; dtype, attention and device from the model as built. A bandwidth of
-    ``measure`` is timed here, on the model's device."""
+    ``config`` (the bandwidth and TFLOP/s override the planner's default device
+    profile; ``swap_prefetch_depth`` is the manager's); dtype, attention and device from
+    the model as built. A bandwidth of ``measure`` is timed here, on the model's device."""
     param = next(model.parameters())
     device = param.device
     hf_config = model.config
@@ -101,6 +110,7 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
             tp=config.tp_size,
             swap="auto",
             hide_margin=config.swap_hide_margin,
+            prefetch_depth=config.swap_prefetch_depth,
         )
     except PlanSettingError as error:
         key = _PLAN_KEYS.get(error.setting, error.setting)
