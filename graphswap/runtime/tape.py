@@ -50,6 +50,18 @@ class TapeListener(Protocol):
         """A device storage died."""
 
 
+_ALIASING: dict[Any, bool] = {}
+
+
+def _may_alias(func: Any) -> bool:
+    """Whether an output of ``func`` may alias an input (its schema says so: views,
+    in-place and ``out=`` variants, ``set_``)."""
+    found = _ALIASING.get(func)
+    if found is None:
+        found = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
+    return found
+
+
 class OpTape(TorchDispatchMode):
     """While active, reports every operator touching ``device_type`` to ``listener``.
 
@@ -87,7 +99,7 @@ class OpTape(TorchDispatchMode):
         self.listener.on_op(func, op_seconds(self.profile, func, args, kwargs, out))
         live = self._live
         fresh = [s for s in (t.untyped_storage() for t in outputs) if s._cdata not in live]
-        if fresh:
+        if fresh and _may_alias(func):
             # An output that aliases an input (a view, an in-place result) was not born
             # here; one not known to the tape was alive before it started (a parameter).
             inputs = {
@@ -95,9 +107,9 @@ class OpTape(TorchDispatchMode):
                 for x in tree_leaves((args, kwargs))
                 if isinstance(x, (torch.Tensor, torch.UntypedStorage))
             }
-            for storage in fresh:
-                if storage._cdata not in inputs:
-                    self.track(storage)
+            fresh = [storage for storage in fresh if storage._cdata not in inputs]
+        for storage in fresh:
+            self.track(storage)
         return out
 
     def track(self, storage: torch.UntypedStorage) -> None:
