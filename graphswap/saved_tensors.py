@@ -316,6 +316,7 @@ class MetaModel:
     rank_config: Qwen3MoeConfig
     """The model one rank runs (the whole model when ``tp`` is 1)."""
     tp: int
+    """Tensor-parallel ranks the model is one rank of."""
     device: str
     """The device training runs on (``cuda`` or ``cpu``): it chose the kernel."""
     ids: torch.Tensor

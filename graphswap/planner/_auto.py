@@ -27,6 +27,7 @@ class SwapCandidate:
     """One storage ``layer`` swap would move: its bytes and every save of it."""
 
     nbytes: int
+    """The storage's size: what its copy moves."""
     saves: tuple[SavedTensor, ...]
     """In saving order; their ``index`` is what the runtime policy is told."""
 
@@ -84,7 +85,10 @@ class AutoPlan:
 
 @dataclass(frozen=True)
 class _Timed:
+    """A candidate with the times its copies are bound by."""
+
     candidate: SwapCandidate
+    """The storage and its saves."""
     first: int
     """Index of its first save in the layer's forward."""
     issued: float

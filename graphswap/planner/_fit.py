@@ -46,6 +46,7 @@ class ModeFit:
     """One mode's longest sequence."""
 
     swap: str
+    """The mode: ``none``, ``attention``, ``layer`` or ``auto``."""
     seq: int | None
     """The longest multiple of the step that fits; ``None``: not even one step."""
     plan: MemoryPlan | None
@@ -59,11 +60,17 @@ class FitResult:
     """What fits in ``memory_bytes``, per mode, on one rank."""
 
     memory_bytes: int
+    """The device memory searched in."""
     profile: DeviceProfile
+    """The device the steps were timed on."""
     batch: int
+    """Sequences per batch."""
     seq_step: int
+    """Answers are multiples of this many tokens."""
     max_seq: int
+    """The longest length searched: the model's ``max_position_embeddings``."""
     state_shards: int
+    """Ranks the parameters, gradients and optimizer state are sharded over."""
     parameter_bytes: int
     """One rank's share of the parameters."""
     gradient_bytes: int
@@ -71,6 +78,7 @@ class FitResult:
     optimizer_state_bytes: int
     """One rank's share of AdamW's two moments (twice the parameters, in their dtype)."""
     buffer_bytes: int
+    """The model's buffers (replicated)."""
     modes: tuple[ModeFit, ...]
     """Empty when the state alone does not fit."""
     traced: tuple[int, ...]

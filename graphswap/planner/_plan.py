@@ -68,7 +68,9 @@ class LayerPlan:
     """One decoder layer: what it saves, what swap moves, and whether its copies hide."""
 
     name: str
+    """The decoder layer's module path (``model.layers.<i>``)."""
     index: int
+    """Its position in forward order."""
     saved_bytes: int
     """Saved-activation bytes the layer owns (a storage counts in the scope that saves it
     first)."""
@@ -131,11 +133,17 @@ class MemoryPlan:
     """One rank's predicted training step with a swap mode, beside the step without it."""
 
     config: dict[str, Any]
+    """The model's shape (layers, widths, heads, experts, vocabulary)."""
     seq: int
+    """Tokens per sequence."""
     batch: int
+    """Sequences per batch."""
     dtype: str
+    """The training dtype."""
     attn_implementation: str
+    """Hugging Face attention: ``sdpa`` or ``eager``."""
     device: str
+    """The device training runs on (``cuda`` or ``cpu``): it chose kernel and optimizer."""
     attn_kernel: str | None
     """The sdpa kernel traced; ``None`` for eager attention."""
     tp: int
@@ -143,19 +151,27 @@ class MemoryPlan:
     swap: str
     """What is swapped: ``none``, ``attention``, ``layer`` or ``auto``."""
     policy: str
+    """The swap policy's name (``none`` for no swap)."""
     profile: DeviceProfile
+    """The device the step was timed on."""
     offload_lag: int
+    """The ``SwapManager``'s: offloads are fenced that many modules later."""
     prefetch_depth: int
+    """The ``SwapManager``'s: reloads are issued that many modules ahead."""
     state_shards: int
     """Ranks the parameters, gradients and optimizer state are sharded over."""
     layers: tuple[LayerPlan, ...]
+    """Per decoder layer, in forward order."""
     embed_saved_bytes: int
+    """Saved by the embedding, before the first layer."""
     head_saved_bytes: int
+    """Saved after the last layer: final norm, lm_head and loss."""
     timeline: StepTimeline
     """The step with this swap, replayed under the clock contract."""
     baseline: StepTimeline
     """The same step without swap."""
     assumptions: tuple[str, ...]
+    """What the prediction takes for granted, in words."""
     hide_margin: float | None = None
     """``auto``: the share of each copy's window left free."""
     layer_swappable_bytes: int = 0

@@ -58,6 +58,7 @@ class Replay:
     """One step of one swap choice, on the device the trace was timed for."""
 
     timeline: StepTimeline
+    """The step's time, stalls and device memory, as a clocked run reports them."""
     groups: tuple[GroupReplay, ...]
     """Per decoder layer, its wrapped module (all zero when nothing is wrapped)."""
 

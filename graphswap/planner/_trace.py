@@ -78,7 +78,9 @@ class Block:
     """One device storage's lifetime in the traced step."""
 
     nbytes: int
+    """The storage's size."""
     kind: BlockKind
+    """What it holds (what ``state_shards`` divides)."""
 
 
 @dataclass(frozen=True)
@@ -102,16 +104,22 @@ class StepTrace:
     """One steady-state training step of one rank, traced on meta."""
 
     seq: int
+    """Tokens per sequence traced."""
     batch: int
+    """Sequences per batch traced."""
     dtype: torch.dtype
+    """The parameters' and activations' dtype."""
     attn_implementation: str
+    """Hugging Face attention: ``sdpa`` or ``eager``."""
     device: str
     """The device training runs on: it chose the attention kernel and the optimizer's
     implementation."""
     events: tuple[tuple[Event, Any], ...]
     """``(event, payload)`` in the order the device runs them (see :class:`Event`)."""
     blocks: tuple[Block, ...]
+    """Every device storage born in the step, by the index ``ALLOC`` and ``FREE`` carry."""
     saves: tuple[TracedSave, ...]
+    """Every pack call of the step, by the index ``PACK``, ``UNPACK`` and ``RELEASE`` carry."""
     saved: SavedTensorTrace
     """The forward's saves per scope (the first policy's answers), as the forward-only
     trace gives them."""
@@ -122,6 +130,7 @@ class StepTrace:
     parameter_bytes: int
     """The model's parameters on this rank, as they sit on the device."""
     buffer_bytes: int
+    """The model's buffers (the rotary frequencies)."""
     optimizer_state_bytes: int
     """AdamW's ``exp_avg`` and ``exp_avg_sq`` (the step counters stay on the host)."""
 

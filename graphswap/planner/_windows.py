@@ -61,6 +61,7 @@ class StepTimes:
     """Compute-only times of one scope's events in a traced step."""
 
     scope: str
+    """The modules the windows are of: ``attention`` or ``layer``."""
     pack_seconds: tuple[float, ...]
     """Per traced save, when it was packed."""
     unpack_seconds: tuple[float, ...]
