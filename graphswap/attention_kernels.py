@@ -43,6 +43,12 @@ _OPS = {
 }
 
 _FUSED_SAVES = "q, k and v (key/value heads, not repeated), the output and the log-sum-exp"
+_REPEATED_SAVES = (
+    "q, k and v (key/value heads repeated to the query heads: the kernel takes no grouped "
+    "heads), the output and the log-sum-exp"
+)
+_REPEATS_KV = frozenset({"efficient", "cudnn"})
+"""CUDA kernels without grouped-query attention: key and value heads are repeated first."""
 _MATH_SAVES = "the seq x seq attention probabilities (float32 for 16-bit inputs)"
 
 
@@ -68,7 +74,12 @@ class AttentionKernel:
         return f"aten.{_OPS[self.device, self.name]}"
 
     def describe(self) -> str:
-        saves = _MATH_SAVES if self.name == "math" else _FUSED_SAVES
+        if self.name == "math":
+            saves = _MATH_SAVES
+        elif self.device == "cuda" and self.name in _REPEATS_KV:
+            saves = _REPEATED_SAVES
+        else:
+            saves = _FUSED_SAVES
         return (
             f"attention: sdpa runs the {self.device} {self.name} kernel, traced through "
             f"{self.op}; autograd saves what its backward needs: {saves}"
@@ -192,6 +203,11 @@ class FusedAttentionMode(TorchFunctionMode):
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
             )[0]
         log_sumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if name in _REPEATS_KV and key.size(-3) != query.size(-3):
+            # These kernels take no grouped key/value heads: the heads are repeated first.
+            groups = query.size(-3) // key.size(-3)
+            key = key.repeat_interleave(groups, dim=-3)
+            value = value.repeat_interleave(groups, dim=-3)
         if name == "flash":
             if attn_mask is not None:
                 raise PlanSettingError(

@@ -156,8 +156,9 @@ class AutoSwap:
             "auto_swapped_bytes": layer.swappable_bytes,
             "auto_kept_bytes": layer.kept_bytes,
             "auto_copy_ms": round(layer.copy_seconds * 1e3, 6),
-            "auto_overlap_ms": round(layer.overlap_seconds * 1e3, 6),
-            "auto_verdict": layer.verdict("auto"),
+            "auto_forward_window_ms": round(layer.forward_window * 1e3, 6),
+            "auto_backward_window_ms": round(layer.backward_window * 1e3, 6),
+            "auto_verdict": layer.verdict(),
         }
 
     @property
@@ -179,33 +180,17 @@ class AutoSwap:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        plan = self.plan
+        """The plan's data (``plan``), what it was made for and what run time found;
+        ``graphswap train`` renders it (``graphswap.cli._memory.format_auto_report``)."""
         return {
             "made_for": self.made_for,
-            "bandwidth_gbps": plan.bandwidth_gbps,
             "measured_bandwidth": None
             if self.measured is None
             else dataclasses.asdict(self.measured),
-            "tflops": plan.tflops,
-            "hide_margin": plan.hide_margin,
-            "swapped_bytes": plan.swapped_bytes,
-            "layer_swappable_bytes": plan.layer_swappable_bytes,
-            "verdict": plan.auto_verdict(),
-            "layers": plan.layer_dicts(),
+            "swapped_bytes": self.plan.swapped_bytes,
             "mismatched_tensors": self.mismatched_tensors,
-            "report": self.format_report(),
+            "plan": self.plan.to_dict(),
         }
-
-    def format_report(self) -> str:
-        """What ``graphswap train`` prints: the settings, the link, the per-layer choice."""
-        lines = [f"activation_swap: auto, planned for {self.made_for}"]
-        if self.measured is not None:
-            lines.append(
-                f"swap_bandwidth_gbps: measure: device->host "
-                f"{self.measured.device_to_host_gbps:.1f} GB/s, host->device "
-                f"{self.measured.host_to_device_gbps:.1f} GB/s; planned with the slower"
-            )
-        return "\n".join([*lines, *self.plan.format_layers()])
 
 
 def check_measurable(device: torch.device) -> None:

@@ -36,18 +36,11 @@ _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 accepted for float settings because it is unambiguously a number."""
 
 
-DEFAULT_SWAP_BANDWIDTH_GBPS = 50.0
-"""Host link per direction: PCIe 5 x16 delivers ~50 GB/s of its 64 GB/s nominal (the
-planner's default too)."""
-
-DEFAULT_SWAP_TFLOPS = 400.0
-"""Sustained bf16 throughput of one H100/H200-class GPU (the planner's default too)."""
-
 DEFAULT_SWAP_HIDE_MARGIN = 0.1
 
 AUTO_ONLY_SETTINGS = {
-    "swap_bandwidth_gbps": DEFAULT_SWAP_BANDWIDTH_GBPS,
-    "swap_tflops": DEFAULT_SWAP_TFLOPS,
+    "swap_bandwidth_gbps": None,
+    "swap_tflops": None,
     "swap_hide_margin": DEFAULT_SWAP_HIDE_MARGIN,
 }
 """Settings that only ``activation_swap: auto`` reads, with their defaults."""
@@ -103,8 +96,11 @@ class TrainerConfig:
     swap_offload_lag: int = 1
     """A layer's swapped tensors leave the device no later than when the forward of the
     wrapped module this many forwards later begins (``SwapManager(offload_lag=)``)."""
-    swap_bandwidth_gbps: SwapBandwidth = DEFAULT_SWAP_BANDWIDTH_GBPS
-    swap_tflops: float = DEFAULT_SWAP_TFLOPS
+    swap_bandwidth_gbps: SwapBandwidth | None = None
+    """``auto``: the host link in GB/s per direction, or ``measure`` (timed on the training
+    device); None: the device profile's (``device: sim:<profile>``'s, else h200's)."""
+    swap_tflops: float | None = None
+    """``auto``: sustained TFLOP/s; None: the device profile's."""
     swap_hide_margin: float = DEFAULT_SWAP_HIDE_MARGIN
     data: str | None = None
     output_dir: str = "out"
@@ -152,9 +148,10 @@ class TrainerConfig:
             )
 
     def _check_auto_settings(self) -> None:
-        if self.swap_bandwidth_gbps != "measure":
+        if self.swap_bandwidth_gbps not in ("measure", None):
             _check_positive("swap_bandwidth_gbps", self.swap_bandwidth_gbps, "GB/s", " or measure")
-        _check_positive("swap_tflops", self.swap_tflops, "TFLOP/s")
+        if self.swap_tflops is not None:
+            _check_positive("swap_tflops", self.swap_tflops, "TFLOP/s")
         margin = self.swap_hide_margin
         if not 0 <= margin < 1:
             raise ConfigError(

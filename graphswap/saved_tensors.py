@@ -16,10 +16,11 @@ a save by its index and check it by shape and dtype.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +45,11 @@ if TYPE_CHECKING:
 
 EMBED = "embed"
 HEAD = "head"
+
+ATTENTION_SCOPE = "attention"
+"""A boundary of a decoder layer's attention forward (what ``attention`` swap wraps)."""
+LAYER_SCOPE = "layer"
+"""A boundary of a whole decoder layer's forward (what ``layer`` and ``auto`` wrap)."""
 
 
 @dataclass(frozen=True)
@@ -136,17 +142,23 @@ class _ShapeOnlyGroupedMM(TorchDispatchMode):
     """On meta, ``_grouped_mm`` rejects non-bf16 inputs (a CUDA kernel limit it checks).
 
     Its output shape is all the trace needs; autograd above this mode still records the
-    op and saves its inputs, so saved bytes are exact.
+    op and saves its inputs, so saved bytes are exact. Forward and the input gradient
+    multiply 2D by 3D (tokens x K by groups x K x N: tokens x N); the weight gradient
+    multiplies 2D by 2D (K x tokens by tokens x N, split at ``offs``: groups x K x N).
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is torch.ops.aten._grouped_mm.default and args[0].device.type == "meta":
             mat_a, mat_b = args[0], args[1]
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
             if mat_a.dim() == 2 and mat_b.dim() == 3:
-                return torch.empty(
-                    mat_a.shape[0], mat_b.shape[-1], dtype=mat_a.dtype, device=mat_a.device
-                )
+                shape: tuple[int, ...] = (mat_a.shape[0], mat_b.shape[-1])
+            elif mat_a.dim() == 2 and mat_b.dim() == 2 and offs is not None:
+                shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+            else:
+                return func(*args, **kwargs)
+            return torch.empty(shape, dtype=mat_a.dtype, device=mat_a.device)
         return func(*args, **kwargs)
 
 
@@ -154,85 +166,112 @@ class SavedTensorCollector:
     """Records each tensor autograd saves, attributed to the running decoder layer.
 
     Scopes are ``embed`` (before the first layer), ``model.layers.<i>`` and ``head``
-    (after the last).
+    (after the last). Saves are kept as autograd would keep them; a subclass may change
+    what the hooks hand autograd (``_pack``, ``_unpack``), how storages are told apart
+    (``_storage_id``) and what a module boundary does (``_boundary``).
     """
 
     def __init__(self, model: torch.nn.Module, policy: SwapPolicy = qwen3_attention_swap_policy):
         self.model = model
         self.policy = policy
         self.saves: dict[str, list[SavedTensor]] = {}
-        self._storage_ids: dict[int, int] = {}
+        self._storage_ids: dict[Hashable, int] = {}
         self._held: list[torch.Tensor] = []
         self._scope = EMBED
+        self._layer: int | None = None
         self._in_attention = 0
         self._param_storages = {
             t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())
         }
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def record(self, t: torch.Tensor) -> SavedTensor:
+        """Describe ``t`` as the save it is and append it to its scope's saves."""
         storage = t.untyped_storage()
+        key = storage._cdata
+        parameter = key in self._param_storages or is_parameter_like(t)
+        saves = self.saves.setdefault(self._scope, [])
+        save = SavedTensor(
+            index=len(saves),
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+            nbytes=tensor_nbytes(t),
+            storage=self._storage_id(t, storage),
+            storage_nbytes=storage.nbytes(),
+            parameter=parameter,
+            in_attention=self._in_attention > 0,
+            policy_swaps=not parameter and self.policy(t) is CheckpointPolicy.MUST_SWAP,
+        )
+        saves.append(save)
+        return save
+
+    def _storage_id(self, t: torch.Tensor, storage: torch.UntypedStorage) -> int:
+        """Saves of one storage share an id, numbered in order of first save."""
         key = storage._cdata
         storage_id = self._storage_ids.get(key)
         if storage_id is None:
             storage_id = self._storage_ids[key] = len(self._storage_ids)
             # Holding the tensor keeps its storage address from being reused by a later one.
             self._held.append(t)
-        parameter = key in self._param_storages or is_parameter_like(t)
-        saves = self.saves.setdefault(self._scope, [])
-        saves.append(
-            SavedTensor(
-                index=len(saves),
-                shape=tuple(t.shape),
-                dtype=t.dtype,
-                nbytes=tensor_nbytes(t),
-                storage=storage_id,
-                storage_nbytes=storage.nbytes(),
-                parameter=parameter,
-                in_attention=self._in_attention > 0,
-                policy_swaps=not parameter and self.policy(t) is CheckpointPolicy.MUST_SWAP,
-            )
-        )
+        return storage_id
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        self.record(t)
         return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        return packed
 
     @contextmanager
     def collect(self) -> Iterator[SavedTensorCollector]:
         handles = []
         fqn, layers = decoder_layers(self.model)
         for i, layer in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(self._enter_layer(f"{fqn}.{i}")))
-            handles.append(layer.register_forward_hook(self._leave_layer))
+            handles.append(layer.register_forward_pre_hook(self._enter_layer(i, f"{fqn}.{i}")))
+            # Prepended: a boundary at the end of a layer comes before other hooks see it end.
+            handles.append(layer.register_forward_hook(self._leave_layer, prepend=True))
             handles.append(layer.self_attn.register_forward_pre_hook(self._enter_attention))
-            handles.append(layer.self_attn.register_forward_hook(self._leave_attention))
+            handles.append(
+                layer.self_attn.register_forward_hook(self._leave_attention, prepend=True)
+            )
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _identity):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _enter_layer(self, name: str) -> Callable[[torch.nn.Module, Any], None]:
+    def _boundary(self, scope: str, layer: int, enter: bool) -> None:
+        """The forward of ``layer``'s attention or of the whole layer (``scope``) begins
+        (``enter``) or ends; the base collector needs nothing there."""
+
+    def _enter_layer(self, index: int, name: str) -> Callable[[torch.nn.Module, Any], None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
             self._scope = name
+            self._layer = index
+            self._boundary(LAYER_SCOPE, index, True)
 
         return hook
 
     def _leave_layer(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        assert self._layer is not None
+        self._boundary(LAYER_SCOPE, self._layer, False)
         self._scope = HEAD  # until the next layer starts; after the last one it stays
+        self._layer = None
 
     def _enter_attention(self, module: torch.nn.Module, args: Any) -> None:
         self._in_attention += 1
+        assert self._layer is not None
+        self._boundary(ATTENTION_SCOPE, self._layer, True)
 
     def _leave_attention(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        assert self._layer is not None
+        self._boundary(ATTENTION_SCOPE, self._layer, False)
         self._in_attention -= 1
 
     def bytes_by_scope(
         self, swapped: Callable[[SavedTensor], bool] = attention_swap
     ) -> dict[str, tuple[int, int]]:
         return bytes_by_scope(self.saves, swapped)
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def head_dim(config: Qwen3MoeConfig) -> int:
@@ -266,7 +305,69 @@ def per_rank_config(config: Qwen3MoeConfig, tp: int) -> Qwen3MoeConfig:
     return rank
 
 
-def trace_saved_tensors(
+@dataclass(frozen=True)
+class MetaModel:
+    """A model built on the meta device to be traced, and what its forward is fed."""
+
+    model: torch.nn.Module
+    """One rank's model, on meta, in training mode."""
+    kernel: AttentionKernel | None
+    """The sdpa kernel its attention runs; ``None`` for eager attention."""
+    rank_config: Qwen3MoeConfig
+    """The model one rank runs (the whole model when ``tp`` is 1)."""
+    tp: int
+    """Tensor-parallel ranks the model is one rank of."""
+    device: str
+    """The device training runs on (``cuda`` or ``cpu``): it chose the kernel."""
+    ids: torch.Tensor
+    """Token ids of one batch (on meta), used as inputs and labels."""
+
+    @contextmanager
+    def tracing(self) -> Iterator[None]:
+        """The modes a meta forward and backward need: fused attention runs its kernel's
+        op, ``_grouped_mm`` only shapes its output, and the mask code does not look for
+        packed sequences (a data-dependent check meta cannot answer; training batches are
+        not packed). A dispatch mode entered inside sees the kernels' own ops."""
+        from transformers import masking_utils  # loaded with the model code already
+
+        attention = nullcontext() if self.kernel is None else FusedAttentionMode(self.kernel)
+        with (
+            mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed),
+            _ShapeOnlyGroupedMM(),
+            attention,
+        ):
+            yield
+
+    def forward(self) -> Any:
+        """One training forward: no cache, so nothing outside autograd keeps keys/values."""
+        return self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
+
+    def saved_tensor_trace(self, saves: Mapping[str, Sequence[SavedTensor]]) -> SavedTensorTrace:
+        """``saves`` (per scope, as a collector gathers them) as a trace of this model."""
+        fqn, decoder = decoder_layers(self.model)
+        layers = tuple(
+            LayerTrace(
+                name=f"{fqn}.{i}",
+                moe=hasattr(layer.mlp, "experts"),
+                saves=tuple(saves.get(f"{fqn}.{i}", ())),
+            )
+            for i, layer in enumerate(decoder)
+        )
+        return SavedTensorTrace(
+            embed=tuple(saves.get(EMBED, ())),
+            layers=layers,
+            head=tuple(saves.get(HEAD, ())),
+            kernel=self.kernel,
+            rank_config=self.rank_config,
+            tp=self.tp,
+        )
+
+
+def _not_packed(position_ids: torch.Tensor) -> None:
+    return None
+
+
+def build_meta_model(
     config: Qwen3MoeConfig,
     *,
     seq: int,
@@ -276,9 +377,8 @@ def trace_saved_tensors(
     device: str = "cuda",
     attn_kernel: str | None = None,
     tp: int = 1,
-    policy: SwapPolicy = qwen3_attention_swap_policy,
-) -> SavedTensorTrace:
-    """Trace one training forward of ``config`` on meta: one rank's saves, per scope.
+) -> MetaModel:
+    """One rank's model of ``config`` on meta, ready to trace at ``batch`` x ``seq``.
 
     ``device`` and ``attn_kernel`` choose the sdpa kernel (``None``: the one PyTorch
     picks first for the device and dtype). Every setting is checked before a model is
@@ -301,28 +401,37 @@ def trace_saved_tensors(
     rank_config = per_rank_config(config, tp)
     rank_config._attn_implementation = attn_implementation
     model = build_model(rank_config, device="meta", dtype=dtype).train()
-    collector = SavedTensorCollector(model, policy)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    attention = nullcontext() if kernel is None else FusedAttentionMode(kernel)
-    with collector.collect(), _ShapeOnlyGroupedMM(), attention:
-        # The default cache stays on: without one, the mask code checks position ids for
-        # packed sequences, a data-dependent branch meta cannot take. Saved tensors are the same.
-        model(input_ids=ids, labels=ids)
-    saves = collector.saves
-    fqn, decoder = decoder_layers(model)
-    layers = tuple(
-        LayerTrace(
-            name=f"{fqn}.{i}",
-            moe=hasattr(layer.mlp, "experts"),
-            saves=tuple(saves.get(f"{fqn}.{i}", ())),
-        )
-        for i, layer in enumerate(decoder)
-    )
-    return SavedTensorTrace(
-        embed=tuple(saves.get(EMBED, ())),
-        layers=layers,
-        head=tuple(saves.get(HEAD, ())),
-        kernel=kernel,
-        rank_config=rank_config,
+    return MetaModel(model, kernel, rank_config, tp, device, ids)
+
+
+def trace_saved_tensors(
+    config: Qwen3MoeConfig,
+    *,
+    seq: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str = "sdpa",
+    device: str = "cuda",
+    attn_kernel: str | None = None,
+    tp: int = 1,
+    policy: SwapPolicy = qwen3_attention_swap_policy,
+) -> SavedTensorTrace:
+    """Trace one training forward of ``config`` on meta: one rank's saves, per scope.
+
+    The settings are those of :func:`build_meta_model`.
+    """
+    meta = build_meta_model(
+        config,
+        seq=seq,
+        batch=batch,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        device=device,
+        attn_kernel=attn_kernel,
         tp=tp,
     )
+    collector = SavedTensorCollector(meta.model, policy)
+    with collector.collect(), meta.tracing():
+        meta.forward()
+    return meta.saved_tensor_trace(collector.saves)

@@ -12,7 +12,7 @@ from torch import nn
 from graphswap.attention_kernels import PlanSettingError
 from graphswap.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.hf import decoder_layers
-from graphswap.planner import plan_memory
+from graphswap.planner import DEFAULT_PROFILE, plan_memory
 from graphswap.rewrite import rewrite
 from graphswap.runtime import (
     CopyEngine,
@@ -29,7 +29,16 @@ if TYPE_CHECKING:
     from graphswap.rewrite import RewriteReport
     from passes.settings import PassSettings
 
-_PLAN_KEYS = {"seq": "seq_len", "batch": "batch_size", "tp": "tp_size"}
+_PLAN_KEYS = {
+    "seq": "seq_len",
+    "batch": "batch_size",
+    "tp": "tp_size",
+    "bandwidth_gbps": "swap_bandwidth_gbps",
+    "tflops": "swap_tflops",
+    "hide_margin": "swap_hide_margin",
+    "prefetch_depth": "swap_prefetch_depth",
+    "offload_lag": "swap_offload_lag",
+}
 """The planner's setting names that are ``PassSettings`` attributes under another name."""
 
 
@@ -93,8 +102,10 @@ def verify_swap(
 def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size`` and the ``swap_*`` keys from
-    ``config``; dtype, attention and device from the model as built. A bandwidth of
-    ``measure`` is timed here, on the model's device."""
+    ``config`` (the bandwidth and TFLOP/s, when set, override the device profile: the
+    simulated device's, else the planner's default; ``swap_prefetch_depth`` and
+    ``swap_offload_lag`` are the manager's); dtype, attention and device from the model
+    as built. A bandwidth of ``measure`` is timed here, on the model's device."""
     param = next(model.parameters())
     device = param.device
     hf_config = model.config
@@ -117,6 +128,9 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
             tp=config.tp_size,
             swap="auto",
             hide_margin=config.swap_hide_margin,
+            prefetch_depth=config.swap_prefetch_depth,
+            offload_lag=config.swap_offload_lag,
+            profile=simulated_profile(config.device) or DEFAULT_PROFILE,
         )
     except PlanSettingError as error:
         key = _PLAN_KEYS.get(error.setting, error.setting)

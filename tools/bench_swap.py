@@ -182,7 +182,9 @@ def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device)
         "total_saved_bytes": plan.total_saved_bytes,
         "swapped_bytes": plan.swapped_bytes,
         "end_of_forward_with_swap_bytes": plan.end_of_forward_with_swap_bytes,
-        "peak_with_swap_bytes": plan.peak_with_swap_bytes,
+        "predicted_peak_bytes": plan.timeline.peak_bytes,
+        "predicted_peak_without_swap_bytes": plan.baseline.peak_bytes,
+        "predicted_step_ratio": plan.step_ratio,
     }
 
 
@@ -226,10 +228,12 @@ def run_seq(
     modes = [Mode(name, model, device, auto if name == AUTO else None) for name in args.modes]
     _untimed_steps(modes, ids, run, files)
     if auto is not None:
+        from graphswap.cli._memory import auto_verdict
+
         offloaded = run["modes"][AUTO]["verify"]["counters"]["offloaded_bytes"]
         run["auto_plan"] = {
             "swapped_bytes": auto.plan.swapped_bytes,
-            "verdict": auto.plan.auto_verdict(),
+            "verdict": auto_verdict(auto.plan.to_dict()),
             "offloaded_bytes": offloaded,
             "mismatched_tensors": auto.mismatched_tensors,
             "matches_plan": offloaded == auto.plan.swapped_bytes and not auto.mismatched_tensors,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def positive_int(text: str) -> int:
@@ -13,7 +14,8 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
+    """A finite number > 0 (``inf`` and ``nan`` are refused, as ``graphswap train`` does)."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from graphswap.auto_swap import AutoSwapMismatchError
+    from graphswap.cli._memory import format_auto_report
     from graphswap.config import ConfigError, resolve_config
     from graphswap.hf import CheckpointError
     from graphswap.train import format_summary, train_side_by_side, write_summary
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for result in results:
         if result.auto_swap is not None:
-            print(result.auto_swap["report"])
+            print(format_auto_report(result.auto_swap))
     print(format_summary(results))
     print(f"summary written to {write_summary(results, config.output_dir)}")
     if args.compare and results[0].losses != results[1].losses:

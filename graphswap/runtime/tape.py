@@ -50,6 +50,18 @@ class TapeListener(Protocol):
         """A device storage died."""
 
 
+_ALIASING: dict[Any, bool] = {}
+
+
+def _may_alias(func: Any) -> bool:
+    """Whether an output of ``func`` may alias an input (its schema says so: views,
+    in-place and ``out=`` variants, ``set_``)."""
+    found = _ALIASING.get(func)
+    if found is None:
+        found = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
+    return found
+
+
 class OpTape(TorchDispatchMode):
     """While active, reports every operator touching ``device_type`` to ``listener``.
 
@@ -85,18 +97,20 @@ class OpTape(TorchDispatchMode):
         ):
             return out
         self.listener.on_op(func, op_seconds(self.profile, func, args, kwargs, out))
-        if outputs:
-            # A view, an in-place op, set_ or detach returns a storage it was given: no birth.
-            given = {
-                x._cdata if isinstance(x, torch.UntypedStorage) else x.untyped_storage()._cdata
+        live = self._live
+        fresh = [s for s in (t.untyped_storage() for t in outputs) if s._cdata not in live]
+        if fresh and _may_alias(func):
+            # An output that aliases an input (a view, an in-place result) was not born
+            # here; one not known to the tape was alive before it started (a parameter).
+            inputs = {
+                (x.untyped_storage() if isinstance(x, torch.Tensor) else x)._cdata
                 for x in tree_leaves((args, kwargs))
                 if isinstance(x, torch.UntypedStorage)
                 or (isinstance(x, torch.Tensor) and x.layout is torch.strided)
             }
-            for t in outputs:
-                storage = t.untyped_storage()
-                if storage._cdata not in given:
-                    self.track(storage)
+            fresh = [storage for storage in fresh if storage._cdata not in inputs]
+        for storage in fresh:
+            self.track(storage)
         return out
 
     def track(self, storage: torch.UntypedStorage) -> None:

@@ -184,6 +184,26 @@ CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
         2,
         "graphswap plan-memory: error: --model ",
     ),
+    (
+        "plan-memory-unknown-profile",
+        lambda p: ["plan-memory", "--preset", "tiny", "--seq", "8", "--profile", "a100"],
+        2,
+        "error: --profile a100: unknown device profile 'a100'; presets: h100, h200",
+    ),
+    (
+        "plan-memory-profile-without-hbm",
+        lambda p: [
+            "plan-memory",
+            "--preset",
+            "tiny",
+            "--seq",
+            "8",
+            "--profile",
+            "h100,hbm_gbps=-1",
+        ],
+        2,
+        "error: --profile h100,hbm_gbps=-1: device profile 'h100 (custom)': hbm_gbps must be",
+    ),
 ]
 
 
@@ -223,6 +243,18 @@ def test_unknown_attn_implementation_names_the_choices(capsys: pytest.CaptureFix
         "graphswap plan-memory: error: argument --attn-implementation: invalid choice: 'flash'"
     )
     assert "eager" in last and "sdpa" in last
+
+
+@pytest.mark.parametrize("flag", ["--bandwidth", "--tflops"])
+@pytest.mark.usefixtures("no_model_built")
+def test_plan_memory_refuses_an_infinite_figure_as_train_does(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run(["plan-memory", "--preset", "tiny", "--seq", "8", flag, "inf"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"graphswap plan-memory: error: argument {flag}: must be a finite number > 0, got inf"
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphswap.auto_swap import AutoSwap, AutoSwapMismatchError, AutoSwapPolicy
+from graphswap.cli._memory import format_auto_report
 from graphswap.config import ConfigError, TrainerConfig
 from graphswap.hf import build_model
 from graphswap.measure import ResidentActivationTracker, output_tensors
@@ -173,7 +174,7 @@ def test_auto_with_a_very_slow_link_swaps_nothing_and_says_so(none_resident: int
     resident, offloaded = _resident_and_stats(built)
     assert resident == none_resident and sum(offloaded.values()) == 0
     assert built.auto_swap is not None
-    report = built.auto_swap.format_report()
+    report = format_auto_report(built.auto_swap.to_dict())
     assert "auto swaps nothing: the smallest swappable tensor (1.00 MiB, model.layers.0)" in report
     assert report.count("none swapped") == 3
 
@@ -186,9 +187,10 @@ def test_auto_in_between_swaps_exactly_the_planned_bytes_and_every_copy_hides(
     assert built.auto_swap is not None
     plan = built.auto_swap.plan
     assert 0 < plan.swapped_bytes < plan.layer_swappable_bytes
-    assert [layer.verdict("auto") for layer in plan.layers] == ["hides"] * 3 + ["kept on device"]
+    assert [layer.verdict() for layer in plan.layers] == ["hides"] * 3 + ["kept on device"]
     for layer in plan.layers[:-1]:
-        assert layer.copy_seconds <= 0.9 * layer.overlap_seconds
+        assert layer.copy_seconds <= 0.9 * layer.forward_window
+        assert layer.forward_stall == layer.backward_stall == 0
         assert offloaded[layer.name] == pytest.approx(layer.swappable_bytes, rel=0.01)
     assert none_resident - resident == pytest.approx(plan.swapped_bytes, rel=0.01)
     built.auto_swap.check()
@@ -255,7 +257,8 @@ def test_the_plan_is_in_the_prefetch_graph_nodes() -> None:
         planned.kept_bytes,
     )
     assert first["auto_verdict"] == "hides" and first["policy"] == "auto_swap_policy"
-    assert first["auto_copy_ms"] < first["auto_overlap_ms"]
+    assert first["auto_copy_ms"] < first["auto_forward_window_ms"]
+    assert first["auto_copy_ms"] < first["auto_backward_window_ms"]
     assert (last["auto_swapped_saves"], last["auto_verdict"]) == ("-", "kept on device")
 
 

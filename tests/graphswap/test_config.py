@@ -167,12 +167,15 @@ def test_auto_settings_read_numbers_and_measure(tmp_path: Path) -> None:
 
 
 def test_auto_defaults_are_the_planners() -> None:
-    from graphswap.planner import DEFAULT_BANDWIDTH_GBPS, DEFAULT_HIDE_MARGIN, DEFAULT_TFLOPS
+    from graphswap.planner import DEFAULT_HIDE_MARGIN, DEFAULT_PROFILE
+    from graphswap.runtime.profile import device_profile
 
+    profile = device_profile(DEFAULT_PROFILE)
     config = TrainerConfig()
+    assert profile.d2h_gbps == profile.h2d_gbps
     assert (config.swap_bandwidth_gbps, config.swap_tflops, config.swap_hide_margin) == (
-        DEFAULT_BANDWIDTH_GBPS,
-        DEFAULT_TFLOPS,
+        profile.d2h_gbps,
+        profile.tflops,
         DEFAULT_HIDE_MARGIN,
     )
 

@@ -191,3 +191,23 @@ def test_tp_that_does_not_divide_the_heads_names_what_would() -> None:
     with pytest.raises(PlanSettingError, match=r"use one of 1, 2, 4$") as caught:
         per_rank_config(qwen3_moe_config("qwen3-30b-a3b"), 3)
     assert (caught.value.setting, caught.value.value) == ("tp", 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_mm_shapes_forward_and_both_gradients_on_meta(dtype: torch.dtype) -> None:
+    """Forward and the input gradient multiply tokens x K by groups x K x N; the weight
+    gradient multiplies K x tokens by tokens x N per group: groups x K x N."""
+    from graphswap.saved_tensors import _ShapeOnlyGroupedMM
+
+    tokens, k, n, groups = 12, 8, 16, 3
+    a = torch.empty(tokens, k, device="meta", dtype=dtype, requires_grad=True)
+    b = torch.empty(groups, k, n, device="meta", dtype=dtype, requires_grad=True)
+    offs = torch.empty(groups, device="meta", dtype=torch.int32)
+    with _ShapeOnlyGroupedMM():
+        out = torch._grouped_mm(a, b, offs=offs)
+        assert out.shape == (tokens, n)
+        weight_grad = torch._grouped_mm(a.t(), out, offs=offs)
+        assert weight_grad.shape == (groups, k, n)
+        out.sum().backward()
+    assert a.grad is not None and a.grad.shape == a.shape
+    assert b.grad is not None and b.grad.shape == b.shape

@@ -43,3 +43,19 @@ def test_views_in_place_ops_and_storage_swaps_of_older_tensors_are_no_births() -
     assert births.freed == [0]
     del y
     assert births.freed == [0, 8 * 32 * 4]
+
+
+def test_views_and_in_place_results_of_older_storages_are_not_born() -> None:
+    """A parameter (alive before the tape) viewed, changed in place or handed to
+    ``set_`` is no new memory; a new result is, and its death is reported."""
+    weight = torch.nn.Parameter(torch.zeros(64, 64, device="meta"))
+    log = Births()
+    with OpTape("meta", device_profile("h200"), log), torch.no_grad():
+        view = weight.t()
+        weight.mul_(2.0)
+        alias = torch.empty(0, device="meta").set_(weight.untyped_storage())
+        out = view @ view
+        del out
+    assert log.born == [0, 64 * 64 * 4]  # the empty tensor set_ retargets, and the product
+    assert log.freed == [0, 64 * 64 * 4]  # the storage set_ dropped, and the product
+    assert alias.untyped_storage().nbytes() == 64 * 64 * 4
