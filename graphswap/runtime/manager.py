@@ -8,7 +8,10 @@ when the last handle aliasing it dies; nothing is kept per step.
 
 Every handle checks PyTorch's version counter on unpack, as autograd does for saved
 tensors without hooks: a saved tensor modified in place raises
-``SwapIntegrityError`` instead of giving a wrong gradient.
+``SwapIntegrityError`` instead of giving a wrong gradient. A handle holds the counter
+itself (through an alias that shares it), not the tensor's Python objects, so the
+check holds after the caller dropped every one of them, and a copy still in flight
+that reads changed bytes is always caught.
 """
 
 from __future__ import annotations
@@ -134,6 +137,31 @@ def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapI
     )
 
 
+_NO_BYTES: dict[torch.device, torch.Tensor] = {}
+"""One empty tensor per device: what a swapped tensor's version alias holds instead of
+its bytes."""
+
+
+def _version_alias(t: torch.Tensor, local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter and none of its bytes.
+
+    ``detach()`` shares the counter (with every view of ``t`` too) and no ``grad_fn``;
+    setting ``.data`` then swaps its storage for an empty one and keeps its counter. So
+    an in-place change made through any alias of ``t`` stays visible to the handle
+    after every Python object of ``t`` died, while its device memory is freed. A
+    DTensor's wrapper holds no bytes, its local shard does: the shard is replaced.
+    """
+    alias = t.detach()
+    empty = _NO_BYTES.get(device)
+    if empty is None:
+        empty = _NO_BYTES[device] = torch.empty(0, device=device)
+    if local is t:
+        alias.data = empty
+    else:
+        alias._local_tensor = empty  # type: ignore[attr-defined]
+    return alias
+
+
 class _Kept:
     """A saved tensor that stays on device: a detached alias (same storage and version
     counter, no ``grad_fn``) and the version it had when saved."""
@@ -181,6 +209,7 @@ class _Entry:
         "prefetched",
         "refs",
         "stats",
+        "version",
         "waiting",
     )
 
@@ -212,31 +241,39 @@ class _Entry:
         self.gen = 0
         self.waiting = 0
         self.refs = 0
+        self.version = -1
+        """The saved tensor's version when its copy was issued (set by ``_pack``)."""
 
 
 class _Swapped:
     """What autograd stores instead of a swapped tensor.
 
-    The version is checked through weak references to the tensor and to its base:
-    while any alias that shares the version counter through them is alive, so is
-    the reference (PyTorch keeps a tensor's Python object alive with its views).
+    ``counter`` shares the saved tensor's version counter and holds none of its bytes
+    (:func:`_version_alias`): the in-place check needs no Python object of the tensor
+    or of its base to be alive, so a change made while the copy was in flight, and then
+    dropped with every reference to the tensor, is still an error at unpack.
     """
 
     __slots__ = (
-        "base",
+        "counter",
         "entry",
         "gen",
         "group",
         "layout",
         "offset",
-        "source",
         "spec",
         "version",
         "whole",
     )
 
     def __init__(
-        self, group: _Group, entry: _Entry, t: torch.Tensor, local: torch.Tensor, layout: Layout
+        self,
+        group: _Group,
+        entry: _Entry,
+        t: torch.Tensor,
+        local: torch.Tensor,
+        layout: Layout,
+        version: int,
     ) -> None:
         self.group = group
         self.entry = entry
@@ -247,22 +284,13 @@ class _Swapped:
         """Laid out as the entry's host copy: its reload is handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
         """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
-        self.version = t._version
-        self.source = weakref.ref(t)
-        base = t._base
-        self.base = weakref.ref(base) if base is not None else None
+        self.version = version
+        self.counter = _version_alias(t, local, entry.device)
         self.gen = -1
         """The reload generation this handle consumed last (-1: none)."""
         entry.refs += 1
         if entry.load is not None:
             entry.waiting += 1
-
-    def check(self) -> None:
-        alias = self.source()
-        if alias is None and self.base is not None:
-            alias = self.base()
-        if alias is not None and alias._version != self.version:
-            raise _integrity_error(self.entry.name, self.layout[1], self.version, alias._version)
 
     def __del__(self) -> None:
         self.entry.manager._handle_died(self)
@@ -647,6 +675,9 @@ class SwapManager:
             storage = local.untyped_storage()
             key = storage._cdata
             entry = group.entries.get(key)
+            if entry is not None and entry.buf is None:
+                entry = None  # every handle of its copy died: its host buffer went back
+            version = t._version
             if entry is None:
                 slot = group.slot
                 decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
@@ -656,11 +687,25 @@ class SwapManager:
                     return _Kept(t, group)
                 if group.is_protected(key):
                     return _Kept(t, group)
+            elif version != entry.version:
+                return self._keep_changed(group, t, entry)
             layout = (local.dtype, local.size(), local.stride())
             if entry is None:
                 entry = self._offload(group, local, storage, layout)
-            if entry is not None:
-                return _Swapped(group, entry, t, local, layout)
+                if entry is None:
+                    return _Kept(t, group)
+                entry.version = version
+            return _Swapped(group, entry, t, local, layout, version)
+        return _Kept(t, group)
+
+    def _keep_changed(self, group: _Group, t: torch.Tensor, entry: _Entry) -> _Kept:
+        """A storage saved again after an in-place change since its copy was issued: that
+        copy may hold either version, so this save keeps its own bytes on device."""
+        with self._lock:
+            stats = group.stats
+            stats.kept_tensors += 1
+            stats.kept_bytes += entry.nbytes
+            stats.kept_changed += 1
         return _Kept(t, group)
 
     def _offload(
@@ -762,7 +807,9 @@ class SwapManager:
         if type(packed) is _Kept:
             return packed.unpack()
         assert type(packed) is _Swapped
-        packed.check()
+        now = packed.counter._version
+        if now != packed.version:
+            raise _integrity_error(group.name, packed.layout[1], packed.version, now)
         entry = packed.entry
         with self._lock:
             load = entry.load
