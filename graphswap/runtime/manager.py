@@ -84,6 +84,45 @@ def _refuse(name: str, excluded: str, found: str) -> None:
     )
 
 
+@functools.cache
+def _traced_exclusion_error() -> type[SwapExclusionError]:
+    """``SwapExclusionError`` that Dynamo passes on as it is: it wraps any other error raised
+    while it traces into an ``InternalTorchDynamoError``."""
+    # Loaded only while torch.compile or torch.export traces, so Dynamo is imported already.
+    from torch._dynamo.exc import TorchRuntimeError
+
+    class SwapExclusionWhileTracing(SwapExclusionError, TorchRuntimeError):
+        """A swap-wrapped module traced by torch.compile or torch.export."""
+
+    return SwapExclusionWhileTracing
+
+
+def _refuse_traced(name: str) -> None:
+    """Refuse a wrapped forward that torch.compile or torch.export traces.
+
+    Marked as a constant result (what ``torch.compiler.assume_constant_result`` does,
+    without importing Dynamo with graphswap): Dynamo calls it for real while it traces,
+    so the error reaches the user in every mode, ``fullgraph=True`` and strict export
+    too, rather than being traced as a raise or turned into a graph break.
+    """
+    error = _traced_exclusion_error()
+    if torch.compiler.is_exporting():
+        raise error(
+            f"activation swap excludes torch.export: {name!r} ran under torch.export, which"
+            " traces its forward into a graph without the swap's saved-tensor hooks and"
+            " copies; export the model without swap: call graphswap.unrewrite(model) before"
+            " torch.export (or build it with activation_swap: none)"
+        )
+    raise error(
+        f"activation swap excludes compile: {name!r} ran under torch.compile, which would"
+        f" handle its saved tensors a second time; set activation_swap: none or"
+        f" {_FIXES['compile']}"
+    )
+
+
+_refuse_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _checkpointing() -> str | None:
     """How the current forward is checkpointed, if it is."""
     if torch._C._current_graph_task_id() != -1:
@@ -582,9 +621,8 @@ class SwapManager:
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
     ) -> Any:
         """Run ``forward`` of a wrapped module under this manager's saved-tensor hooks."""
-        if torch.compiler.is_compiling():
-            # Under tracing, a disabled call graph-breaks and then really raises.
-            torch._dynamo.disable(_refuse)(self._slots[module].name, "compile", "torch.compile")
+        if torch.compiler.is_compiling():  # torch.compile or torch.export traces this forward
+            _refuse_traced(self._slots[module].name)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         slot = self._slots[module]
