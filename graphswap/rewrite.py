@@ -47,6 +47,7 @@ __all__ = [
     "RuleReport",
     "UnknownRuleError",
     "rewrite",
+    "rewrite_report",
     "unrewrite",
 ]
 
@@ -165,6 +166,16 @@ class RewriteReport:
         model = state.pop("_model")
         self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _dead)
 
+    def check(self) -> None:
+        """Raise if the model ran otherwise than its rules were set up for: for
+        ``activation_swap: auto``, a save of another shape or dtype than the plan's
+        (``AutoSwapMismatchError``, naming both shapes and the settings planned for).
+        Call it after a step; ``graphswap train`` does."""
+        checks = {record.rule.name: record.rule.check for record in self._applied}
+        for check in checks.values():
+            if check is not None:
+                check()
+
     def undo(self) -> None:
         """Put the original modules back: same objects, same classes."""
         if self.dry_run:
@@ -241,6 +252,13 @@ def rewrite(
         setattr(model, _STATE_ATTR, report)
         _recompile(model)
     return report
+
+
+def rewrite_report(model: nn.Module) -> RewriteReport | None:
+    """The report of the ``rewrite`` applied to ``model`` (by hand, or by
+    ``graphswap.models.from_config`` / ``from_pretrained``), or ``None``."""
+    report = getattr(model, _STATE_ATTR, None)
+    return report if isinstance(report, RewriteReport) else None
 
 
 def unrewrite(model: nn.Module) -> RewriteReport:

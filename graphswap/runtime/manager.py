@@ -600,6 +600,12 @@ class SwapManager:
             snapshot.add(group_stats)
         return snapshot
 
+    def count_plan_mismatch(self, name: str) -> None:
+        """The policy of the module ``name`` met a save its plan chose with another shape
+        or dtype, and kept it on device: counted in ``stats.plan_mismatches``."""
+        with self._lock:
+            self._stats[name].plan_mismatches += 1
+
     def reset_stats(self) -> None:
         with self._lock:
             for group_stats in self._stats.values():
