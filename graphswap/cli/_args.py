@@ -13,7 +13,11 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+    """A rate on the command line: the rule ``graphswap train`` applies to its config."""
+    # Deferred: importing graphswap imports torch, which `graphswap --help` does not need.
+    from graphswap.config import ConfigError, check_finite_positive
+
+    try:
+        return check_finite_positive("", float(text))
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(error.detail) from None
