@@ -32,7 +32,7 @@ from graphswap.errors import (
     UnknownRuleError,
 )
 from graphswap.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
-from graphswap.rules import Rule, RuleContext, get_rule, qualified_name
+from graphswap.rules import Rule, RuleContext, available_rules, get_rule, qualified_name
 from graphswap.runtime import SwapManager
 from graphswap.transforms import Transform, find_transforms
 
@@ -274,15 +274,30 @@ def unrewrite(model: nn.Module) -> RewriteReport:
 
 
 def _resolve_rules(rules: str | Rule | Sequence[str | Rule]) -> list[Rule]:
-    items = [rules] if isinstance(rules, (str, Rule)) else list(rules)
+    if isinstance(rules, (str, Rule)):
+        items = [rules]
+    elif isinstance(rules, Sequence):
+        items = list(rules)
+    else:
+        raise TypeError(_bad_rules("rules must be a rule name, a Rule or a list of them", rules))
     if not items:
         raise RewriteError("rewrite() needs at least one rule; e.g. rules=['qwen3_attn_swap']")
+    for item in items:
+        if not isinstance(item, (str, Rule)):
+            raise TypeError(_bad_rules("rules must list rule names or Rule objects", item))
     resolved = [item if isinstance(item, Rule) else get_rule(item) for item in items]
     names = [rule.name for rule in resolved]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise RuleConflictError(f"rules listed more than once: {', '.join(duplicates)}")
     return resolved
+
+
+def _bad_rules(what: str, value: object) -> str:
+    return (
+        f"{what}, got {type(value).__name__} {value!r}; available rules:"
+        f" {', '.join(available_rules())} (e.g. rules=['qwen3_attn_swap'])"
+    )
 
 
 def _collect(

@@ -413,9 +413,17 @@ def _default_max_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
+    """An int, not a bool (``True`` would pass as 1) nor a string of one."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an int >= {minimum}{alternative}, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    """True or False: any other value would be taken by its truth (``"no"`` is true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 
@@ -455,9 +463,12 @@ class SwapManager:
                 f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine or"
                 f" SimulatedAccelerator), got {type(engine).__name__}"
             )
-        self.keep_last = keep_last
+        self.keep_last = _check_bool("keep_last", keep_last)
+        _check_bool("trace", trace)
         self._pool = HostPool(
-            _default_max_host_bytes() if max_host_bytes is None else max_host_bytes
+            _default_max_host_bytes()
+            if max_host_bytes is None
+            else _check_int("max_host_bytes", max_host_bytes, 0, " (or None: half of RAM)")
         )
         self._engine_override = engine
         self._engines: dict[str, CopyEngine] = {}
@@ -520,12 +531,13 @@ class SwapManager:
         self._stats[name] = GroupStats()
 
     def unregister(self, module: torch.nn.Module) -> None:
-        slot = self._slots.pop(module)
+        """Forget ``module`` and its links. Its stats stay readable, what it did while
+        wrapped, until a module is registered under its name again and starts at zero."""
+        del self._slots[module]
         for a, b in list(self._next.items()):
             if module in (a, b):
                 del self._next[a], self._prev[b]
         self._latest.pop(module, None)
-        del self._stats[slot.name]
 
     def set_forward_prefetch_layer(self, earlier: torch.nn.Module, later: torch.nn.Module) -> None:
         """Link two wrapped modules, ``earlier`` before ``later`` in forward order: when the

@@ -400,8 +400,18 @@ def test_failed_host_allocation_keeps_the_tensor_and_counts_it(monkeypatch) -> N
         ({"max_host_bytes": -1}, "max_host_bytes"),
         ({"engine": object()}, "engine"),
         ({"engine": "cpu"}, "engine"),
+        ({"max_host_bytes": True}, r"^max_host_bytes must be an int >= 0 \(or None: half of RAM\)"),
+        ({"max_host_bytes": "1GiB"}, r"^max_host_bytes must be an int >= 0"),
+        ({"max_host_bytes": 2.0**30}, r"^max_host_bytes must be an int >= 0"),
+        ({"prefetch_depth": True}, r"^prefetch_depth must be an int >= 1, got True"),
+        ({"offload_lag": "2"}, r"^offload_lag must be an int >= 0, got '2'"),
+        ({"keep_last": "no"}, r"^keep_last must be True or False, got 'no'"),
+        ({"keep_last": 0}, r"^keep_last must be True or False, got 0"),
+        ({"trace": "yes"}, r"^trace must be True or False, got 'yes'"),
     ],
 )
 def test_bad_manager_arguments_are_value_errors_naming_them(kwargs, match) -> None:
+    """A bool is no number (True would cap the pool at one byte) and a string no bool
+    ("no" is true): both are errors naming the argument."""
     with pytest.raises(ValueError, match=match):
         SwapManager(**kwargs)
