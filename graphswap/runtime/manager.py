@@ -816,12 +816,37 @@ class SwapManager:
             self.events.append(("offload", group.slot.name))
         return entry
 
+    def _refuse_reload_under_capture(self, group: _Group) -> None:
+        """A backward under graph capture may not reload what a forward outside it copied
+        to host: the copy would be captured into the graph, and every replay would read
+        host buffers that other steps reuse by then. Checked before any copy is issued,
+        for ``group`` and the groups its backward prefetches."""
+        target = group
+        for _ in range(self.prefetch_depth + 1):
+            if any(entry.buf is not None for entry in target.entries.values()):
+                raise SwapExclusionError(
+                    f"activation swap excludes capturing a backward whose forward ran outside"
+                    f" the capture: the backward of {group.name!r} began while the current"
+                    f" stream captures a graph, but {target.name!r} swapped tensors to host in"
+                    f" a forward outside it, and their reload would be captured and replayed"
+                    f" from reused host buffers; run that forward under the same capture (its"
+                    f" tensors then stay on device, counted as kept_capturing), or this"
+                    f" backward outside it"
+                )
+            if target.prev is None:
+                return
+            target = target.prev
+
     def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
         """Backward reached ``group``: at its first unpack (a hook on its outputs would
         cost more than the whole swap of a small layer), or, for a group that saved
         nothing, at its outputs."""
         if self.events is not None:
             self.events.append(("backward_begin", group.name))
+        for engine in self._engines.values():
+            if engine.capturing():
+                self._refuse_reload_under_capture(group)
+                break
         self._boundary(self._seq)
         target = group.prev
         for _ in range(self.prefetch_depth):

@@ -3,6 +3,7 @@ to kept tensors, tensors saved by several nodes, varying shapes, graph capture."
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from graphswap import SwapIntegrityError, SwapManager, swap_wrapper
+from graphswap import SwapExclusionError, SwapIntegrityError, SwapManager, swap_wrapper
 from graphswap.hf import build_model
 from graphswap.policy import SwapPolicy, qwen3_attention_swap_policy, size_threshold_policy
 from graphswap.presets import qwen3_moe_config
@@ -374,6 +375,48 @@ def test_under_graph_capture_tensors_stay_on_device_and_are_counted() -> None:
     base(input_ids=x, labels=x).loss.backward()
     for (name, p), q in zip(model.named_parameters(), base.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+class Scale(torch.nn.Module):
+    """Saves nothing: its backward begins at its output's gradient node."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+@pytest.mark.parametrize("last", ["saves", "saves_nothing"])
+def test_a_backward_under_capture_of_a_forward_outside_it_is_refused(last: str) -> None:
+    """Reloading would capture host-to-device copies into the graph, replayed later from
+    reused host buffers: refused before any copy, naming both modules and the fix."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(2)]
+    blocks.append(Scale() if last == "saves_nothing" else torch.nn.Linear(64, 64))
+    plain = copy.deepcopy(blocks)
+    engine = SimulatedAccelerator(lag=2)
+    manager = SwapManager(engine=engine)
+    for i, block in enumerate(blocks):
+        swap_wrapper(block, manager=manager, name=f"b{i}", policy=size_threshold_policy(1024))
+    for prev, nxt in itertools.pairwise(blocks):
+        manager.set_forward_prefetch_layer(prev, nxt)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    loss = torch.nn.Sequential(*blocks)(x.requires_grad_()).sum()
+    assert manager.stats.offloaded_tensors > 0
+    with engine.capture(), pytest.raises(SwapExclusionError) as info:
+        loss.backward(retain_graph=True)
+    message = str(info.value)
+    assert message.startswith(
+        "activation swap excludes capturing a backward whose forward ran outside the capture:"
+        " the backward of 'b2' began while the current stream captures a graph, but 'b1'"
+    )
+    assert "run that forward under the same capture" in message
+    assert manager.stats.reloaded_tensors == 0, "no copy was issued under capture"
+    loss.backward()  # outside the capture the same graph runs as plain PyTorch does
+    x_plain = x.detach().clone().requires_grad_()
+    torch.nn.Sequential(*plain)(x_plain).sum().backward()
+    assert torch.equal(x.grad, x_plain.grad)
+    for block, reference in zip(blocks, plain, strict=True):
+        for p, q in zip(block.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
 
 
 def test_failed_host_allocation_keeps_the_tensor_and_counts_it(monkeypatch) -> None:
