@@ -13,6 +13,7 @@ from graphswap.rewrite import (
     RewriteError,
     RewriteReport,
     rewrite,
+    rewrite_report,
     unrewrite,
 )
 from graphswap.rules import Rule, available_rules, get_rule, register_rule
@@ -42,6 +43,7 @@ __all__ = [
     "qwen3_attention_swap_policy",
     "register_rule",
     "rewrite",
+    "rewrite_report",
     "swap_wrapper",
     "unrewrite",
     "unwrap_swap",

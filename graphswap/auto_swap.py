@@ -5,14 +5,20 @@ decoder layer, the saves to swap by their index in the layer's forward, with the
 shape and dtype. The swap runtime counts the pack calls of each forward the way the
 trace numbers saves (every call, parameters and repeated saves of one storage too)
 and tells the policy the index (``decide(t, index)``). A planned index whose tensor
-has the planned shape and dtype is swapped; one that differs stays on device and is
-counted, and :meth:`AutoSwap.check` turns that count into an error naming the
-settings the plan was made for.
+has the planned shape and dtype is swapped; one that differs stays on device, is
+counted (the policy's ``mismatched_tensors``, the manager's ``stats.plan_mismatches``),
+and warned about once per model; :meth:`AutoSwap.check`, which the rewrite report's
+``check()`` calls, turns the count into an error naming the settings the plan was made
+for. A model built by ``graphswap.models.from_config`` at one shape and run at another
+is thus never silently unswapped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +34,7 @@ from graphswap.runtime import swap_wrapper
 
 if TYPE_CHECKING:
     from graphswap.planner import LayerPlan, MemoryPlan
+    from graphswap.runtime import SwapManager
 
 AUTO_RULE = "qwen3_moe_auto_swap"
 """The name of the rule :meth:`AutoSwap.rule` builds from ``qwen3_moe_layer_swap``."""
@@ -35,6 +42,10 @@ AUTO_RULE = "qwen3_moe_auto_swap"
 
 class AutoSwapMismatchError(ValueError):
     """The model saved tensors other than those the ``auto`` plan was made for."""
+
+
+class AutoSwapMismatchWarning(UserWarning):
+    """A planned save came with another shape or dtype: it stays on device."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,13 @@ def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
     return f"{shape} {str(dtype).removeprefix('torch.')}"
 
 
+def _met_and_planned(mismatch: Mismatch, made_for: str) -> str:
+    return (
+        f"{mismatch.layer} save #{mismatch.index} is {_describe(*mismatch.found)}, but the"
+        f" plan made for {made_for} expects {_describe(*mismatch.planned)}"
+    )
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what one rank holds and the plan traced); else ``t``."""
     to_local = getattr(t, "to_local", None)
@@ -73,7 +91,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class AutoSwapPolicy:
     """Swaps exactly the saves one layer's plan chose, each checked by shape and dtype."""
 
-    def __init__(self, layer: LayerPlan) -> None:
+    def __init__(
+        self, layer: LayerPlan, on_mismatch: Callable[[Mismatch], None] | None = None
+    ) -> None:
         self.__name__ = "auto_swap_policy"
         self.layer = layer.name
         self.planned: dict[int, tuple[tuple[int, ...], torch.dtype]] = {
@@ -81,6 +101,8 @@ class AutoSwapPolicy:
         }
         self.mismatched_tensors = 0
         self.first_mismatch: Mismatch | None = None
+        self.on_mismatch = on_mismatch
+        """Told of every mismatch (:class:`AutoSwap`: the warning and the stats)."""
 
     def decide(self, t: torch.Tensor, index: int) -> CheckpointPolicy:
         planned = self.planned.get(index)
@@ -90,8 +112,11 @@ class AutoSwapPolicy:
         if shape == planned[0] and t.dtype == planned[1]:
             return CheckpointPolicy.MUST_SWAP
         self.mismatched_tensors += 1
+        mismatch = Mismatch(self.layer, index, planned, (tuple(shape), t.dtype))
         if self.first_mismatch is None:
-            self.first_mismatch = Mismatch(self.layer, index, planned, (tuple(shape), t.dtype))
+            self.first_mismatch = mismatch
+        if self.on_mismatch is not None:
+            self.on_mismatch(mismatch)
         return CheckpointPolicy.MUST_SAVE
 
     def __call__(self, t: torch.Tensor) -> CheckpointPolicy:
@@ -120,6 +145,7 @@ class AutoSwap:
         self.made_for = made_for
         self.measured = measured
         self.policies = [AutoSwapPolicy(layer) for layer in plan.layers]
+        self._warned = False
 
     def rule(self) -> Rule:
         """``qwen3_moe_layer_swap`` with this plan's policy in each layer."""
@@ -131,6 +157,7 @@ class AutoSwap:
             factory=self._wrap,
             validate=self._validate,
             node_attributes=self._node_attributes,
+            check=self.check,
         )
 
     def _validate(self, root: nn.Module) -> None:
@@ -145,8 +172,27 @@ class AutoSwap:
             )
 
     def _wrap(self, module: nn.Module, ctx: RuleContext) -> nn.Module:
-        return swap_wrapper(
-            module, policy=self.policies[ctx.index], manager=ctx.manager, name=ctx.fqn
+        policy = self.policies[ctx.index]
+        policy.on_mismatch = functools.partial(self._mismatched, ctx.manager, ctx.fqn)
+        return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
+
+    def _mismatched(self, manager: SwapManager, group: str, mismatch: Mismatch) -> None:
+        """A planned save met with another shape or dtype: counted in the stats of the
+        group that made it, and warned about once, since a model built at one shape and
+        run at another would otherwise swap nothing without a word."""
+        manager.count_plan_mismatch(group)
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            AutoSwapMismatchWarning(
+                f"activation_swap: auto: {_met_and_planned(mismatch, self.made_for)}; every"
+                " save that differs from the plan stays on device (counted in the swap"
+                " manager's stats.plan_mismatches; the rewrite report's check() raises):"
+                " run the model at the settings the plan was made for, or build it for the"
+                " shape it runs"
+            ),
+            stacklevel=2,
         )
 
     def _node_attributes(self, ctx: RuleContext) -> dict[str, Any]:
@@ -173,10 +219,8 @@ class AutoSwap:
         first = next(p.first_mismatch for p in self.policies if p.first_mismatch is not None)
         raise AutoSwapMismatchError(
             f"activation_swap: auto: {count} saved tensor(s) did not match the plan and stayed "
-            f"on device; first: {first.layer} save #{first.index} is "
-            f"{_describe(*first.found)}, but the plan made for {self.made_for} expects "
-            f"{_describe(*first.planned)}; run the model at the settings the plan was made "
-            "for, or set them to what the model runs"
+            f"on device; first: {_met_and_planned(first, self.made_for)}; run the model at "
+            "the settings the plan was made for, or set them to what the model runs"
         )
 
     def to_dict(self) -> dict[str, Any]:

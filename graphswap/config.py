@@ -57,6 +57,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, detail: str) -> None:
         self.key = key
+        self.detail = detail
         super().__init__(f"{key}: {detail}")
 
 
@@ -130,8 +131,7 @@ class TrainerConfig:
         _check_at_least("seed", self.seed, 0)
         if self.num_layers is not None:
             _check_at_least("num_layers", self.num_layers, 1)
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError("lr", f"must be a finite number > 0, got {self.lr!r}")
+        check_finite_positive("lr", self.lr)
         if self.model not in preset_names():
             raise ConfigError(
                 "model",
@@ -149,9 +149,11 @@ class TrainerConfig:
 
     def _check_auto_settings(self) -> None:
         if self.swap_bandwidth_gbps not in ("measure", None):
-            _check_positive("swap_bandwidth_gbps", self.swap_bandwidth_gbps, "GB/s", " or measure")
+            check_finite_positive(
+                "swap_bandwidth_gbps", self.swap_bandwidth_gbps, "GB/s", " or measure"
+            )
         if self.swap_tflops is not None:
-            _check_positive("swap_tflops", self.swap_tflops, "TFLOP/s")
+            check_finite_positive("swap_tflops", self.swap_tflops, "TFLOP/s")
         margin = self.swap_hide_margin
         if not 0 <= margin < 1:
             raise ConfigError(
@@ -257,6 +259,13 @@ def _parse_override(override: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise ConfigError(key or override, f"override {override!r} must look like key=value")
+    if not text.strip():
+        # YAML reads an empty text as null, which for pass_order means the canonical order:
+        # a value left out by mistake would change the run without a word.
+        _check_known_key(key, TrainerConfig.keys())
+        optional = type(None) in typing.get_args(_field_types()[key])
+        unset = f", or {key}=null to leave it at its default" if optional else ""
+        raise ConfigError(key, f"override {override!r} has no value; give one{unset}")
     try:
         return key, yaml.safe_load(text)
     except yaml.YAMLError as error:
@@ -376,9 +385,16 @@ def _type_name(annotation: Any) -> str:
     )
 
 
-def _check_positive(key: str, value: float, unit: str, alternative: str = "") -> None:
+def check_finite_positive(key: str, value: float, unit: str = "", alternative: str = "") -> float:
+    """The one rule for a rate every command reads (a link's GB/s, compute in TFLOP/s, a
+    learning rate): a number above zero and finite, since a plan or a step made with
+    ``inf`` or ``nan`` is meaningless. Returns ``value``; raises :class:`ConfigError`
+    naming ``key`` (a config key or a command-line flag), ``unit`` and the
+    ``alternative`` spelled out (``" or measure"``)."""
     if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(key, f"must be a finite number of {unit} > 0{alternative}, got {value!r}")
+        of_unit = f" of {unit}" if unit else ""
+        raise ConfigError(key, f"must be a finite number{of_unit} > 0{alternative}, got {value!r}")
+    return value
 
 
 def _check_at_least(key: str, value: int, minimum: int) -> None:

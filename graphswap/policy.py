@@ -109,6 +109,11 @@ def size_threshold_policy(
 ) -> SwapPolicy:
     """A policy that swaps grad-requiring tensors of 2+ dims that own their storage
     and hold at least ``min_bytes`` bytes; ``name`` is how graphs and reports call it."""
+    if not isinstance(min_bytes, int) or isinstance(min_bytes, bool):
+        raise TypeError(
+            f"min_bytes must be an int number of bytes (e.g. 1 << 20 for 1 MiB),"
+            f" got {type(min_bytes).__name__} {min_bytes!r}"
+        )
     if min_bytes < 0:
         raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
     return _SizeThreshold(min_bytes, name or f"size_threshold_policy({min_bytes})")

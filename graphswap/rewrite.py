@@ -32,7 +32,7 @@ from graphswap.errors import (
     UnknownRuleError,
 )
 from graphswap.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
-from graphswap.rules import Rule, RuleContext, get_rule, qualified_name
+from graphswap.rules import Rule, RuleContext, available_rules, get_rule, qualified_name
 from graphswap.runtime import SwapManager
 from graphswap.transforms import Transform, find_transforms
 
@@ -47,6 +47,7 @@ __all__ = [
     "RuleReport",
     "UnknownRuleError",
     "rewrite",
+    "rewrite_report",
     "unrewrite",
 ]
 
@@ -165,6 +166,16 @@ class RewriteReport:
         model = state.pop("_model")
         self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _dead)
 
+    def check(self) -> None:
+        """Raise if the model ran otherwise than its rules were set up for: for
+        ``activation_swap: auto``, a save of another shape or dtype than the plan's
+        (``AutoSwapMismatchError``, naming both shapes and the settings planned for).
+        Call it after a step; ``graphswap train`` does."""
+        checks = {record.rule.name: record.rule.check for record in self._applied}
+        for check in checks.values():
+            if check is not None:
+                check()
+
     def undo(self) -> None:
         """Put the original modules back: same objects, same classes."""
         if self.dry_run:
@@ -243,6 +254,13 @@ def rewrite(
     return report
 
 
+def rewrite_report(model: nn.Module) -> RewriteReport | None:
+    """The report of the ``rewrite`` applied to ``model`` (by hand, or by
+    ``graphswap.models.from_config`` / ``from_pretrained``), or ``None``."""
+    report = getattr(model, _STATE_ATTR, None)
+    return report if isinstance(report, RewriteReport) else None
+
+
 def unrewrite(model: nn.Module) -> RewriteReport:
     """Undo the ``rewrite`` applied to ``model``; returns its (now undone) report."""
     report = getattr(model, _STATE_ATTR, None)
@@ -256,15 +274,30 @@ def unrewrite(model: nn.Module) -> RewriteReport:
 
 
 def _resolve_rules(rules: str | Rule | Sequence[str | Rule]) -> list[Rule]:
-    items = [rules] if isinstance(rules, (str, Rule)) else list(rules)
+    if isinstance(rules, (str, Rule)):
+        items = [rules]
+    elif isinstance(rules, Sequence):
+        items = list(rules)
+    else:
+        raise TypeError(_bad_rules("rules must be a rule name, a Rule or a list of them", rules))
     if not items:
         raise RewriteError("rewrite() needs at least one rule; e.g. rules=['qwen3_attn_swap']")
+    for item in items:
+        if not isinstance(item, (str, Rule)):
+            raise TypeError(_bad_rules("rules must list rule names or Rule objects", item))
     resolved = [item if isinstance(item, Rule) else get_rule(item) for item in items]
     names = [rule.name for rule in resolved]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise RuleConflictError(f"rules listed more than once: {', '.join(duplicates)}")
     return resolved
+
+
+def _bad_rules(what: str, value: object) -> str:
+    return (
+        f"{what}, got {type(value).__name__} {value!r}; available rules:"
+        f" {', '.join(available_rules())} (e.g. rules=['qwen3_attn_swap'])"
+    )
 
 
 def _collect(

@@ -80,6 +80,9 @@ class Rule:
     node_attributes: Callable[[RuleContext], Mapping[str, Any]] | None = None
     """Extra prefetch-graph attributes of one match's node (what a planned policy
     swaps there), added to the DOT and JSON exports."""
+    check: Callable[[], None] | None = None
+    """Raises when the rewritten model ran otherwise than the rule was set up for (an
+    ``auto`` plan: saves of another shape); ``RewriteReport.check()`` calls it."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():

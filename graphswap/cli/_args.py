@@ -17,5 +17,5 @@ def positive_float(text: str) -> float:
     """A finite number > 0 (``inf`` and ``nan`` are refused, as ``graphswap train`` does)."""
     value = float(text)
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
     return value

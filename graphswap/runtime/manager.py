@@ -8,7 +8,10 @@ when the last handle aliasing it dies; nothing is kept per step.
 
 Every handle checks PyTorch's version counter on unpack, as autograd does for saved
 tensors without hooks: a saved tensor modified in place raises
-``SwapIntegrityError`` instead of giving a wrong gradient.
+``SwapIntegrityError`` instead of giving a wrong gradient. A handle holds the counter
+itself (through an alias that shares it), not the tensor's Python objects, so the
+check holds after the caller dropped every one of them, and a copy still in flight
+that reads changed bytes is always caught.
 """
 
 from __future__ import annotations
@@ -81,6 +84,45 @@ def _refuse(name: str, excluded: str, found: str) -> None:
     )
 
 
+@functools.cache
+def _traced_exclusion_error() -> type[SwapExclusionError]:
+    """``SwapExclusionError`` that Dynamo passes on as it is: it wraps any other error raised
+    while it traces into an ``InternalTorchDynamoError``."""
+    # Loaded only while torch.compile or torch.export traces, so Dynamo is imported already.
+    from torch._dynamo.exc import TorchRuntimeError
+
+    class SwapExclusionWhileTracing(SwapExclusionError, TorchRuntimeError):
+        """A swap-wrapped module traced by torch.compile or torch.export."""
+
+    return SwapExclusionWhileTracing
+
+
+def _refuse_traced(name: str) -> None:
+    """Refuse a wrapped forward that torch.compile or torch.export traces.
+
+    Marked as a constant result (what ``torch.compiler.assume_constant_result`` does,
+    without importing Dynamo with graphswap): Dynamo calls it for real while it traces,
+    so the error reaches the user in every mode, ``fullgraph=True`` and strict export
+    too, rather than being traced as a raise or turned into a graph break.
+    """
+    error = _traced_exclusion_error()
+    if torch.compiler.is_exporting():
+        raise error(
+            f"activation swap excludes torch.export: {name!r} ran under torch.export, which"
+            " traces its forward into a graph without the swap's saved-tensor hooks and"
+            " copies; export the model without swap: call graphswap.unrewrite(model) before"
+            " torch.export (or build it with activation_swap: none)"
+        )
+    raise error(
+        f"activation swap excludes compile: {name!r} ran under torch.compile, which would"
+        f" handle its saved tensors a second time; set activation_swap: none or"
+        f" {_FIXES['compile']}"
+    )
+
+
+_refuse_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _checkpointing() -> str | None:
     """How the current forward is checkpointed, if it is."""
     if torch._C._current_graph_task_id() != -1:
@@ -134,6 +176,31 @@ def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapI
     )
 
 
+_NO_BYTES: dict[torch.device, torch.Tensor] = {}
+"""One empty tensor per device: what a swapped tensor's version alias holds instead of
+its bytes."""
+
+
+def _version_alias(t: torch.Tensor, local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter and none of its bytes.
+
+    ``detach()`` shares the counter (with every view of ``t`` too) and no ``grad_fn``;
+    setting ``.data`` then swaps its storage for an empty one and keeps its counter. So
+    an in-place change made through any alias of ``t`` stays visible to the handle
+    after every Python object of ``t`` died, while its device memory is freed. A
+    DTensor's wrapper holds no bytes, its local shard does: the shard is replaced.
+    """
+    alias = t.detach()
+    empty = _NO_BYTES.get(device)
+    if empty is None:
+        empty = _NO_BYTES[device] = torch.empty(0, device=device)
+    if local is t:
+        alias.data = empty
+    else:
+        alias._local_tensor = empty  # type: ignore[attr-defined]
+    return alias
+
+
 class _Kept:
     """A saved tensor that stays on device: a detached alias (same storage and version
     counter, no ``grad_fn``) and the version it had when saved."""
@@ -181,6 +248,7 @@ class _Entry:
         "prefetched",
         "refs",
         "stats",
+        "version",
         "waiting",
     )
 
@@ -212,31 +280,39 @@ class _Entry:
         self.gen = 0
         self.waiting = 0
         self.refs = 0
+        self.version = -1
+        """The saved tensor's version when its copy was issued (set by ``_pack``)."""
 
 
 class _Swapped:
     """What autograd stores instead of a swapped tensor.
 
-    The version is checked through weak references to the tensor and to its base:
-    while any alias that shares the version counter through them is alive, so is
-    the reference (PyTorch keeps a tensor's Python object alive with its views).
+    ``counter`` shares the saved tensor's version counter and holds none of its bytes
+    (:func:`_version_alias`): the in-place check needs no Python object of the tensor
+    or of its base to be alive, so a change made while the copy was in flight, and then
+    dropped with every reference to the tensor, is still an error at unpack.
     """
 
     __slots__ = (
-        "base",
+        "counter",
         "entry",
         "gen",
         "group",
         "layout",
         "offset",
-        "source",
         "spec",
         "version",
         "whole",
     )
 
     def __init__(
-        self, group: _Group, entry: _Entry, t: torch.Tensor, local: torch.Tensor, layout: Layout
+        self,
+        group: _Group,
+        entry: _Entry,
+        t: torch.Tensor,
+        local: torch.Tensor,
+        layout: Layout,
+        version: int,
     ) -> None:
         self.group = group
         self.entry = entry
@@ -247,22 +323,13 @@ class _Swapped:
         """Laid out as the entry's host copy: its reload is handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
         """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
-        self.version = t._version
-        self.source = weakref.ref(t)
-        base = t._base
-        self.base = weakref.ref(base) if base is not None else None
+        self.version = version
+        self.counter = _version_alias(t, local, entry.device)
         self.gen = -1
         """The reload generation this handle consumed last (-1: none)."""
         entry.refs += 1
         if entry.load is not None:
             entry.waiting += 1
-
-    def check(self) -> None:
-        alias = self.source()
-        if alias is None and self.base is not None:
-            alias = self.base()
-        if alias is not None and alias._version != self.version:
-            raise _integrity_error(self.entry.name, self.layout[1], self.version, alias._version)
 
     def __del__(self) -> None:
         self.entry.manager._handle_died(self)
@@ -346,9 +413,17 @@ def _default_max_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
+    """An int, not a bool (``True`` would pass as 1) nor a string of one."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an int >= {minimum}{alternative}, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    """True or False: any other value would be taken by its truth (``"no"`` is true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 
@@ -389,9 +464,12 @@ class SwapManager:
                 f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine or"
                 f" SimulatedAccelerator), got {type(engine).__name__}"
             )
-        self.keep_last = keep_last
+        self.keep_last = _check_bool("keep_last", keep_last)
+        _check_bool("trace", trace)
         self._pool = HostPool(
-            _default_max_host_bytes() if max_host_bytes is None else max_host_bytes
+            _default_max_host_bytes()
+            if max_host_bytes is None
+            else _check_int("max_host_bytes", max_host_bytes, 0, " (or None: half of RAM)")
         )
         self._engine_override = engine
         self._engines: dict[str, CopyEngine] = {}
@@ -454,12 +532,13 @@ class SwapManager:
         self._stats[name] = GroupStats()
 
     def unregister(self, module: torch.nn.Module) -> None:
-        slot = self._slots.pop(module)
+        """Forget ``module`` and its links. Its stats stay readable, what it did while
+        wrapped, until a module is registered under its name again and starts at zero."""
+        del self._slots[module]
         for a, b in list(self._next.items()):
             if module in (a, b):
                 del self._next[a], self._prev[b]
         self._latest.pop(module, None)
-        del self._stats[slot.name]
 
     def set_forward_prefetch_layer(self, earlier: torch.nn.Module, later: torch.nn.Module) -> None:
         """Link two wrapped modules, ``earlier`` before ``later`` in forward order: when the
@@ -539,6 +618,12 @@ class SwapManager:
             snapshot.add(group_stats)
         return snapshot
 
+    def count_plan_mismatch(self, name: str) -> None:
+        """The policy of the module ``name`` met a save its plan chose with another shape
+        or dtype, and kept it on device: counted in ``stats.plan_mismatches``."""
+        with self._lock:
+            self._stats[name].plan_mismatches += 1
+
     def reset_stats(self) -> None:
         with self._lock:
             for group_stats in self._stats.values():
@@ -560,9 +645,8 @@ class SwapManager:
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
     ) -> Any:
         """Run ``forward`` of a wrapped module under this manager's saved-tensor hooks."""
-        if torch.compiler.is_compiling():
-            # Under tracing, a disabled call graph-breaks and then really raises.
-            torch._dynamo.disable(_refuse)(self._slots[module].name, "compile", "torch.compile")
+        if torch.compiler.is_compiling():  # torch.compile or torch.export traces this forward
+            _refuse_traced(self._slots[module].name)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         slot = self._slots[module]
@@ -654,6 +738,9 @@ class SwapManager:
             storage = local.untyped_storage()
             key = storage._cdata
             entry = group.entries.get(key)
+            if entry is not None and entry.buf is None:
+                entry = None  # every handle of its copy died: its host buffer went back
+            version = t._version
             if entry is None:
                 slot = group.slot
                 decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
@@ -663,11 +750,25 @@ class SwapManager:
                     return _Kept(t, group)
                 if group.is_protected(key):
                     return _Kept(t, group)
+            elif version != entry.version:
+                return self._keep_changed(group, t, entry)
             layout = (local.dtype, local.size(), local.stride())
             if entry is None:
                 entry = self._offload(group, local, storage, layout)
-            if entry is not None:
-                return _Swapped(group, entry, t, local, layout)
+                if entry is None:
+                    return _Kept(t, group)
+                entry.version = version
+            return _Swapped(group, entry, t, local, layout, version)
+        return _Kept(t, group)
+
+    def _keep_changed(self, group: _Group, t: torch.Tensor, entry: _Entry) -> _Kept:
+        """A storage saved again after an in-place change since its copy was issued: that
+        copy may hold either version, so this save keeps its own bytes on device."""
+        with self._lock:
+            stats = group.stats
+            stats.kept_tensors += 1
+            stats.kept_bytes += entry.nbytes
+            stats.kept_changed += 1
         return _Kept(t, group)
 
     def _offload(
@@ -722,12 +823,37 @@ class SwapManager:
             self.events.append(("offload", group.slot.name))
         return entry
 
+    def _refuse_reload_under_capture(self, group: _Group) -> None:
+        """A backward under graph capture may not reload what a forward outside it copied
+        to host: the copy would be captured into the graph, and every replay would read
+        host buffers that other steps reuse by then. Checked before any copy is issued,
+        for ``group`` and the groups its backward prefetches."""
+        target = group
+        for _ in range(self.prefetch_depth + 1):
+            if any(entry.buf is not None for entry in target.entries.values()):
+                raise SwapExclusionError(
+                    f"activation swap excludes capturing a backward whose forward ran outside"
+                    f" the capture: the backward of {group.name!r} began while the current"
+                    f" stream captures a graph, but {target.name!r} swapped tensors to host in"
+                    f" a forward outside it, and their reload would be captured and replayed"
+                    f" from reused host buffers; run that forward under the same capture (its"
+                    f" tensors then stay on device, counted as kept_capturing), or this"
+                    f" backward outside it"
+                )
+            if target.prev is None:
+                return
+            target = target.prev
+
     def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
         """Backward reached ``group``: at its first unpack (a hook on its outputs would
         cost more than the whole swap of a small layer), or, for a group that saved
         nothing, at its outputs."""
         if self.events is not None:
             self.events.append(("backward_begin", group.name))
+        for engine in self._engines.values():
+            if engine.capturing():
+                self._refuse_reload_under_capture(group)
+                break
         self._boundary(self._seq)
         target = group.prev
         for _ in range(self.prefetch_depth):
@@ -771,7 +897,9 @@ class SwapManager:
         if type(packed) is _Kept:
             return packed.unpack()
         assert type(packed) is _Swapped
-        packed.check()
+        now = packed.counter._version
+        if now != packed.version:
+            raise _integrity_error(group.name, packed.layout[1], packed.version, now)
         entry = packed.entry
         with self._lock:
             load = entry.load

@@ -13,8 +13,12 @@ class GroupStats:
     storage is reloaded once per backward, however many autograd nodes saved it).
     ``kept`` counts tensors the policy chose to swap that stayed on device, for one of
     the reasons counted beside it: the kept last layer (``kept_last_layer``), a full
-    host pool (``pool_exhausted``), a failed host allocation (``alloc_failures``), or a
-    stream capturing a graph (``kept_capturing``)."""
+    host pool (``pool_exhausted``), a failed host allocation (``alloc_failures``), a
+    stream capturing a graph (``kept_capturing``), or a storage saved again after an
+    in-place change, whose copy may hold either version (``kept_changed``).
+    ``plan_mismatches`` counts saves that a planned policy (``activation_swap: auto``)
+    chose to swap but that came with another shape or dtype than planned: they stay on
+    device, and the rewrite report's ``check()`` raises."""
 
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
@@ -28,6 +32,8 @@ class GroupStats:
     pool_exhausted: int = 0
     alloc_failures: int = 0
     kept_capturing: int = 0
+    kept_changed: int = 0
+    plan_mismatches: int = 0
 
     def add(self, other: GroupStats) -> None:
         for f in dataclasses.fields(GroupStats):

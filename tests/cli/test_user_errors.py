@@ -155,6 +155,12 @@ CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
     ),
     ("train-lr-inf", lambda p: ["train", "lr=.inf"], 2, "graphswap train: lr: "),
     (
+        "train-pass-order-empty",
+        lambda p: ["train", "pass_order="],
+        2,
+        "graphswap train: pass_order: override 'pass_order=' has no value",
+    ),
+    (
         "train-heads-not-divisible",
         lambda p: ["train", "tp_size=3"],
         2,
@@ -245,15 +251,20 @@ def test_unknown_attn_implementation_names_the_choices(capsys: pytest.CaptureFix
     assert "eager" in last and "sdpa" in last
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-2"])
 @pytest.mark.parametrize("flag", ["--bandwidth", "--tflops"])
 @pytest.mark.usefixtures("no_model_built")
-def test_plan_memory_refuses_an_infinite_figure_as_train_does(
-    flag: str, capsys: pytest.CaptureFixture[str]
+def test_plan_memory_rates_follow_the_rule_train_applies(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, err = run(["plan-memory", "--preset", "tiny", "--seq", "8", flag, "inf"], capsys)
+    """One rule (graphswap.config.check_finite_positive): train refuses
+    swap_bandwidth_gbps=.inf, so plan-memory refuses --bandwidth inf."""
+    argv = ["plan-memory", "--preset", "tiny", "--seq", "8", flag, value]
+    code, err = run(argv, capsys)
     assert code == 2 and "Traceback" not in err
     assert err.splitlines()[-1] == (
-        f"graphswap plan-memory: error: argument {flag}: must be a finite number > 0, got inf"
+        f"graphswap plan-memory: error: argument {flag}: must be a finite number > 0,"
+        f" got {float(value)!r}"
     )
 
 

@@ -5,13 +5,19 @@ plan says (measured by the independent tracker and by the swap's own stats)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from graphswap.auto_swap import AutoSwap, AutoSwapMismatchError, AutoSwapPolicy
+from graphswap.auto_swap import (
+    AutoSwap,
+    AutoSwapMismatchError,
+    AutoSwapMismatchWarning,
+    AutoSwapPolicy,
+)
 from graphswap.cli._memory import format_auto_report
 from graphswap.config import ConfigError, TrainerConfig
 from graphswap.hf import build_model
@@ -196,19 +202,71 @@ def test_auto_in_between_swaps_exactly_the_planned_bytes_and_every_copy_hides(
     built.auto_swap.check()
 
 
-def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_settings() -> None:
-    built = _build("auto", num_layers=2, swap_bandwidth_gbps=1e9)
+def _run_at_another_shape(model: torch.nn.Module) -> list[warnings.WarningMessage]:
+    """Two steps at seq 256 of a model planned for 512; the warnings they raised."""
     ids = _ids(256)
-    built.model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    assert built.swap_manager is not None and built.auto_swap is not None
-    assert built.swap_manager.stats.offloaded_bytes == 0
-    assert built.auto_swap.mismatched_tensors > 0
-    with pytest.raises(AutoSwapMismatchError) as info:
-        built.auto_swap.check()
-    message = str(info.value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return [w for w in caught if issubclass(w.category, AutoSwapMismatchWarning)]
+
+
+def _check_names_both_shapes(message: str) -> None:
     assert message.startswith("activation_swap: auto: ")
     assert "seq_len: 512, batch_size: 2, dtype: float32" in message
     assert "is (2, 256, 4, 64) float32" in message and "expects (2, 512, 4, 64) float32" in message
+
+
+def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_settings() -> None:
+    built = _build("auto", num_layers=2, swap_bandwidth_gbps=1e9)
+    caught = _run_at_another_shape(built.model)
+    assert built.swap_manager is not None and built.auto_swap is not None
+    assert built.swap_manager.stats.offloaded_bytes == 0
+    assert built.auto_swap.mismatched_tensors > 0
+    assert built.swap_manager.stats.plan_mismatches == built.auto_swap.mismatched_tensors
+    assert len(caught) == 1, "warned once per model, not per save or per step"
+    _check_names_both_shapes(str(caught[0].message))
+    with pytest.raises(AutoSwapMismatchError) as info:
+        built.auto_swap.check()
+    _check_names_both_shapes(str(info.value))
+
+
+def test_a_model_from_the_builders_run_at_another_shape_is_reported(tmp_path: Any) -> None:
+    """from_config / from_pretrained hand back only the model: the user learns of the
+    mismatch from a warning, the stats, and the rewrite report's check()."""
+    from graphswap import rewrite_report
+    from graphswap.models import from_config, from_pretrained
+
+    hf_config = qwen3_moe_config("tiny", num_hidden_layers=2)
+    planned = TrainerConfig(activation_swap="auto", swap_bandwidth_gbps=1e9)
+    from_config(hf_config).save_pretrained(tmp_path)
+    for model in (
+        from_config(hf_config, trainer_config=planned),
+        from_pretrained(tmp_path, trainer_config=planned),
+    ):
+        caught = _run_at_another_shape(model)
+        assert len(caught) == 1
+        _check_names_both_shapes(str(caught[0].message))
+        report = rewrite_report(model)
+        assert report is not None
+        stats = report.manager.stats
+        assert stats.offloaded_bytes == 0 and stats.plan_mismatches > 0
+        assert stats.per_group["model.layers.0"].plan_mismatches > 0
+        with pytest.raises(AutoSwapMismatchError) as info:
+            report.check()
+        _check_names_both_shapes(str(info.value))
+
+
+def test_a_model_run_at_its_planned_shape_passes_the_report_check() -> None:
+    built = _build("auto", num_layers=2, swap_bandwidth_gbps=1e9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AutoSwapMismatchWarning)
+        built.model(input_ids=_ids(), labels=_ids(), use_cache=False).loss.backward()
+    report = built.infrastructure.report
+    assert report is not None and report.manager.stats.offloaded_bytes > 0
+    assert report.manager.stats.plan_mismatches == 0
+    report.check()
 
 
 @pytest.fixture

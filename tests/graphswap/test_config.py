@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from graphswap.config import ConfigError, TrainerConfig, resolve_config
+from graphswap.config import ConfigError, TrainerConfig, check_finite_positive, resolve_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.yaml"
 
@@ -197,7 +197,7 @@ def test_overrides_win_and_are_validated(tmp_path: Path) -> None:
     assert (config.activation_swap, config.tp_size, config.data) == ("attention", 4, "/x/y.txt")
     assert resolve_config(path, ["model_path=null"]).model_path is None
     with pytest.raises(ConfigError, match=r"^activation_swap: got null"):
-        resolve_config(path, ["activation_swap="])
+        resolve_config(path, ["activation_swap=null"])
     with pytest.raises(ConfigError, match=r"^tp_sise: unknown key; did you mean 'tp_size'"):
         resolve_config(path, ["tp_sise=2"])
     with pytest.raises(ConfigError, match=r"^fsdp: expected true or false"):
@@ -281,3 +281,33 @@ def test_pass_order_is_immutable_and_checked_for_type() -> None:
         with pytest.raises(ConfigError, match=r"^pass_order: expected a list of names") as info:
             resolve_config(bad)
         assert info.value.key == "pass_order"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "pass_order=",
+            "pass_order: override 'pass_order=' has no value; give one, or pass_order=null"
+            " to leave it at its default",
+        ),
+        ("activation_swap=", "activation_swap: override 'activation_swap=' has no value; give one"),
+        ("lr= ", "lr: override 'lr= ' has no value; give one"),
+    ],
+)
+def test_an_override_without_a_value_is_an_error(override: str, message: str) -> None:
+    """YAML reads empty text as null: ``pass_order=`` would run the canonical order."""
+    with pytest.raises(ConfigError) as info:
+        resolve_config({}, [override])
+    assert str(info.value) == message
+    assert resolve_config({}, ["pass_order=null"]).pass_order is None
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("-inf"), float("nan")])
+def test_the_finite_positive_rule_is_one_function(value: float) -> None:
+    """What train refuses for its rates, plan-memory's flags refuse through the same call."""
+    with pytest.raises(ConfigError) as info:
+        check_finite_positive("--bandwidth", value, "GB/s")
+    assert str(info.value) == f"--bandwidth: must be a finite number of GB/s > 0, got {value!r}"
+    assert info.value.detail == f"must be a finite number of GB/s > 0, got {value!r}"
+    assert check_finite_positive("--bandwidth", 25.0, "GB/s") == 25.0

@@ -90,14 +90,17 @@ def test_install_by_hand_swaps_without_changing_a_number(tiny_model: Model) -> N
     assert {type(layer.self_attn) for layer in model.model.layers} == {attention_type}
 
 
-@uses("rewrite", "RewriteReport", "unrewrite", "available_rules", "get_rule")
+@uses("rewrite", "RewriteReport", "unrewrite", "available_rules", "get_rule", "rewrite_report")
 def test_rewrite_by_rule_name_and_undo(tiny_model: Model) -> None:
     model = tiny_model(num_hidden_layers=2)
     originals = [(layer.self_attn, type(layer.self_attn)) for layer in model.model.layers]
     assert "qwen3_attn_swap" in graphswap.available_rules()
     assert graphswap.get_rule("qwen3_attn_swap").name == "qwen3_attn_swap"
+    assert graphswap.rewrite_report(model) is None
     report = graphswap.rewrite(model, rules=["qwen3_attn_swap"])
     assert isinstance(report, graphswap.RewriteReport)
+    assert graphswap.rewrite_report(model) is report
+    report.check()  # nothing planned, nothing to mismatch
     assert isinstance(report.manager, graphswap.SwapManager)
     assert {type(layer.self_attn).__name__ for layer in model.model.layers} == {
         "SwapQwen3MoeAttention"

@@ -72,3 +72,13 @@ def test_factory_threshold_and_name() -> None:
 def test_factory_rejects_negative_threshold() -> None:
     with pytest.raises(ValueError, match="min_bytes"):
         size_threshold_policy(-1)
+
+
+@pytest.mark.parametrize("value", ["1MiB", 1.5, True, None])
+def test_factory_says_what_the_threshold_takes(value: object) -> None:
+    with pytest.raises(TypeError) as info:
+        size_threshold_policy(value)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "min_bytes must be an int number of bytes (e.g. 1 << 20 for 1 MiB),"
+        f" got {type(value).__name__} {value!r}"
+    )

@@ -17,6 +17,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from graphswap.hf import build_model
+from graphswap.policy import size_threshold_policy
 from graphswap.presets import qwen3_moe_config
 from graphswap.rewrite import (
     AlreadyTransformedError,
@@ -28,7 +29,7 @@ from graphswap.rewrite import (
     rewrite,
     unrewrite,
 )
-from graphswap.rules import Rule, RuleContext
+from graphswap.rules import Rule, RuleContext, available_rules
 from graphswap.runtime import SwapManager, is_swap_wrapped, swap_wrapper, unwrap_swap
 
 ATTN = "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeAttention"
@@ -208,6 +209,57 @@ def test_unrewrite_restores_and_allows_a_second_rewrite() -> None:
     assert str(rewrite(model, "qwen3_attn_swap")) == (
         "qwen3_attn_swap: 4 modules wrapped, 3 prefetch links"
     )
+
+
+def linear_swap_rule() -> Rule:
+    """Every ``nn.Linear`` of a toy model wrapped and linked: the manager's counters move."""
+    return Rule(
+        name="linear_swap",
+        description="swap what every Linear saves",
+        targets=("torch.nn.modules.linear:Linear",),
+        factory=lambda m, ctx: swap_wrapper(
+            m, manager=ctx.manager, name=ctx.fqn, policy=size_threshold_policy(1024)
+        ),
+        restore=unwrap_swap,
+    )
+
+
+@pytest.mark.parametrize("how", ["report.undo", "unrewrite"])
+def test_undo_keeps_the_stats_of_what_ran_readable(how: str) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    report = rewrite(model, [linear_swap_rule()])
+    model(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    ran = report.manager.stats
+    assert ran.offloaded_tensors > 0 and ran.reloaded_tensors == ran.offloaded_tensors
+    if how == "unrewrite":
+        unrewrite(model)
+    else:
+        report.undo()
+    assert report.manager.stats == ran
+    assert set(report.manager.stats.per_group) == {"0", "2"}
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        (None, "rules must be a rule name, a Rule or a list of them, got NoneType None"),
+        (42, "rules must be a rule name, a Rule or a list of them, got int 42"),
+        (["qwen3_attn_swap", 42], "rules must list rule names or Rule objects, got int 42"),
+    ],
+)
+def test_rules_of_the_wrong_type_name_the_argument_and_the_rules(
+    rules: object, message: str
+) -> None:
+    model = meta_model(2)
+    before = snapshot(model)
+    with pytest.raises(TypeError) as info:
+        rewrite(model, rules)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        f"{message}; available rules: {', '.join(available_rules())}"
+        " (e.g. rules=['qwen3_attn_swap'])"
+    )
+    assert "qwen3_attn_swap, qwen3_moe_layer_swap" in str(info.value)
+    assert_untouched(model, before)
 
 
 def test_unrewrite_of_untouched_model_raises() -> None:

@@ -92,3 +92,39 @@ def test_gradient_checkpointing_by_hand_after_the_rewrite_is_refused(
     with pytest.raises(SwapExclusionError, match="excludes activation_checkpointing"):
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert manager.stats.offloaded_bytes == 0
+
+
+def toy_swapped() -> torch.nn.Sequential:
+    """Two wrapped blocks in one manager: torch.compile and torch.export trace toys as
+    they trace a transformer, in a fraction of the time."""
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2))
+    )
+    manager = graphswap.SwapManager()
+    for i, block in enumerate(model):
+        graphswap.swap_wrapper(block, manager=manager, name=f"b{i}")
+    manager.set_forward_prefetch_layer(model[0], model[1])
+    return model
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
+def test_compile_by_hand_is_refused_with_the_fix_in_every_mode(fullgraph: bool) -> None:
+    """Under fullgraph=True a graph break is an error of Dynamo's own: the refusal is
+    raised while Dynamo traces, so graphswap's error and fix reach the user there too."""
+    compiled = torch.compile(toy_swapped(), backend="eager", fullgraph=fullgraph)
+    with pytest.raises(
+        SwapExclusionError,
+        match=r"^activation swap excludes compile: 'b0' ran under torch\.compile.*"
+        r"call graphswap\.unrewrite\(model\) before torch\.compile",
+    ):
+        compiled(torch.randn(4, 8, requires_grad=True))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_export_is_refused_naming_export_and_the_fix(strict: bool) -> None:
+    with pytest.raises(SwapExclusionError) as info:
+        torch.export.export(toy_swapped(), (torch.randn(4, 8),), strict=strict)
+    message = str(info.value)
+    assert message.startswith("activation swap excludes torch.export: 'b0' ran under torch.export")
+    assert "call graphswap.unrewrite(model) before torch.export" in message
+    assert "torch.compile" not in message

@@ -3,14 +3,15 @@ to kept tensors, tensors saved by several nodes, varying shapes, graph capture."
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from graphswap import SwapIntegrityError, SwapManager, swap_wrapper
+from graphswap import SwapExclusionError, SwapIntegrityError, SwapManager, swap_wrapper
 from graphswap.hf import build_model
 from graphswap.policy import SwapPolicy, qwen3_attention_swap_policy, size_threshold_policy
 from graphswap.presets import qwen3_moe_config
@@ -131,6 +132,199 @@ def test_in_place_change_of_a_saved_tensor_raises_where_pytorch_does(layer) -> N
     assert "self_attn" in str(swapped) and "in-place" in str(swapped)
 
 
+class ReturnsWhatItSaves(torch.nn.Module):
+    """``y`` is saved by ``sin``'s backward and returned: the caller can change it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n, n) / n**0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ self.w
+        return y.sin(), y
+
+
+def chain_grads(
+    manager: SwapManager | None, change: Callable[[list[torch.Tensor]], None], blocks: int = 4
+) -> list[torch.Tensor] | RuntimeError:
+    """Run a chain of blocks, let ``change`` act on the tensors they returned, drop every
+    reference to those, and backpropagate: the weights' gradients, or the error."""
+    torch.manual_seed(0)
+    chain = [ReturnsWhatItSaves(64) for _ in range(blocks)]
+    if manager is not None:
+        wrapped = [
+            swap_wrapper(b, manager=manager, name=f"b{i}", policy=size_threshold_policy(1024))
+            for i, b in enumerate(chain)
+        ]
+        for prev, nxt in itertools.pairwise(wrapped):
+            manager.set_forward_prefetch_layer(prev, nxt)
+    h = torch.randn(64, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    returned = []
+    for block in chain:
+        h, y = block(h)
+        returned.append(y)
+    change(returned)
+    returned.clear()
+    try:
+        h.sum().backward()
+    except RuntimeError as error:
+        return error.with_traceback(None)
+    return [block.w.grad for block in chain]
+
+
+CHANGES: dict[str, Callable[[torch.Tensor], object]] = {
+    "directly": lambda y: y.add_(1.0),
+    "through_a_view": lambda y: y[1:].add_(1.0),
+    "through_a_detached_alias": lambda y: y.detach().mul_(2.0),
+}
+
+
+@pytest.mark.parametrize("how", CHANGES)
+@pytest.mark.parametrize("offload_lag", [0, 1, 2, 3])
+@pytest.mark.parametrize("lag", [0, 3, 50])
+def test_a_saved_tensor_changed_then_dropped_raises_where_pytorch_does(
+    how: str, offload_lag: int, lag: int
+) -> None:
+    """The handle holds the version counter, not the tensor: after the caller dropped
+    every reference to it, a change made while its copy was in flight (lag 50,
+    offload_lag 2-3) or after it completed is still an error, never a wrong gradient."""
+    for block in range(4):
+
+        def change(returned: list[torch.Tensor], block: int = block) -> None:
+            CHANGES[how](returned[block])
+
+        plain = chain_grads(None, change)
+        assert isinstance(plain, RuntimeError) and "inplace operation" in str(plain)
+        manager = SwapManager(engine=SimulatedAccelerator(lag=lag), offload_lag=offload_lag)
+        swapped = chain_grads(manager, change)
+        assert isinstance(swapped, SwapIntegrityError), (block, swapped)
+        assert f"'b{block}'" in str(swapped) and "(64, 64)" in str(swapped)
+        if block < 3:  # the last block is kept on device
+            assert manager.stats.per_group[f"b{block}"].offloaded_tensors == 2, "x and y"
+
+
+def test_unchanged_returned_tensors_dropped_before_backward_give_the_same_gradients() -> None:
+    plain = chain_grads(None, lambda returned: None)
+    manager = SwapManager(engine=SimulatedAccelerator(lag=50), offload_lag=3)
+    swapped = chain_grads(manager, lambda returned: None)
+    assert not isinstance(plain, RuntimeError) and not isinstance(swapped, RuntimeError)
+    assert all(torch.equal(p, q) for p, q in zip(plain, swapped, strict=True))
+
+
+class SavesTwice(torch.nn.Module):
+    """Saves ``y`` twice in one forward, the first time by a node that dies at once
+    or only at the end of the forward; ``change`` changes ``y`` in place in between."""
+
+    def __init__(self, change: bool, first_alive: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+        self.change = change
+        self.first_alive = first_alive
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w
+        first = y.sin()  # saves y; never backpropagated
+        if not self.first_alive:
+            del first  # its node and the handle of y's first save die here
+        if self.change:
+            y.mul_(2.0)
+        return y.cos()
+
+
+@pytest.mark.parametrize(
+    ("first_alive", "change", "offloaded", "kept_changed"),
+    [(False, False, 6, 0), (False, True, 6, 0), (True, False, 4, 0), (True, True, 4, 2)],
+    ids=["dropped-unchanged", "dropped-changed", "alive-unchanged", "alive-changed"],
+)
+@pytest.mark.parametrize("lag", [0, 3])
+def test_a_storage_saved_again_in_one_forward_gives_the_bytes_of_that_save(
+    first_alive: bool, change: bool, offloaded: int, kept_changed: int, lag: int
+) -> None:
+    """A save after every handle of the storage's copy died copies it again; a save
+    after an in-place change while that copy's handles live keeps its bytes on device,
+    since the copy may hold either version. Per swapped block x and y are offloaded,
+    and y once more when its first copy was released."""
+    grads = []
+    for swap in (False, True):
+        torch.manual_seed(0)
+        chain = [SavesTwice(change, first_alive) for _ in range(3)]
+        manager = SwapManager(engine=SimulatedAccelerator(lag=lag))
+        if swap:
+            for i, block in enumerate(chain):
+                swap_wrapper(
+                    block, manager=manager, name=f"b{i}", policy=size_threshold_policy(1024)
+                )
+            for prev, nxt in itertools.pairwise(chain):
+                manager.set_forward_prefetch_layer(prev, nxt)
+        h = torch.randn(64, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        for block in chain:
+            h = block(h)
+        h.sum().backward()
+        grads.append([block.w.grad for block in chain])
+    assert all(torch.equal(p, q) for p, q in zip(*grads, strict=True))
+    stats = manager.stats
+    assert (stats.offloaded_tensors, stats.kept_changed) == (offloaded, kept_changed)
+    assert stats.host_in_use_bytes == 0
+
+
+@pytest.fixture
+def fake_mesh() -> Iterator[object]:
+    """Rank 0 of a two-rank world whose collectives do nothing."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+class Doubles(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y.sin(), y
+
+
+def dtensor_chain_grad(mesh: object, swap: bool, change: bool) -> torch.Tensor | RuntimeError:
+    from torch.distributed.tensor import DTensor, Shard
+
+    chain: list[torch.nn.Module] = [Doubles() for _ in range(3)]
+    manager = SwapManager(engine=SimulatedAccelerator(lag=50), offload_lag=2)
+    if swap:
+        for i, block in enumerate(chain):
+            swap_wrapper(block, manager=manager, name=f"d{i}", policy=size_threshold_policy(1024))
+        for prev, nxt in itertools.pairwise(chain):
+            manager.set_forward_prefetch_layer(prev, nxt)
+    local = torch.randn(32, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    h = DTensor.from_local(local, mesh, [Shard(0)])
+    returned = []
+    for block in chain:
+        h, y = block(h)
+        returned.append(y)
+    if change:
+        returned[1].add_(1.0)
+    returned.clear()
+    assert manager.stats.offloaded_tensors == (2 if swap else 0)
+    try:
+        h.to_local().sum().backward()
+    except RuntimeError as error:
+        return error.with_traceback(None)
+    return local.grad
+
+
+def test_a_saved_dtensor_changed_then_dropped_raises(fake_mesh: object) -> None:
+    """A DTensor's handle holds the wrapper's version counter, not its local shard."""
+    plain = dtensor_chain_grad(fake_mesh, swap=False, change=False)
+    swapped = dtensor_chain_grad(fake_mesh, swap=True, change=False)
+    assert isinstance(plain, torch.Tensor) and isinstance(swapped, torch.Tensor)
+    assert torch.equal(plain, swapped)
+    assert isinstance(dtensor_chain_grad(fake_mesh, swap=False, change=True), RuntimeError)
+    error = dtensor_chain_grad(fake_mesh, swap=True, change=True)
+    assert isinstance(error, SwapIntegrityError) and "'d1'" in str(error)
+
+
 def test_in_place_change_of_an_unsaved_output_is_no_error() -> None:
     plain, swapped = plain_and_swapped_grads(
         lambda: make_model(layers=3), lambda out: out.logits.detach().mul_(1.0)
@@ -183,6 +377,48 @@ def test_under_graph_capture_tensors_stay_on_device_and_are_counted() -> None:
         assert torch.equal(p.grad, q.grad), name
 
 
+class Scale(torch.nn.Module):
+    """Saves nothing: its backward begins at its output's gradient node."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+@pytest.mark.parametrize("last", ["saves", "saves_nothing"])
+def test_a_backward_under_capture_of_a_forward_outside_it_is_refused(last: str) -> None:
+    """Reloading would capture host-to-device copies into the graph, replayed later from
+    reused host buffers: refused before any copy, naming both modules and the fix."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(2)]
+    blocks.append(Scale() if last == "saves_nothing" else torch.nn.Linear(64, 64))
+    plain = copy.deepcopy(blocks)
+    engine = SimulatedAccelerator(lag=2)
+    manager = SwapManager(engine=engine)
+    for i, block in enumerate(blocks):
+        swap_wrapper(block, manager=manager, name=f"b{i}", policy=size_threshold_policy(1024))
+    for prev, nxt in itertools.pairwise(blocks):
+        manager.set_forward_prefetch_layer(prev, nxt)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    loss = torch.nn.Sequential(*blocks)(x.requires_grad_()).sum()
+    assert manager.stats.offloaded_tensors > 0
+    with engine.capture(), pytest.raises(SwapExclusionError) as info:
+        loss.backward(retain_graph=True)
+    message = str(info.value)
+    assert message.startswith(
+        "activation swap excludes capturing a backward whose forward ran outside the capture:"
+        " the backward of 'b2' began while the current stream captures a graph, but 'b1'"
+    )
+    assert "run that forward under the same capture" in message
+    assert manager.stats.reloaded_tensors == 0, "no copy was issued under capture"
+    loss.backward()  # outside the capture the same graph runs as plain PyTorch does
+    x_plain = x.detach().clone().requires_grad_()
+    torch.nn.Sequential(*plain)(x_plain).sum().backward()
+    assert torch.equal(x.grad, x_plain.grad)
+    for block, reference in zip(blocks, plain, strict=True):
+        for p, q in zip(block.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+
+
 def test_failed_host_allocation_keeps_the_tensor_and_counts_it(monkeypatch) -> None:
     model = make_model(layers=3, attn="sdpa")
     engine = SimulatedAccelerator()
@@ -208,8 +444,18 @@ def test_failed_host_allocation_keeps_the_tensor_and_counts_it(monkeypatch) -> N
         ({"max_host_bytes": -1}, "max_host_bytes"),
         ({"engine": object()}, "engine"),
         ({"engine": "cpu"}, "engine"),
+        ({"max_host_bytes": True}, r"^max_host_bytes must be an int >= 0 \(or None: half of RAM\)"),
+        ({"max_host_bytes": "1GiB"}, r"^max_host_bytes must be an int >= 0"),
+        ({"max_host_bytes": 2.0**30}, r"^max_host_bytes must be an int >= 0"),
+        ({"prefetch_depth": True}, r"^prefetch_depth must be an int >= 1, got True"),
+        ({"offload_lag": "2"}, r"^offload_lag must be an int >= 0, got '2'"),
+        ({"keep_last": "no"}, r"^keep_last must be True or False, got 'no'"),
+        ({"keep_last": 0}, r"^keep_last must be True or False, got 0"),
+        ({"trace": "yes"}, r"^trace must be True or False, got 'yes'"),
     ],
 )
 def test_bad_manager_arguments_are_value_errors_naming_them(kwargs, match) -> None:
+    """A bool is no number (True would cap the pool at one byte) and a string no bool
+    ("no" is true): both are errors naming the argument."""
     with pytest.raises(ValueError, match=match):
         SwapManager(**kwargs)

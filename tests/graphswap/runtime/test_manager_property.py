@@ -3,9 +3,12 @@
 A stateful property test drives a swap-wrapped tiny Qwen3-MoE and an unwrapped copy
 through random sequences of forwards (with and without grad, new sequence lengths),
 backwards (with and without ``retain_graph``), dropped graphs, forwards that raise and
-in-place changes to saved tensors; with the default CPU engine and with simulated
-accelerators that lag. After every action the two agree bit for bit, raise together,
-and once no graph is alive the swap holds no host buffer and no object of its own.
+in-place changes to saved tensors, also changes after which the caller drops every
+reference to the changed tensor (directly or through a view) while its copy may still
+be in flight; with the default CPU engine and with simulated accelerators that lag up
+to 50 module boundaries, at ``offload_lag`` up to 3. After every action the two agree
+bit for bit, raise together, and once no graph is alive the swap holds no host buffer
+and no object of its own.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ def make_model() -> torch.nn.Module:
 
 class SwapVsPlain(RuleBasedStateMachine):
     engine_lag: int | None = None
+    offload_lag: int = 1
 
     def __init__(self) -> None:
         super().__init__()
         self.plain = make_model()
         self.swap = make_model()
         engine = None if self.engine_lag is None else SimulatedAccelerator(lag=self.engine_lag)
-        self.manager = SwapManager(engine=engine)
+        self.manager = SwapManager(engine=engine, offload_lag=self.offload_lag)
         attns = [
             swap_wrapper(layer.self_attn, manager=self.manager, name=f"l{i}", policy=swap_above_1k)
             for i, layer in enumerate(self.swap.model.layers)
@@ -152,8 +156,28 @@ class SwapVsPlain(RuleBasedStateMachine):
     def drop_graph(self, pick: int) -> None:
         del self.graphs[pick % len(self.graphs)]
 
+    @precondition(lambda self: self.graphs)
+    @rule(
+        pick=st.integers(0, 7),
+        layers=st.sets(st.integers(0, LAYERS - 1), min_size=1, max_size=LAYERS),
+        through_view=st.booleans(),
+    )
+    def change_in_place_then_drop(self, pick: int, layers: set[int], through_view: bool) -> None:
+        """Change saved attentions in place, then drop every reference to them: only
+        autograd (and, for a swapped tensor, a copy perhaps still in flight) holds them."""
+        index = pick % len(self.graphs)
+        for out in self.graphs[index]:
+            if out.attentions is None:
+                continue
+            for layer in layers:
+                saved = out.attentions[layer]
+                (saved[..., 1:] if through_view else saved).add_(1.0)
+            out["attentions"] = None  # attribute assignment of None keeps the dict entry
+
     def modify_saved_tensors_in_place(self, index: int, layers: set[int]) -> None:
         for out in self.graphs[index]:
+            if out.attentions is None:
+                continue  # dropped by change_in_place_then_drop
             for layer in layers:
                 out.attentions[layer].mul_(0.5)
 
@@ -165,9 +189,17 @@ class SwapVsPlain(RuleBasedStateMachine):
         assert all(ref() is None for ref in self.entries)
 
 
-@pytest.mark.parametrize("engine_lag", [None, 3], ids=["cpu", "sim3"])
-def test_swap_behaves_as_plain_pytorch(engine_lag: int | None) -> None:
-    machine = type(f"SwapVsPlain_{engine_lag}", (SwapVsPlain,), {"engine_lag": engine_lag})
+@pytest.mark.parametrize(
+    ("engine_lag", "offload_lag"),
+    [(None, 1), (3, 1), (50, 0), (50, 2), (50, 3)],
+    ids=["cpu", "sim3", "sim50-offload0", "sim50-offload2", "sim50-offload3"],
+)
+def test_swap_behaves_as_plain_pytorch(engine_lag: int | None, offload_lag: int) -> None:
+    machine = type(
+        f"SwapVsPlain_{engine_lag}_{offload_lag}",
+        (SwapVsPlain,),
+        {"engine_lag": engine_lag, "offload_lag": offload_lag},
+    )
     run_state_machine_as_test(
         machine,
         settings=settings(
