@@ -157,27 +157,36 @@ def test_auto_settings_read_numbers_and_measure(tmp_path: Path) -> None:
     auto = resolve_config(
         _write(tmp_path, "activation_swap: auto\nswap_bandwidth_gbps: 1e3\nswap_hide_margin: 0\n")
     )
+    # swap_tflops left out: the device profile's figure (None here).
     assert (auto.swap_bandwidth_gbps, auto.swap_tflops, auto.swap_hide_margin) == (
         1000.0,
-        400.0,
+        None,
         0.0,
     )
     measured = resolve_config({"activation_swap": "auto"}, ["swap_bandwidth_gbps=measure"])
     assert measured.swap_bandwidth_gbps == "measure"
 
 
-def test_auto_defaults_are_the_planners() -> None:
-    from graphswap.planner import DEFAULT_HIDE_MARGIN, DEFAULT_PROFILE
-    from graphswap.runtime.profile import device_profile
+def test_auto_plans_on_the_device_profile_unless_told_otherwise() -> None:
+    """No link or compute figure set: auto plans with the profile of the device it runs
+    on (the simulated one's here); a figure set replaces the profile's."""
+    from graphswap.models import build
+    from graphswap.planner import DEFAULT_HIDE_MARGIN
 
-    profile = device_profile(DEFAULT_PROFILE)
     config = TrainerConfig()
-    assert profile.d2h_gbps == profile.h2d_gbps
     assert (config.swap_bandwidth_gbps, config.swap_tflops, config.swap_hide_margin) == (
-        profile.d2h_gbps,
-        profile.tflops,
+        None,
+        None,
         DEFAULT_HIDE_MARGIN,
     )
+    small = {"activation_swap": "auto", "num_layers": 2, "seq_len": 16, "batch_size": 1}
+    profiles = []
+    for extra in ({}, {"swap_tflops": 7.0}):
+        sim = TrainerConfig(**small, device="sim:h100,link_gbps=10", **extra)
+        auto = build(sim).auto_swap
+        assert auto is not None
+        profiles.append(auto.plan.profile)
+    assert [(p.d2h_gbps, p.tflops) for p in profiles] == [(10.0, 400.0), (10.0, 7.0)]
 
 
 def test_direct_construction_is_checked_too() -> None:
