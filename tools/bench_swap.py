@@ -285,8 +285,8 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
     from graphswap.runtime.tape import step_labels
 
     model, device = mode.model, mode.device
-    _, layers = decoder_layers(model)
     with mode.installed():
+        _, layers = decoder_layers(model)  # as installed: a rewrite may replace them
         model.zero_grad(set_to_none=True)
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
