@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from bench_report import targets, to_markdown
-from swap_modes import ATTENTION, AUTO, MODES, NONE, Mode
+from swap_modes import ATTENTION, AUTO, LAYER, MODES, NONE, Mode
 from swap_overhead import OverheadConfig, measure_overhead, target_line
 
 from graphswap.measure import ResidentActivationTracker, output_tensors
@@ -188,6 +188,123 @@ def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device)
     }
 
 
+PLANNED_MODES = (NONE, ATTENTION, LAYER, AUTO)
+"""The modes the planner predicts (``save_on_cpu`` is not graphswap's)."""
+
+
+def _predictions(
+    args: argparse.Namespace, config: Any, seq: int, device: torch.device
+) -> dict[str, dict[str, Any]]:
+    """Per planned mode in ``args.modes``, the planner's prediction of the bench's step at
+    this shape: zero-grad, forward and backward, no optimizer (``optimizer=False``), on the
+    profile the auto mode plans on (h200 with --swap-bandwidth and --swap-tflops). One
+    trace, asked both the attention and the layer policy, serves every mode."""
+    from graphswap.planner import SwapChoice, plan_step, replay, trace_step
+    from graphswap.planner._plan import DEFAULT_PROFILE, default_policy, resolve_profile
+    from graphswap.saved_tensors import build_meta_model
+
+    modes = [name for name in args.modes if name in PLANNED_MODES]
+    if not modes:
+        return {}
+    meta = build_meta_model(
+        config,
+        seq=seq,
+        batch=args.batch,
+        dtype=getattr(torch, args.dtype),
+        attn_implementation=args.attn,
+        device="cuda" if device.type == "cuda" else "cpu",
+    )
+    profile = resolve_profile(
+        DEFAULT_PROFILE, bandwidth_gbps=args.swap_bandwidth, tflops=args.swap_tflops
+    )
+    policies = (default_policy(ATTENTION), default_policy(LAYER))
+    trace = trace_step(meta, profile, policies, optimizer=False)
+    baseline = replay(trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1)
+    found = {}
+    for name in modes:
+        plan = plan_step(
+            config,
+            trace,
+            swap=name,
+            policy=0 if name in (NONE, ATTENTION) else 1,
+            hide_margin=args.swap_hide_margin,
+            baseline=baseline,
+        )
+        found[name] = {
+            "step_ratio": plan.step_ratio,
+            "step_seconds": plan.timeline.step_seconds,
+            "peak_bytes": plan.timeline.peak_bytes,
+            "peak_without_swap_bytes": plan.baseline.peak_bytes,
+            "drop_bytes": plan.baseline.peak_bytes - plan.timeline.peak_bytes,
+            "peak_label": plan.timeline.peak_label,
+            "base_bytes": plan.timeline.base_bytes,
+            "swapped_bytes": plan.swapped_bytes,
+        }
+    return found
+
+
+class PeakByLabel:
+    """Where a CUDA step's allocator peak falls, by :func:`step_labels` label.
+
+    ``step_labels`` sets :attr:`label` at each layer's forward and backward; on every
+    change the recorder reads ``torch.cuda.max_memory_allocated`` and gives any rise to
+    the label that just ended. The caching allocator counts an allocation when the host
+    asks for it (not when a kernel runs), and the host asks in program order, so this is
+    exact at label granularity: the peak belongs to the last label that raised it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._label: str | None = None
+        self._max = torch.cuda.max_memory_allocated(device)
+        self.rises: dict[str, int] = {}
+        """Per label, how much it raised the step's peak."""
+        self.peak_label: str | None = None
+
+    @property
+    def label(self) -> str | None:
+        return self._label
+
+    @label.setter
+    def label(self, value: str) -> None:
+        self.close()
+        self._label = value
+
+    def close(self) -> None:
+        """Attribute what the peak rose since the last change to the current label."""
+        now = torch.cuda.max_memory_allocated(self.device)
+        if self._label is not None and now > self._max:
+            self.rises[self._label] = self.rises.get(self._label, 0) + now - self._max
+            self.peak_label = self._label
+        self._max = max(self._max, now)
+
+
+def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
+    """Untimed, CUDA only: one plain step under :class:`PeakByLabel`; its peak allocated and
+    the label it falls in."""
+    from graphswap.hf import decoder_layers
+    from graphswap.runtime.tape import step_labels
+
+    model, device = mode.model, mode.device
+    with mode.installed():
+        _, layers = decoder_layers(model)  # as installed: a rewrite may replace them
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        recorder = PeakByLabel(device)
+        with step_labels(layers, recorder):  # type: ignore[arg-type]  # any .label works
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            _sync(device)
+            recorder.close()
+        del loss
+    model.zero_grad(set_to_none=True)
+    return {
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "peak_label": recorder.peak_label,
+        "rises_by_label": recorder.rises,
+    }
+
+
 def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> Any:
     """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
     from graphswap.auto_swap import AutoSwap
@@ -223,10 +340,11 @@ def run_seq(
         "plan": _plan(args, config, seq, device),
     }
     run["modes"] = {}
+    predictions = _predictions(args, config, seq, device)
     files.result["runs"].append(run)
     auto = _auto_swap(args, config, seq, device) if AUTO in args.modes else None
     modes = [Mode(name, model, device, auto if name == AUTO else None) for name in args.modes]
-    _untimed_steps(modes, ids, run, files)
+    _untimed_steps(modes, ids, run, files, predictions)
     if auto is not None:
         from graphswap.cli._memory import auto_verdict
 
@@ -247,15 +365,21 @@ def run_seq(
 
 
 def _untimed_steps(
-    modes: list[Mode], ids: torch.Tensor, run: dict[str, Any], files: ResultFiles
+    modes: list[Mode],
+    ids: torch.Tensor,
+    run: dict[str, Any],
+    files: ResultFiles,
+    predictions: dict[str, dict[str, Any]],
 ) -> None:
     """Verify steps (``none`` twice, to see whether its own kernels are reproducible), then
-    resident steps under the tracker."""
+    resident steps under the tracker; on CUDA, a step that finds the label of the peak."""
     run["none_reproducible"] = True
     for mode in modes:
         verify = verify_step(mode, ids)
         run["modes"][mode.name] = {
             "verify": verify,
+            "prediction": predictions.get(mode.name),
+            "measured_peak": None,
             "resident_saved_bytes": None,
             "step_times_s": [],
             "losses": [],
@@ -270,6 +394,10 @@ def _untimed_steps(
     for mode in modes:
         run["modes"][mode.name]["resident_saved_bytes"] = resident_step(mode, ids)
         files.flush()
+    for mode in modes:
+        if mode.device.type == "cuda":
+            run["modes"][mode.name]["measured_peak"] = peak_step(mode, ids)
+            files.flush()
     if NONE in run["modes"] and ATTENTION in run["modes"]:
         saved = run["modes"][NONE]["resident_saved_bytes"]
         moved = run["modes"][ATTENTION]["verify"]["counters"]["offloaded_bytes"]

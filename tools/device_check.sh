@@ -125,6 +125,7 @@ expected = {
         "peak_reduction",
         "step_time_ratio",
         "overhead_vs_save_on_cpu",
+        "prediction",
     ),
     "overhead.log": ("host_overhead_per_swapped_tensor",),
 }

@@ -62,6 +62,16 @@ _ASSUMPTIONS = (
     "are not activations and are left out",
 )
 
+_NO_OPTIMIZER_ASSUMPTIONS = (
+    "one steady-state step without optimizer: zero_grad(set_to_none=True), forward, "
+    "loss.backward(), as a benchmark that never updates runs it",
+    *_ASSUMPTIONS[1:3],
+    "device memory: storage bytes of every tensor the step makes (activations, logits and "
+    "loss, gradients, reloads in flight) on top of parameters and buffers (no optimizer "
+    "state); no allocator rounding or fragmentation",
+    *_ASSUMPTIONS[4:],
+)
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -363,6 +373,7 @@ def plan_memory(
     offload_lag: int = 1,
     prefetch_depth: int = 1,
     state_shards: int = 1,
+    optimizer: bool = True,
 ) -> MemoryPlan:
     """Trace one training step of ``config`` on meta and predict it for one rank, with
     ``swap`` and without.
@@ -375,9 +386,10 @@ def plan_memory(
     ``prefetch_depth`` are the ``SwapManager``'s. ``policy`` defaults to the one the
     mode's rule runs. ``hide_margin``: ``auto`` fills at most ``1 - hide_margin`` of
     each copy's window. ``state_shards``: parameters, gradients and AdamW state sharded
-    FSDP-style over that many ranks (an approximation, see the assumptions). A bad
-    setting raises :class:`PlanSettingError` or :class:`ProfileError` before any model
-    is built.
+    FSDP-style over that many ranks (an approximation, see the assumptions).
+    ``optimizer=False``: the step without AdamW (forward and backward after
+    ``zero_grad``; no optimizer state on the device). A bad setting raises
+    :class:`PlanSettingError` or :class:`ProfileError` before any model is built.
     """
     check_settings(
         swap=swap,
@@ -398,7 +410,7 @@ def plan_memory(
         tp=tp,
     )
     chosen_policy = default_policy(swap) if policy is None else policy
-    trace = trace_step(meta, resolved, (chosen_policy,))
+    trace = trace_step(meta, resolved, (chosen_policy,), optimizer=optimizer)
     return plan_step(
         config,
         trace,
@@ -537,7 +549,7 @@ def plan_step(
         head_saved_bytes=by_scope.get(HEAD, (0, 0))[0],
         timeline=replayed.timeline,
         baseline=baseline.timeline,
-        assumptions=_ASSUMPTIONS
+        assumptions=(_ASSUMPTIONS if trace.optimizer else _NO_OPTIMIZER_ASSUMPTIONS)
         + _trace_assumptions(trace, config)
         + _swap_assumptions(swap, offload_lag, prefetch_depth)
         + _shard_assumptions(state_shards),

@@ -132,7 +132,10 @@ class StepTrace:
     buffer_bytes: int
     """The model's buffers (the rotary frequencies)."""
     optimizer_state_bytes: int
-    """AdamW's ``exp_avg`` and ``exp_avg_sq`` (the step counters stay on the host)."""
+    """AdamW's ``exp_avg`` and ``exp_avg_sq`` (the step counters stay on the host); 0
+    without the optimizer."""
+    optimizer: bool = True
+    """The step ends with AdamW's step; ``False``: forward and backward only."""
 
     @property
     def num_layers(self) -> int:
@@ -288,20 +291,30 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def trace_step(
-    meta: MetaModel, profile: DeviceProfile, policies: Sequence[SwapPolicy]
+    meta: MetaModel,
+    profile: DeviceProfile,
+    policies: Sequence[SwapPolicy],
+    *,
+    optimizer: bool = True,
 ) -> StepTrace:
     """Trace one steady-state training step of ``meta`` timed on ``profile``; each save
     is asked every policy in ``policies`` (the first one's answers fill
     :attr:`StepTrace.saved`). AdamW runs as it would on the traced device: ``foreach``
-    on CUDA, one tensor at a time on CPU."""
+    on CUDA, one tensor at a time on CPU. ``optimizer=False``: the step is forward and
+    backward only (no AdamW state, no ``optimizer`` label), as a benchmark that never
+    updates runs it; the gradients are still dropped at its end, as the next step's
+    ``zero_grad(set_to_none=True)`` would."""
     model = meta.model
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=meta.device == "cuda")
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()  # the state a steady-state step starts with
-    optimizer.zero_grad(set_to_none=True)
-    state = [t for s in optimizer.state.values() for t in s.values() if t.device.type == "meta"]
+    adamw = None
+    state: list[torch.Tensor] = []
+    if optimizer:
+        adamw = torch.optim.AdamW(params, lr=1e-3, foreach=meta.device == "cuda")
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        adamw.step()  # the state a steady-state step starts with
+        adamw.zero_grad(set_to_none=True)
+        state = [t for s in adamw.state.values() for t in s.values() if t.device.type == "meta"]
     recorder = _StepRecorder(model, policies)
     tape = OpTape("meta", profile, recorder)
     recorder.tape = tape
@@ -311,9 +324,12 @@ def trace_step(
             loss = meta.forward().loss
             loss.backward()
             recorder.mark_gradients()
-            tape.label = OPTIMIZER_LABEL
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if adamw is not None:
+                tape.label = OPTIMIZER_LABEL
+                adamw.step()
+                adamw.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
             del loss
             recorder.flush()
     finally:
@@ -335,4 +351,5 @@ def trace_step(
         parameter_bytes=storage_bytes(list(model.parameters())),
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=storage_bytes(state),
+        optimizer=optimizer,
     )

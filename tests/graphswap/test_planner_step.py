@@ -269,3 +269,30 @@ def test_a_model_that_fits_at_its_longest_sequence_says_so() -> None:
     fit = fit_sequence(qwen3_moe_config("tiny"), dtype=torch.float32, device="cpu", modes=("none",))
     (none,) = fit.modes
     assert none.capped and none.seq == fit.max_seq == 2048
+
+
+def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only() -> None:
+    """The benchmark's step (zero-grad, forward, backward): no AdamW state before it and no
+    optimizer label in it; the default step is unchanged."""
+    config = qwen3_moe_config("tiny")
+    shape = {"seq": 256, "batch": 1, "dtype": torch.float32, "device": "cpu", "swap": "attention"}
+    plan = plan_memory(config, optimizer=False, **shape)
+    meta = build_meta_model(config, seq=256, batch=1, dtype=torch.float32, device="cpu")
+    trace = trace_step(
+        meta, device_profile("h200"), (qwen3_attention_swap_policy,), optimizer=False
+    )
+    assert trace.optimizer_state_bytes == 0 and not trace.optimizer
+    held = trace.parameter_bytes + trace.buffer_bytes
+    for timeline in (plan.timeline, plan.baseline):
+        assert timeline.base_bytes == held
+        assert "optimizer" not in timeline.stalls
+        assert timeline.peak_label != "optimizer"
+    labels = {payload for event, payload in trace.events if event is Event.LABEL}
+    assert "optimizer" not in labels
+    assert not any(block.kind is BlockKind.OPTIMIZER for block in trace.blocks)
+    assert "without optimizer" in plan.assumptions[0]
+    with_optimizer = plan_memory(config, **shape)
+    assert with_optimizer.baseline.base_bytes == held + 2 * trace.parameter_bytes
+    assert with_optimizer.baseline.step_seconds > plan.baseline.step_seconds
+    # What leaves the device does not depend on the optimizer.
+    assert with_optimizer.swapped_bytes == plan.swapped_bytes

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
 BENCH = ROOT / "tools" / "bench_swap.py"
 
 
@@ -54,6 +57,22 @@ def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
     assert (
         modes["auto"]["verify"]["counters"]["offloaded_bytes"] == run["auto_plan"]["swapped_bytes"]
     )
+    # The planner's prediction of the bench's step (no optimizer) beside every planned mode.
+    for name in ("none", "attention", "layer", "auto"):
+        prediction = modes[name]["prediction"]
+        assert set(prediction) >= {
+            "step_ratio", "peak_bytes", "peak_without_swap_bytes", "drop_bytes", "peak_label"
+        }  # fmt: skip
+        assert prediction["drop_bytes"] == (
+            prediction["peak_without_swap_bytes"] - prediction["peak_bytes"]
+        )
+        assert prediction["peak_label"] != "optimizer"
+        assert modes[name]["measured_peak"] is None  # CPU: no allocator peak to place
+    assert modes["none"]["prediction"]["drop_bytes"] == 0
+    assert modes["attention"]["prediction"]["drop_bytes"] > 0
+    assert modes["save_on_cpu"]["prediction"] is None
+    assert "TARGET prediction: n/a (none: step x" in done.stdout
+    assert "peak label pred / meas" in result_file.with_suffix(".md").read_text()
     shares = {row["kernel"]: row for row in result["kernel_shares"]}
     assert set(shares) == {"eager", "math"}
     for row in shares.values():
@@ -87,3 +106,31 @@ def test_bad_arguments_name_the_flag() -> None:
     done = run_bench("--layers", "0")
     assert done.returncode == 2
     assert "--layers must be >= 1, got 0" in done.stderr
+
+
+def test_the_peak_goes_to_the_label_that_raised_it_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PeakByLabel`` under ``step_labels`` on CPU, the allocator's running peak faked:
+    each layer's forward raises it by its index + 1 MiB, backward of layer 1 by 10 MiB."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import bench_swap
+
+    from graphswap.runtime.tape import step_labels
+
+    peak = [0]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda *_, i=i: peak.__setitem__(0, peak[0] + (i + 1) * MIB))
+    recorder = bench_swap.PeakByLabel(torch.device("cpu"))
+    with step_labels(layers, recorder):  # type: ignore[arg-type]
+        x = torch.ones(1, 4, requires_grad=True)
+        for layer in layers:
+            x = layer(x)
+        x.register_hook(lambda g: None)
+        layers[1].weight.register_hook(lambda g: peak.__setitem__(0, peak[0] + 10 * MIB))
+        x.sum().backward()
+        recorder.close()
+    assert recorder.rises == {"F0": MIB, "F1": 2 * MIB, "F2": 3 * MIB, "B1": 10 * MIB}
+    assert recorder.peak_label == "B1"
