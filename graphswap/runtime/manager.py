@@ -1,17 +1,23 @@
 """SwapManager: per-forward swap groups, layer-to-layer prefetch, bounded offload lag.
 
-Lifetimes follow autograd's own. Whatever the pack hook keeps or swaps, it hands
-autograd a small handle that never refers to the tensor object it was given (that
-would form a cycle through ``grad_fn``), so a graph that is dropped unused is freed
-by reference counting alone. A swapped storage's host buffer goes back to the pool
-when the last handle aliasing it dies; nothing is kept per step.
+The manager is split the way FSDP2 splits ``fully_shard`` (state, param group,
+param); each file holds one concern:
 
-Every handle checks PyTorch's version counter on unpack, as autograd does for saved
-tensors without hooks: a saved tensor modified in place raises
-``SwapIntegrityError`` instead of giving a wrong gradient. A handle holds the counter
-itself (through an alias that shares it), not the tensor's Python objects, so the
-check holds after the caller dropped every one of them, and a copy still in flight
-that reads changed bytes is always caught.
+- ``manager.py`` (this file): ``SwapManager``, the facade: options and their
+  validation, pickling, the registry of wrapped modules, prefetch links, stats, and
+  ``run_forward``, the entry that opens a group and installs the saved-tensor hooks.
+- ``_slot.py``: per wrapped-module state (``_Slot``, ``GroupInfo``), the refusals of
+  compile, export, activation checkpointing and capture (``SwapExclusionError``),
+  and backward detection.
+- ``_group.py``: one forward's group (``_Group``): pack decisions, offload, the lag
+  fence at module boundaries, prefetch, load, release.
+- ``_handles.py``: per-tensor handles (``_Kept``, ``_Swapped``, ``_Entry``), the
+  in-place version check (``SwapIntegrityError``), unpack, and lifetimes.
+
+Their behaviour lives in bases of ``SwapManager`` (``_SlotHooks``, ``_GroupOps``,
+``_HandleOps``), moved, not wrapped: autograd's hooks are the manager's bound methods,
+no extra call per pack or unpack. Their state is the manager's, commented in
+``SwapManager.__init__``.
 """
 
 from __future__ import annotations
@@ -23,389 +29,41 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from graphswap.policy import (
-    CheckpointPolicy,
-    SwapPolicy,
-    is_parameter_like,
-    local_tensor,
-    policy_name,
+from graphswap.policy import SwapPolicy, policy_name
+from graphswap.runtime._group import _Group, _GroupOps
+from graphswap.runtime._handles import (
+    Layout,
+    SwapIntegrityError,
+    _Entry,
+    _HandleOps,
+    _Kept,
+    _Swapped,
 )
-from graphswap.runtime.engines import (
-    AcceleratorCopyEngine,
-    Copy,
-    CopyEngine,
-    SimulatedAccelerator,
+from graphswap.runtime._slot import (
+    GroupInfo,
+    SwapExclusionError,
+    _checkpointing,
+    _refuse,
+    _refuse_traced,
+    _Slot,
+    _SlotHooks,
 )
-from graphswap.runtime.pool import HostBuffer, HostPool, Refusal
+from graphswap.runtime.engines import Copy, CopyEngine
+from graphswap.runtime.pool import HostPool
 from graphswap.runtime.stats import GroupStats, SwapStats
 
+# Public names, and the private classes that lived here before the split (tests import
+# them from here): importable from graphswap.runtime.manager as before.
+__all__ = ["GroupInfo", "Layout", "SwapExclusionError", "SwapIntegrityError", "SwapManager"]
+__all__ += ["_Entry", "_Group", "_Kept", "_Slot", "_Swapped"]
+for _public in (GroupInfo, SwapExclusionError, SwapIntegrityError):
+    _public.__module__ = __name__  # their names in tracebacks and pickles, as before
+
 TRACE_LIMIT = 100_000
-
-Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]
-"""A tensor's dtype, size and stride."""
-
-_TYPED_COPIES = frozenset(
-    {
-        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
-        *(torch.complex64, torch.complex128, torch.bool, torch.uint8),
-        *(torch.int8, torch.int16, torch.int32, torch.int64),
-    }
-)
-"""Dtypes a host view of bytes can take and copy; others (sub-byte, quantized, float8)
-are copied as bytes."""
-
-
-class SwapIntegrityError(RuntimeError):
-    """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
-
-
-class SwapExclusionError(RuntimeError):
-    """A swap-wrapped module ran under a transform that activation swap excludes."""
-
-
-_FIXES = {
-    "compile": "compile: false (by hand: call graphswap.unrewrite(model) before torch.compile)",
-    "activation_checkpointing": "activation_checkpointing: false (by hand: call"
-    " graphswap.unrewrite(model) before enabling gradient checkpointing)",
-}
-
-
-def _refuse(name: str, excluded: str, found: str) -> None:
-    """Raise the plan's exclusion error at run time (the plan cannot see hand-made setups)."""
-    raise SwapExclusionError(
-        f"activation swap excludes {excluded}: {name!r} ran under {found}, which would handle"
-        f" its saved tensors a second time; set activation_swap: none or {_FIXES[excluded]}"
-    )
-
-
-@functools.cache
-def _traced_exclusion_error() -> type[SwapExclusionError]:
-    """``SwapExclusionError`` that Dynamo passes on as it is: it wraps any other error raised
-    while it traces into an ``InternalTorchDynamoError``."""
-    # Loaded only while torch.compile or torch.export traces, so Dynamo is imported already.
-    from torch._dynamo.exc import TorchRuntimeError
-
-    class SwapExclusionWhileTracing(SwapExclusionError, TorchRuntimeError):
-        """A swap-wrapped module traced by torch.compile or torch.export."""
-
-    return SwapExclusionWhileTracing
-
-
-def _refuse_traced(name: str) -> None:
-    """Refuse a wrapped forward that torch.compile or torch.export traces.
-
-    Marked as a constant result (what ``torch.compiler.assume_constant_result`` does,
-    without importing Dynamo with graphswap): Dynamo calls it for real while it traces,
-    so the error reaches the user in every mode, ``fullgraph=True`` and strict export
-    too, rather than being traced as a raise or turned into a graph break.
-    """
-    error = _traced_exclusion_error()
-    if torch.compiler.is_exporting():
-        raise error(
-            f"activation swap excludes torch.export: {name!r} ran under torch.export, which"
-            " traces its forward into a graph without the swap's saved-tensor hooks and"
-            " copies; export the model without swap: call graphswap.unrewrite(model) before"
-            " torch.export (or build it with activation_swap: none)"
-        )
-    raise error(
-        f"activation swap excludes compile: {name!r} ran under torch.compile, which would"
-        f" handle its saved tensors a second time; set activation_swap: none or"
-        f" {_FIXES['compile']}"
-    )
-
-
-_refuse_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _checkpointing() -> str | None:
-    """How the current forward is checkpointed, if it is."""
-    if torch._C._current_graph_task_id() != -1:
-        return "a recomputation during backward (reentrant activation checkpointing)"
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
-        return "torch.utils.checkpoint (non-reentrant activation checkpointing)"
-    return None
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """What the prefetch graph needs to know about one wrapped module."""
-
-    name: str
-    index: int
-    module_type: str
-    policy: str
-    keep_on_device: bool
-
-
-@dataclass
-class _Slot:
-    module: torch.nn.Module
-    name: str
-    index: int
-    policy: SwapPolicy
-    module_type: str
-    decide: Callable[[torch.Tensor, int], CheckpointPolicy] | None = dataclasses.field(init=False)
-    """``policy.decide`` when the policy has one: it is asked ``decide(t, index)``, told
-    which save of the forward ``t`` is (every pack call counts); else ``policy(t)`` is."""
-
-    def __post_init__(self) -> None:
-        decide = getattr(self.policy, "decide", None)
-        self.decide = decide if callable(decide) else None
-
-
-def _bad_decision(slot: _Slot, decision: object) -> TypeError:
-    return TypeError(
-        f"the swap policy {policy_name(slot.policy)} of {slot.name!r} answered {decision!r};"
-        " a swap policy answers graphswap.CheckpointPolicy.MUST_SWAP or MUST_SAVE"
-        " (torch.utils.checkpoint.CheckpointPolicy is another enum, for recomputation)"
-    )
-
-
-def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
-    return SwapIntegrityError(
-        f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
-        f" in-place operation (version {saved} when saved, {now} now); clone it before"
-        " modifying it in place, as plain PyTorch requires"
-    )
-
-
-_NO_BYTES: dict[torch.device, torch.Tensor] = {}
-"""One empty tensor per device: what a swapped tensor's version alias holds instead of
-its bytes."""
-
-
-def _version_alias(t: torch.Tensor, local: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor that shares ``t``'s version counter and none of its bytes.
-
-    ``detach()`` shares the counter (with every view of ``t`` too) and no ``grad_fn``;
-    setting ``.data`` then swaps its storage for an empty one and keeps its counter. So
-    an in-place change made through any alias of ``t`` stays visible to the handle
-    after every Python object of ``t`` died, while its device memory is freed. A
-    DTensor's wrapper holds no bytes, its local shard does: the shard is replaced.
-    """
-    alias = t.detach()
-    empty = _NO_BYTES.get(device)
-    if empty is None:
-        empty = _NO_BYTES[device] = torch.empty(0, device=device)
-    if local is t:
-        alias.data = empty
-    else:
-        alias._local_tensor = empty  # type: ignore[attr-defined]
-    return alias
-
-
-class _Kept:
-    """A saved tensor that stays on device: a detached alias (same storage and version
-    counter, no ``grad_fn``) and the version it had when saved."""
-
-    __slots__ = ("alias", "group", "version")
-
-    def __init__(self, t: torch.Tensor, group: _Group) -> None:
-        self.alias = t.detach()
-        self.version = t._version
-        self.group = group
-
-    def unpack(self) -> torch.Tensor:
-        now = self.alias._version
-        if now != self.version:
-            raise _integrity_error(self.group.name, self.alias.size(), self.version, now)
-        return self.alias
-
-
-class _Entry:
-    """One storage copied to host: shared by every handle that aliases it.
-
-    ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
-    that tensor covers its storage contiguously (the usual case: its reload is then
-    handed back as it is), else as bytes; ``layout`` says which.
-
-    ``load`` is the reload of the current backward, ``gen`` counts reloads and
-    ``waiting`` how many live handles have not yet consumed the current one: the
-    set of consumers is fixed when the load is issued, so handles that die while
-    others unpack never cause a second reload.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "buf",
-        "device",
-        "engine",
-        "gen",
-        "host",
-        "layout",
-        "load",
-        "manager",
-        "name",
-        "nbytes",
-        "offload",
-        "prefetched",
-        "refs",
-        "stats",
-        "version",
-        "waiting",
-    )
-
-    def __init__(
-        self,
-        manager: SwapManager,
-        name: str,
-        stats: GroupStats,
-        device: torch.device,
-        engine: CopyEngine,
-        nbytes: int,
-        buf: HostBuffer,
-        host: torch.Tensor,
-        layout: Layout,
-        offload: Copy,
-    ) -> None:
-        self.manager = manager
-        self.name = name
-        self.stats = stats
-        self.device = device
-        self.engine = engine
-        self.nbytes = nbytes
-        self.buf: HostBuffer | None = buf
-        self.host: torch.Tensor | None = host
-        self.layout = layout
-        self.offload = offload
-        self.load: Copy | None = None
-        self.prefetched = False
-        self.gen = 0
-        self.waiting = 0
-        self.refs = 0
-        self.version = -1
-        """The saved tensor's version when its copy was issued (set by ``_pack``)."""
-
-
-class _Swapped:
-    """What autograd stores instead of a swapped tensor.
-
-    ``counter`` shares the saved tensor's version counter and holds none of its bytes
-    (:func:`_version_alias`): the in-place check needs no Python object of the tensor
-    or of its base to be alive, so a change made while the copy was in flight, and then
-    dropped with every reference to the tensor, is still an error at unpack.
-    """
-
-    __slots__ = (
-        "counter",
-        "entry",
-        "gen",
-        "group",
-        "layout",
-        "offset",
-        "spec",
-        "version",
-        "whole",
-    )
-
-    def __init__(
-        self,
-        group: _Group,
-        entry: _Entry,
-        t: torch.Tensor,
-        local: torch.Tensor,
-        layout: Layout,
-        version: int,
-    ) -> None:
-        self.group = group
-        self.entry = entry
-        self.layout = layout
-        """``local``'s dtype, size and stride."""
-        self.offset = local.storage_offset()
-        self.whole = self.offset == 0 and entry.layout == layout
-        """Laid out as the entry's host copy: its reload is handed back as it is."""
-        self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
-        """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
-        self.version = version
-        self.counter = _version_alias(t, local, entry.device)
-        self.gen = -1
-        """The reload generation this handle consumed last (-1: none)."""
-        entry.refs += 1
-        if entry.load is not None:
-            entry.waiting += 1
-
-    def __del__(self) -> None:
-        self.entry.manager._handle_died(self)
-
-
-class _Group:
-    """The saved tensors of one forward call of one wrapped module."""
-
-    __slots__ = (
-        "__weakref__",
-        "entries",
-        "keep",
-        "prev",
-        "protected",
-        "saves",
-        "seq",
-        "slot",
-        "stats",
-        "task",
-    )
-
-    def __init__(
-        self,
-        slot: _Slot,
-        seq: int,
-        stats: GroupStats,
-        *,
-        keep: bool,
-        prev: _Group | None,
-    ) -> None:
-        self.slot = slot
-        self.seq = seq
-        self.stats = stats
-        self.keep = keep
-        self.prev = prev
-        """The group its prev module opened last: the one this group's backward prefetches."""
-        self.protected: set[int] | None = None
-        """Storages of the module's parameters and buffers, never swapped; found when the
-        first tensor is about to be swapped, so forwards that swap nothing pay nothing."""
-        self.entries: dict[int, _Entry] = {}
-        self.saves = 0
-        """Pack calls so far in this forward (parameters and aliases too)."""
-        self.task = -1
-        """The autograd graph task whose backward reached this group last (-1: none)."""
-
-    def is_protected(self, key: int) -> bool:
-        if self.protected is None:
-            self.protected = _state_storages(self.slot.module)
-        return key in self.protected
-
-    @property
-    def name(self) -> str:
-        return self.slot.name
-
-
-def _state_storages(module: torch.nn.Module) -> set[int]:
-    """Storages of the parameters and buffers of ``module`` and its submodules.
-
-    Read from the modules' own tables on every forward (parameters may be replaced
-    between forwards); ``Module.parameters()`` would also build every submodule's name.
-    Like ``state_dict``, this assumes a tree without cycles; a shared submodule is
-    simply read twice.
-    """
-    keys: set[int] = set()
-    modules = [module]
-    for m in modules:
-        for table in (m._parameters, m._buffers):
-            for t in table.values():
-                if t is not None:
-                    if type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor:
-                        t = local_tensor(t)
-                    keys.add(t.untyped_storage()._cdata)
-        for sub in m._modules.values():
-            if sub is not None:
-                modules.append(sub)
-    return keys
 
 
 def _default_max_host_bytes() -> int:
@@ -427,7 +85,7 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-class SwapManager:
+class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
     """Owns the swap groups of one model: links, copy engine, host pool, stats.
 
     ``prefetch_depth``: how many earlier layers start coming back when a layer's
@@ -457,6 +115,7 @@ class SwapManager:
         engine: CopyEngine | None = None,
         trace: bool = False,
     ) -> None:
+        # Options (kept by pickling): see the class docstring.
         self.prefetch_depth = _check_int("prefetch_depth", prefetch_depth, 1)
         self.offload_lag = _check_int("offload_lag", offload_lag, 0)
         if engine is not None and not isinstance(engine, CopyEngine):
@@ -466,25 +125,28 @@ class SwapManager:
             )
         self.keep_last = _check_bool("keep_last", keep_last)
         _check_bool("trace", trace)
+        # Pinned host buffers the offloads copy into, capped at ``max_host_bytes``.
         self._pool = HostPool(
             _default_max_host_bytes()
             if max_host_bytes is None
             else _check_int("max_host_bytes", max_host_bytes, 0, " (or None: half of RAM)")
         )
-        self._engine_override = engine
-        self._engines: dict[str, CopyEngine] = {}
-        self._device_engines: dict[torch.device, CopyEngine] = {}
-        self._slots: dict[torch.nn.Module, _Slot] = {}
-        self._registered = 0
-        self._prev: dict[torch.nn.Module, torch.nn.Module] = {}
-        self._next: dict[torch.nn.Module, torch.nn.Module] = {}
+        self._engine_override = engine  # the ``engine`` option; None: each device's own
+        self._engines: dict[str, CopyEngine] = {}  # the copy engine per device type met
+        self._device_engines: dict[torch.device, CopyEngine] = {}  # the same, per device
+        self._slots: dict[torch.nn.Module, _Slot] = {}  # the registry: wrapped module -> slot
+        self._registered = 0  # registrations so far: the next slot's index
+        self._prev: dict[torch.nn.Module, torch.nn.Module] = {}  # links: later -> earlier
+        self._next: dict[torch.nn.Module, torch.nn.Module] = {}  # links: earlier -> later
+        # The group each module opened last: the ``prev`` of its next module's next group.
         self._latest: dict[torch.nn.Module, weakref.ref[_Group]] = {}
         self._in_flight: dict[torch.device, collections.deque[tuple[int, Copy]]] = {}
         """Offloads whose source is still held, per device in issue order, with the
         ``seq`` of the forward that issued them."""
-        self._seq = 0
-        self._stats: dict[str, GroupStats] = {}
-        self._lock = threading.RLock()
+        self._seq = 0  # forwards run so far under the hooks: the last group's ``seq``
+        self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
+        self._lock = threading.RLock()  # guards stats, in-flight queues and entries
+        # ``trace``: (event, group name) pairs, the last ``TRACE_LIMIT``; None: not traced.
         self.events: collections.deque[tuple[str, str]] | None = (
             collections.deque(maxlen=TRACE_LIMIT) if trace else None
         )
@@ -679,298 +341,3 @@ class SwapManager:
             # Nothing saved, so no unpack will tell when this group's backward begins.
             self._on_backward(group, out)
         return out
-
-    def _on_backward(self, group: _Group, out: Any) -> None:
-        """Call ``_backward_begins(group)`` when backward reaches the outputs ``out``."""
-        begins = functools.partial(self._backward_begins, group)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if len(outputs) == 1 and outputs[0].grad_fn is not None:
-            outputs[0].grad_fn.register_prehook(begins)
-        elif outputs:
-            torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
-
-    def _first_engine(self, device: torch.device) -> CopyEngine:
-        """The engine of a device met for the first time: one per device type."""
-        engine = self._engines.get(device.type)
-        if engine is None:
-            if self._engine_override is not None:
-                engine = self._engine_override
-            elif device.type == "cpu":
-                engine = SimulatedAccelerator(lag=0)
-            else:
-                engine = AcceleratorCopyEngine()
-            self._engines[device.type] = engine
-        self._device_engines[device] = engine
-        return engine
-
-    def _boundary(self, seq: int) -> None:
-        """A module boundary: the device advances; offloads of groups ``offload_lag``
-        forwards back are fenced (their producing stream waits for them) and their
-        sources dropped; finished ones too."""
-        engines = self._engines.values()
-        for engine in engines:
-            if engine.capturing():
-                return
-        for engine in engines:
-            engine.tick()
-        limit = seq - self.offload_lag
-        with self._lock:
-            for queue in self._in_flight.values():
-                while queue:
-                    issued, copy = queue[0]
-                    if issued <= limit:
-                        copy.fence()
-                    elif not copy.done():
-                        break
-                    copy.release_source()
-                    queue.popleft()
-
-    def _pack(self, group: _Group, t: torch.Tensor) -> Any:
-        index = group.saves
-        group.saves = index + 1
-        local = t if type(t) is torch.Tensor else local_tensor(t)
-        if (
-            type(local) is torch.Tensor
-            and local.layout is torch.strided
-            and not local.is_meta
-            and not is_parameter_like(t)
-        ):
-            storage = local.untyped_storage()
-            key = storage._cdata
-            entry = group.entries.get(key)
-            if entry is not None and entry.buf is None:
-                entry = None  # every handle of its copy died: its host buffer went back
-            version = t._version
-            if entry is None:
-                slot = group.slot
-                decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
-                if decision is not CheckpointPolicy.MUST_SWAP:
-                    if decision is not CheckpointPolicy.MUST_SAVE:
-                        raise _bad_decision(slot, decision)
-                    return _Kept(t, group)
-                if group.is_protected(key):
-                    return _Kept(t, group)
-            elif version != entry.version:
-                return self._keep_changed(group, t, entry)
-            layout = (local.dtype, local.size(), local.stride())
-            if entry is None:
-                entry = self._offload(group, local, storage, layout)
-                if entry is None:
-                    return _Kept(t, group)
-                entry.version = version
-            return _Swapped(group, entry, t, local, layout, version)
-        return _Kept(t, group)
-
-    def _keep_changed(self, group: _Group, t: torch.Tensor, entry: _Entry) -> _Kept:
-        """A storage saved again after an in-place change since its copy was issued: that
-        copy may hold either version, so this save keeps its own bytes on device."""
-        with self._lock:
-            stats = group.stats
-            stats.kept_tensors += 1
-            stats.kept_bytes += entry.nbytes
-            stats.kept_changed += 1
-        return _Kept(t, group)
-
-    def _offload(
-        self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage, layout: Layout
-    ) -> _Entry | None:
-        nbytes = storage.nbytes()
-        device = local.device
-        engine = self._device_engines.get(device) or self._first_engine(device)
-        reason: str | None = None
-        buf: HostBuffer | Refusal | None = None
-        if group.keep:
-            reason = "kept_last_layer"
-        elif engine.capturing():
-            reason = "kept_capturing"
-        else:
-            buf = self._pool.acquire(device, nbytes, engine)
-            if isinstance(buf, Refusal):
-                reason = buf.value
-        stats = group.stats
-        if reason is not None or not isinstance(buf, HostBuffer):
-            with self._lock:
-                stats.kept_tensors += 1
-                stats.kept_bytes += nbytes
-                setattr(stats, reason, getattr(stats, reason) + 1)
-            return None
-        if (
-            local.dtype in _TYPED_COPIES
-            and local.storage_offset() == 0
-            and local.nbytes == nbytes
-            and local.is_contiguous()
-        ):
-            src = local
-            host = buf.view(layout[0], layout[1], nbytes)
-            layout = (layout[0], layout[1], host.stride())
-        else:
-            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            host = buf.view(torch.uint8, src.shape, nbytes)
-            layout = (torch.uint8, src.shape, (1,))
-        copy = engine.offload(src, host, buf.last_use)
-        entry = _Entry(
-            self, group.slot.name, stats, device, engine, nbytes, buf, host, layout, copy
-        )
-        group.entries[storage._cdata] = entry
-        with self._lock:
-            queue = self._in_flight.get(device)
-            if queue is None:
-                queue = self._in_flight[device] = collections.deque()
-            queue.append((group.seq, copy))
-            stats.offloaded_tensors += 1
-            stats.offloaded_bytes += nbytes
-        if self.events is not None:
-            self.events.append(("offload", group.slot.name))
-        return entry
-
-    def _refuse_reload_under_capture(self, group: _Group) -> None:
-        """A backward under graph capture may not reload what a forward outside it copied
-        to host: the copy would be captured into the graph, and every replay would read
-        host buffers that other steps reuse by then. Checked before any copy is issued,
-        for ``group`` and the groups its backward prefetches."""
-        target = group
-        for _ in range(self.prefetch_depth + 1):
-            if any(entry.buf is not None for entry in target.entries.values()):
-                raise SwapExclusionError(
-                    f"activation swap excludes capturing a backward whose forward ran outside"
-                    f" the capture: the backward of {group.name!r} began while the current"
-                    f" stream captures a graph, but {target.name!r} swapped tensors to host in"
-                    f" a forward outside it, and their reload would be captured and replayed"
-                    f" from reused host buffers; run that forward under the same capture (its"
-                    f" tensors then stay on device, counted as kept_capturing), or this"
-                    f" backward outside it"
-                )
-            if target.prev is None:
-                return
-            target = target.prev
-
-    def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
-        """Backward reached ``group``: at its first unpack (a hook on its outputs would
-        cost more than the whole swap of a small layer), or, for a group that saved
-        nothing, at its outputs."""
-        if self.events is not None:
-            self.events.append(("backward_begin", group.name))
-        for engine in self._engines.values():
-            if engine.capturing():
-                self._refuse_reload_under_capture(group)
-                break
-        self._boundary(self._seq)
-        target = group.prev
-        for _ in range(self.prefetch_depth):
-            if target is None:
-                break
-            self._prefetch(target)
-            target = target.prev
-
-    def _prefetch(self, group: _Group) -> None:
-        """Reload ``group``'s swapped storages, first needed first: backward consumes
-        them in reverse saving order, and each waits only for its own copy."""
-        issued = False
-        with self._lock:
-            for entry in reversed(group.entries.values()):
-                if entry.load is None and entry.buf is not None and entry.refs:
-                    self._load(entry)
-                    entry.prefetched = True
-                    issued = True
-        if issued and self.events is not None:
-            self.events.append(("prefetch", group.name))
-
-    def _load(self, entry: _Entry) -> Copy:
-        """Issue the reload of ``entry`` for the live handles that have not consumed one."""
-        assert entry.host is not None
-        load = entry.engine.load(entry.host, entry.device, (entry.offload,))
-        entry.load = load
-        entry.gen += 1
-        entry.waiting = entry.refs
-        entry.prefetched = False
-        entry.stats.reloaded_tensors += 1
-        entry.stats.reloaded_bytes += entry.nbytes
-        return load
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        group = packed.group
-        task = torch._C._current_graph_task_id()
-        if task != group.task and task != -1:
-            # The first unpack of this group in this backward: its backward begins.
-            group.task = task
-            self._backward_begins(group)
-        if type(packed) is _Kept:
-            return packed.unpack()
-        assert type(packed) is _Swapped
-        now = packed.counter._version
-        if now != packed.version:
-            raise _integrity_error(group.name, packed.layout[1], packed.version, now)
-        entry = packed.entry
-        with self._lock:
-            load = entry.load
-            if load is None or packed.gen == entry.gen:
-                entry.stats.prefetch_misses += 1
-                if load is None:
-                    load = self._load(entry)
-                else:
-                    load = entry.engine.load(
-                        entry.host,  # type: ignore[arg-type]
-                        entry.device,
-                        (entry.offload,),
-                    )
-                    entry.stats.reloaded_tensors += 1
-                    entry.stats.reloaded_bytes += entry.nbytes
-            elif entry.prefetched:
-                entry.stats.prefetch_hits += 1
-                entry.prefetched = False
-            if load is entry.load:
-                packed.gen = entry.gen
-                entry.waiting -= 1
-                if entry.waiting == 0:
-                    entry.load = None
-        if self.events is not None:
-            self.events.append(("unpack", entry.name))
-        load.fence()
-        out = load.result()
-        if not packed.whole:
-            storage = out.untyped_storage()
-            dtype, size, stride = packed.layout
-            out = torch.empty(0, dtype=dtype, device=entry.device)
-            out.set_(storage, packed.offset, size, stride)
-        if packed.spec is not None:
-            # Loaded only when a DTensor was packed, so torch.distributed is imported already.
-            from torch.distributed.tensor import DTensor
-
-            return DTensor(out, packed.spec, requires_grad=False)
-        return out
-
-    def _handle_died(self, packed: _Swapped) -> None:
-        """A saved-tensor slot freed its handle: settle the reload and the host buffer."""
-        entry = packed.entry
-        with self._lock:
-            entry.refs -= 1
-            load = entry.load
-            if load is not None and packed.gen != entry.gen:
-                entry.waiting -= 1
-                if entry.waiting == 0:
-                    entry.load = None
-                    if not entry.engine.capturing():
-                        load.fence()
-            if entry.refs == 0:
-                self._release(entry)
-
-    def _release(self, entry: _Entry) -> None:
-        """The last handle died: free the source once ordered, pool the host buffer.
-
-        Nothing here blocks the host: the stream that produced the source waits for its
-        copy still in flight, compute for a reload, and the next offload into the
-        buffer waits for its last users.
-        """
-        buf, entry.buf = entry.buf, None
-        if buf is None:
-            return
-        entry.host = None
-        last_use = (entry.offload,) if entry.load is None else (entry.offload, entry.load)
-        if not entry.engine.capturing():
-            if not entry.offload.done():
-                entry.offload.fence()
-            entry.offload.release_source()
-            if entry.load is not None:
-                entry.load.fence()
-        entry.load = None
-        self._pool.release(buf, last_use)

@@ -1,0 +1,299 @@
+"""One forward's swap group: pack decisions, offload, the lag fence, prefetch, load, release.
+
+One of the four modules of the swap manager (``manager.py`` lists them). Here: the
+saved tensors of one forward call of one wrapped module (``_Group``) and what the
+manager does with them (``_GroupOps``, a base of ``SwapManager``): decide at each
+pack whether a tensor stays or goes, copy it to host, fence offloads at module
+boundaries ``offload_lag`` forwards later, prefetch the groups before it when its
+backward begins, issue reloads, and free the source and the host buffer at the end.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+
+from graphswap.policy import CheckpointPolicy, is_parameter_like, local_tensor
+from graphswap.runtime._handles import Layout, _Entry, _Kept, _Swapped
+from graphswap.runtime._slot import _bad_decision, _Slot
+from graphswap.runtime.engines import (
+    AcceleratorCopyEngine,
+    Copy,
+    CopyEngine,
+    SimulatedAccelerator,
+)
+from graphswap.runtime.pool import HostBuffer, Refusal
+from graphswap.runtime.stats import GroupStats
+
+_TYPED_COPIES = frozenset(
+    {
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.complex64, torch.complex128, torch.bool, torch.uint8),
+        *(torch.int8, torch.int16, torch.int32, torch.int64),
+    }
+)
+"""Dtypes a host view of bytes can take and copy; others (sub-byte, quantized, float8)
+are copied as bytes."""
+
+
+class _Group:
+    """The saved tensors of one forward call of one wrapped module."""
+
+    __slots__ = (
+        "__weakref__",
+        "entries",
+        "keep",
+        "prev",
+        "protected",
+        "saves",
+        "seq",
+        "slot",
+        "stats",
+        "task",
+    )
+
+    def __init__(
+        self,
+        slot: _Slot,
+        seq: int,
+        stats: GroupStats,
+        *,
+        keep: bool,
+        prev: _Group | None,
+    ) -> None:
+        self.slot = slot  # the wrapped module this forward ran
+        self.seq = seq  # the manager's forward count when it opened: offload_lag's clock
+        self.stats = stats  # the slot's stats, counted into by every pack and reload
+        self.keep = keep  # the end of a linked chain (keep_last): nothing is swapped
+        self.prev = prev
+        """The group its prev module opened last: the one this group's backward prefetches."""
+        self.protected: set[int] | None = None
+        """Storages of the module's parameters and buffers, never swapped; found when the
+        first tensor is about to be swapped, so forwards that swap nothing pay nothing."""
+        self.entries: dict[int, _Entry] = {}  # host copies, by storage key, in saving order
+        self.saves = 0
+        """Pack calls so far in this forward (parameters and aliases too)."""
+        self.task = -1
+        """The autograd graph task whose backward reached this group last (-1: none)."""
+
+    def is_protected(self, key: int) -> bool:
+        if self.protected is None:
+            self.protected = _state_storages(self.slot.module)
+        return key in self.protected
+
+    @property
+    def name(self) -> str:
+        return self.slot.name
+
+
+def _state_storages(module: torch.nn.Module) -> set[int]:
+    """Storages of the parameters and buffers of ``module`` and its submodules.
+
+    Read from the modules' own tables on every forward (parameters may be replaced
+    between forwards); ``Module.parameters()`` would also build every submodule's name.
+    Like ``state_dict``, this assumes a tree without cycles; a shared submodule is
+    simply read twice.
+    """
+    keys: set[int] = set()
+    modules = [module]
+    for m in modules:
+        for table in (m._parameters, m._buffers):
+            for t in table.values():
+                if t is not None:
+                    if type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor:
+                        t = local_tensor(t)
+                    keys.add(t.untyped_storage()._cdata)
+        for sub in m._modules.values():
+            if sub is not None:
+                modules.append(sub)
+    return keys
+
+
+class _GroupOps:
+    """What ``SwapManager`` does with its groups, from pack to release.
+
+    A base of ``SwapManager`` (methods moved, not wrapped: the pack hook is the bound
+    method itself); the state it uses is ``SwapManager``'s, commented there.
+    """
+
+    def _first_engine(self, device: torch.device) -> CopyEngine:
+        """The engine of a device met for the first time: one per device type."""
+        engine = self._engines.get(device.type)
+        if engine is None:
+            if self._engine_override is not None:
+                engine = self._engine_override
+            elif device.type == "cpu":
+                engine = SimulatedAccelerator(lag=0)
+            else:
+                engine = AcceleratorCopyEngine()
+            self._engines[device.type] = engine
+        self._device_engines[device] = engine
+        return engine
+
+    def _boundary(self, seq: int) -> None:
+        """A module boundary: the device advances; offloads of groups ``offload_lag``
+        forwards back are fenced (their producing stream waits for them) and their
+        sources dropped; finished ones too."""
+        engines = self._engines.values()
+        for engine in engines:
+            if engine.capturing():
+                return
+        for engine in engines:
+            engine.tick()
+        limit = seq - self.offload_lag
+        with self._lock:
+            for queue in self._in_flight.values():
+                while queue:
+                    issued, copy = queue[0]
+                    if issued <= limit:
+                        copy.fence()
+                    elif not copy.done():
+                        break
+                    copy.release_source()
+                    queue.popleft()
+
+    def _pack(self, group: _Group, t: torch.Tensor) -> Any:
+        index = group.saves
+        group.saves = index + 1
+        local = t if type(t) is torch.Tensor else local_tensor(t)
+        if (
+            type(local) is torch.Tensor
+            and local.layout is torch.strided
+            and not local.is_meta
+            and not is_parameter_like(t)
+        ):
+            storage = local.untyped_storage()
+            key = storage._cdata
+            entry = group.entries.get(key)
+            if entry is not None and entry.buf is None:
+                entry = None  # every handle of its copy died: its host buffer went back
+            version = t._version
+            if entry is None:
+                slot = group.slot
+                decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
+                if decision is not CheckpointPolicy.MUST_SWAP:
+                    if decision is not CheckpointPolicy.MUST_SAVE:
+                        raise _bad_decision(slot, decision)
+                    return _Kept(t, group)
+                if group.is_protected(key):
+                    return _Kept(t, group)
+            elif version != entry.version:
+                return self._keep_changed(group, t, entry)
+            layout = (local.dtype, local.size(), local.stride())
+            if entry is None:
+                entry = self._offload(group, local, storage, layout)
+                if entry is None:
+                    return _Kept(t, group)
+                entry.version = version
+            return _Swapped(group, entry, t, local, layout, version)
+        return _Kept(t, group)
+
+    def _keep_changed(self, group: _Group, t: torch.Tensor, entry: _Entry) -> _Kept:
+        """A storage saved again after an in-place change since its copy was issued: that
+        copy may hold either version, so this save keeps its own bytes on device."""
+        with self._lock:
+            stats = group.stats
+            stats.kept_tensors += 1
+            stats.kept_bytes += entry.nbytes
+            stats.kept_changed += 1
+        return _Kept(t, group)
+
+    def _offload(
+        self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage, layout: Layout
+    ) -> _Entry | None:
+        nbytes = storage.nbytes()
+        device = local.device
+        engine = self._device_engines.get(device) or self._first_engine(device)
+        reason: str | None = None
+        buf: HostBuffer | Refusal | None = None
+        if group.keep:
+            reason = "kept_last_layer"
+        elif engine.capturing():
+            reason = "kept_capturing"
+        else:
+            buf = self._pool.acquire(device, nbytes, engine)
+            if isinstance(buf, Refusal):
+                reason = buf.value
+        stats = group.stats
+        if reason is not None or not isinstance(buf, HostBuffer):
+            with self._lock:
+                stats.kept_tensors += 1
+                stats.kept_bytes += nbytes
+                setattr(stats, reason, getattr(stats, reason) + 1)
+            return None
+        if (
+            local.dtype in _TYPED_COPIES
+            and local.storage_offset() == 0
+            and local.nbytes == nbytes
+            and local.is_contiguous()
+        ):
+            src = local
+            host = buf.view(layout[0], layout[1], nbytes)
+            layout = (layout[0], layout[1], host.stride())
+        else:
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            host = buf.view(torch.uint8, src.shape, nbytes)
+            layout = (torch.uint8, src.shape, (1,))
+        copy = engine.offload(src, host, buf.last_use)
+        entry = _Entry(
+            self, group.slot.name, stats, device, engine, nbytes, buf, host, layout, copy
+        )
+        group.entries[storage._cdata] = entry
+        with self._lock:
+            queue = self._in_flight.get(device)
+            if queue is None:
+                queue = self._in_flight[device] = collections.deque()
+            queue.append((group.seq, copy))
+            stats.offloaded_tensors += 1
+            stats.offloaded_bytes += nbytes
+        if self.events is not None:
+            self.events.append(("offload", group.slot.name))
+        return entry
+
+    def _prefetch(self, group: _Group) -> None:
+        """Reload ``group``'s swapped storages, first needed first: backward consumes
+        them in reverse saving order, and each waits only for its own copy."""
+        issued = False
+        with self._lock:
+            for entry in reversed(group.entries.values()):
+                if entry.load is None and entry.buf is not None and entry.refs:
+                    self._load(entry)
+                    entry.prefetched = True
+                    issued = True
+        if issued and self.events is not None:
+            self.events.append(("prefetch", group.name))
+
+    def _load(self, entry: _Entry) -> Copy:
+        """Issue the reload of ``entry`` for the live handles that have not consumed one."""
+        assert entry.host is not None
+        load = entry.engine.load(entry.host, entry.device, (entry.offload,))
+        entry.load = load
+        entry.gen += 1
+        entry.waiting = entry.refs
+        entry.prefetched = False
+        entry.stats.reloaded_tensors += 1
+        entry.stats.reloaded_bytes += entry.nbytes
+        return load
+
+    def _release(self, entry: _Entry) -> None:
+        """The last handle died: free the source once ordered, pool the host buffer.
+
+        Nothing here blocks the host: the stream that produced the source waits for its
+        copy still in flight, compute for a reload, and the next offload into the
+        buffer waits for its last users.
+        """
+        buf, entry.buf = entry.buf, None
+        if buf is None:
+            return
+        entry.host = None
+        last_use = (entry.offload,) if entry.load is None else (entry.offload, entry.load)
+        if not entry.engine.capturing():
+            if not entry.offload.done():
+                entry.offload.fence()
+            entry.offload.release_source()
+            if entry.load is not None:
+                entry.load.fence()
+        entry.load = None
+        self._pool.release(buf, last_use)

@@ -1,0 +1,284 @@
+"""Per-tensor handles: what autograd stores for each saved tensor, and their unpack.
+
+One of the four modules of the swap manager (``manager.py`` lists them). Here: the
+handles (``_Kept``, ``_Swapped``), the host copy of one storage they share
+(``_Entry``), the in-place check and its ``SwapIntegrityError``, and the manager's
+unpack hook and handle-death path (``_HandleOps``, a base of ``SwapManager``).
+
+Lifetimes follow autograd's own. Whatever the pack hook keeps or swaps, it hands
+autograd a small handle that never refers to the tensor object it was given (that
+would form a cycle through ``grad_fn``), so a graph that is dropped unused is freed
+by reference counting alone. A swapped storage's host buffer goes back to the pool
+when the last handle aliasing it dies; nothing is kept per step.
+
+Every handle checks PyTorch's version counter on unpack, as autograd does for saved
+tensors without hooks: a saved tensor modified in place raises
+``SwapIntegrityError`` instead of giving a wrong gradient. A handle holds the counter
+itself (through an alias that shares it), not the tensor's Python objects, so the
+check holds after the caller dropped every one of them, and a copy still in flight
+that reads changed bytes is always caught.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graphswap.runtime.engines import Copy, CopyEngine
+from graphswap.runtime.pool import HostBuffer
+from graphswap.runtime.stats import GroupStats
+
+if TYPE_CHECKING:
+    from graphswap.runtime._group import _Group
+    from graphswap.runtime.manager import SwapManager
+
+
+Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]
+"""A tensor's dtype, size and stride."""
+
+
+class SwapIntegrityError(RuntimeError):
+    """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
+
+
+def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
+    return SwapIntegrityError(
+        f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
+        f" in-place operation (version {saved} when saved, {now} now); clone it before"
+        " modifying it in place, as plain PyTorch requires"
+    )
+
+
+_NO_BYTES: dict[torch.device, torch.Tensor] = {}
+"""One empty tensor per device: what a swapped tensor's version alias holds instead of
+its bytes."""
+
+
+def _version_alias(t: torch.Tensor, local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter and none of its bytes.
+
+    ``detach()`` shares the counter (with every view of ``t`` too) and no ``grad_fn``;
+    setting ``.data`` then swaps its storage for an empty one and keeps its counter. So
+    an in-place change made through any alias of ``t`` stays visible to the handle
+    after every Python object of ``t`` died, while its device memory is freed. A
+    DTensor's wrapper holds no bytes, its local shard does: the shard is replaced.
+    """
+    alias = t.detach()
+    empty = _NO_BYTES.get(device)
+    if empty is None:
+        empty = _NO_BYTES[device] = torch.empty(0, device=device)
+    if local is t:
+        alias.data = empty
+    else:
+        alias._local_tensor = empty  # type: ignore[attr-defined]
+    return alias
+
+
+class _Kept:
+    """A saved tensor that stays on device: a detached alias (same storage and version
+    counter, no ``grad_fn``) and the version it had when saved."""
+
+    __slots__ = ("alias", "group", "version")
+
+    def __init__(self, t: torch.Tensor, group: _Group) -> None:
+        self.alias = t.detach()  # the saved tensor's storage and version counter
+        self.version = t._version  # its version when saved: unpack compares
+        self.group = group  # the group that saved it: backward detection and error names
+
+    def unpack(self) -> torch.Tensor:
+        now = self.alias._version
+        if now != self.version:
+            raise _integrity_error(self.group.name, self.alias.size(), self.version, now)
+        return self.alias
+
+
+class _Entry:
+    """One storage copied to host: shared by every handle that aliases it.
+
+    ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
+    that tensor covers its storage contiguously (the usual case: its reload is then
+    handed back as it is), else as bytes; ``layout`` says which.
+
+    ``load`` is the reload of the current backward, ``gen`` counts reloads and
+    ``waiting`` how many live handles have not yet consumed the current one: the
+    set of consumers is fixed when the load is issued, so handles that die while
+    others unpack never cause a second reload.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "buf",
+        "device",
+        "engine",
+        "gen",
+        "host",
+        "layout",
+        "load",
+        "manager",
+        "name",
+        "nbytes",
+        "offload",
+        "prefetched",
+        "refs",
+        "stats",
+        "version",
+        "waiting",
+    )
+
+    def __init__(
+        self,
+        manager: SwapManager,
+        name: str,
+        stats: GroupStats,
+        device: torch.device,
+        engine: CopyEngine,
+        nbytes: int,
+        buf: HostBuffer,
+        host: torch.Tensor,
+        layout: Layout,
+        offload: Copy,
+    ) -> None:
+        self.manager = manager  # told when a handle dies (``_handle_died``)
+        self.name = name  # the group's slot name, for trace events
+        self.stats = stats  # the group's stats: reloads and prefetch hits count there
+        self.device = device  # where the storage lived and its reloads go
+        self.engine = engine  # the device's copy engine: issues this entry's copies
+        self.nbytes = nbytes  # the storage's size, copied whole
+        self.buf: HostBuffer | None = buf  # the pool buffer; None: released, bytes gone
+        self.host: torch.Tensor | None = host  # ``buf`` viewed as ``layout``; None: released
+        self.layout = layout  # the host copy's dtype, size and stride
+        self.offload = offload  # the device-to-host copy; its source is held until fenced
+        self.load: Copy | None = None  # the current backward's reload; None: none pending
+        self.prefetched = False  # ``load`` was issued by a prefetch, not yet hit
+        self.gen = 0  # the current reload's generation: ``_load`` counts them
+        self.waiting = 0  # live handles that have not consumed the current ``load``
+        self.refs = 0  # live handles (``_Swapped``) aliasing this storage
+        self.version = -1
+        """The saved tensor's version when its copy was issued (set by ``_pack``)."""
+
+
+class _Swapped:
+    """What autograd stores instead of a swapped tensor.
+
+    ``counter`` shares the saved tensor's version counter and holds none of its bytes
+    (:func:`_version_alias`): the in-place check needs no Python object of the tensor
+    or of its base to be alive, so a change made while the copy was in flight, and then
+    dropped with every reference to the tensor, is still an error at unpack.
+    """
+
+    __slots__ = (
+        "counter",
+        "entry",
+        "gen",
+        "group",
+        "layout",
+        "offset",
+        "spec",
+        "version",
+        "whole",
+    )
+
+    def __init__(
+        self,
+        group: _Group,
+        entry: _Entry,
+        t: torch.Tensor,
+        local: torch.Tensor,
+        layout: Layout,
+        version: int,
+    ) -> None:
+        self.group = group  # the group that saved it: backward detection and error names
+        self.entry = entry  # the host copy of its storage, shared with its aliases
+        self.layout = layout
+        """``local``'s dtype, size and stride."""
+        self.offset = local.storage_offset()
+        self.whole = self.offset == 0 and entry.layout == layout
+        """Laid out as the entry's host copy: its reload is handed back as it is."""
+        self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
+        """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
+        self.version = version  # its version when saved: unpack compares with ``counter``
+        self.counter = _version_alias(t, local, entry.device)  # its counter, no bytes
+        self.gen = -1
+        """The reload generation this handle consumed last (-1: none)."""
+        entry.refs += 1
+        if entry.load is not None:
+            entry.waiting += 1
+
+    def __del__(self) -> None:
+        self.entry.manager._handle_died(self)
+
+
+class _HandleOps:
+    """``SwapManager``'s unpack hook and the death of a swapped handle.
+
+    A base of ``SwapManager`` (methods moved, not wrapped: the hook is the bound
+    method itself); the state it uses is ``SwapManager``'s, commented there.
+    """
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        group = packed.group
+        task = torch._C._current_graph_task_id()
+        if task != group.task and task != -1:
+            # The first unpack of this group in this backward: its backward begins.
+            group.task = task
+            self._backward_begins(group)
+        if type(packed) is _Kept:
+            return packed.unpack()
+        assert type(packed) is _Swapped
+        now = packed.counter._version
+        if now != packed.version:
+            raise _integrity_error(group.name, packed.layout[1], packed.version, now)
+        entry = packed.entry
+        with self._lock:
+            load = entry.load
+            if load is None or packed.gen == entry.gen:
+                entry.stats.prefetch_misses += 1
+                if load is None:
+                    load = self._load(entry)
+                else:
+                    load = entry.engine.load(
+                        entry.host,  # type: ignore[arg-type]
+                        entry.device,
+                        (entry.offload,),
+                    )
+                    entry.stats.reloaded_tensors += 1
+                    entry.stats.reloaded_bytes += entry.nbytes
+            elif entry.prefetched:
+                entry.stats.prefetch_hits += 1
+                entry.prefetched = False
+            if load is entry.load:
+                packed.gen = entry.gen
+                entry.waiting -= 1
+                if entry.waiting == 0:
+                    entry.load = None
+        if self.events is not None:
+            self.events.append(("unpack", entry.name))
+        load.fence()
+        out = load.result()
+        if not packed.whole:
+            storage = out.untyped_storage()
+            dtype, size, stride = packed.layout
+            out = torch.empty(0, dtype=dtype, device=entry.device)
+            out.set_(storage, packed.offset, size, stride)
+        if packed.spec is not None:
+            # Loaded only when a DTensor was packed, so torch.distributed is imported already.
+            from torch.distributed.tensor import DTensor
+
+            return DTensor(out, packed.spec, requires_grad=False)
+        return out
+
+    def _handle_died(self, packed: _Swapped) -> None:
+        """A saved-tensor slot freed its handle: settle the reload and the host buffer."""
+        entry = packed.entry
+        with self._lock:
+            entry.refs -= 1
+            load = entry.load
+            if load is not None and packed.gen != entry.gen:
+                entry.waiting -= 1
+                if entry.waiting == 0:
+                    entry.load = None
+                    if not entry.engine.capturing():
+                        load.fence()
+            if entry.refs == 0:
+                self._release(entry)

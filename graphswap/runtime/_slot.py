@@ -1,0 +1,187 @@
+"""Per wrapped-module state: the slot, its run-time refusals, and backward detection.
+
+One of the four modules of the swap manager (``manager.py`` lists them). Here: what
+the manager keeps for each wrapped module (``_Slot``: module, name, index, policy;
+``GroupInfo``, its public view), the refusals of transforms that activation swap
+excludes (torch.compile and torch.export, activation checkpointing, a backward
+captured apart from its forward: ``SwapExclusionError``), a policy's bad answer, and
+how the manager learns that backward reached a group (``_SlotHooks``, a base of
+``SwapManager``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from graphswap.policy import CheckpointPolicy, SwapPolicy, policy_name
+
+if TYPE_CHECKING:
+    from graphswap.runtime._group import _Group
+
+
+class SwapExclusionError(RuntimeError):
+    """A swap-wrapped module ran under a transform that activation swap excludes."""
+
+
+_FIXES = {
+    "compile": "compile: false (by hand: call graphswap.unrewrite(model) before torch.compile)",
+    "activation_checkpointing": "activation_checkpointing: false (by hand: call"
+    " graphswap.unrewrite(model) before enabling gradient checkpointing)",
+}
+
+
+def _refuse(name: str, excluded: str, found: str) -> None:
+    """Raise the plan's exclusion error at run time (the plan cannot see hand-made setups)."""
+    raise SwapExclusionError(
+        f"activation swap excludes {excluded}: {name!r} ran under {found}, which would handle"
+        f" its saved tensors a second time; set activation_swap: none or {_FIXES[excluded]}"
+    )
+
+
+@functools.cache
+def _traced_exclusion_error() -> type[SwapExclusionError]:
+    """``SwapExclusionError`` that Dynamo passes on as it is: it wraps any other error raised
+    while it traces into an ``InternalTorchDynamoError``."""
+    # Loaded only while torch.compile or torch.export traces, so Dynamo is imported already.
+    from torch._dynamo.exc import TorchRuntimeError
+
+    class SwapExclusionWhileTracing(SwapExclusionError, TorchRuntimeError):
+        """A swap-wrapped module traced by torch.compile or torch.export."""
+
+    return SwapExclusionWhileTracing
+
+
+def _refuse_traced(name: str) -> None:
+    """Refuse a wrapped forward that torch.compile or torch.export traces.
+
+    Marked as a constant result (what ``torch.compiler.assume_constant_result`` does,
+    without importing Dynamo with graphswap): Dynamo calls it for real while it traces,
+    so the error reaches the user in every mode, ``fullgraph=True`` and strict export
+    too, rather than being traced as a raise or turned into a graph break.
+    """
+    error = _traced_exclusion_error()
+    if torch.compiler.is_exporting():
+        raise error(
+            f"activation swap excludes torch.export: {name!r} ran under torch.export, which"
+            " traces its forward into a graph without the swap's saved-tensor hooks and"
+            " copies; export the model without swap: call graphswap.unrewrite(model) before"
+            " torch.export (or build it with activation_swap: none)"
+        )
+    raise error(
+        f"activation swap excludes compile: {name!r} ran under torch.compile, which would"
+        f" handle its saved tensors a second time; set activation_swap: none or"
+        f" {_FIXES['compile']}"
+    )
+
+
+_refuse_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _checkpointing() -> str | None:
+    """How the current forward is checkpointed, if it is."""
+    if torch._C._current_graph_task_id() != -1:
+        return "a recomputation during backward (reentrant activation checkpointing)"
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        return "torch.utils.checkpoint (non-reentrant activation checkpointing)"
+    return None
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What the prefetch graph needs to know about one wrapped module."""
+
+    name: str
+    index: int
+    module_type: str
+    policy: str
+    keep_on_device: bool
+
+
+@dataclass
+class _Slot:
+    """What the manager keeps for one wrapped module, from register to unregister."""
+
+    module: torch.nn.Module  # the wrapped module; the key of its slot in the registry
+    name: str  # unique within the manager: stats and errors name the module by it
+    index: int  # registration order: links and schedules are sorted by it
+    policy: SwapPolicy  # asked at each pack whether a tensor swaps or stays
+    module_type: str  # the module's class, "module.qualname", for GroupInfo
+    decide: Callable[[torch.Tensor, int], CheckpointPolicy] | None = dataclasses.field(init=False)
+    """``policy.decide`` when the policy has one: it is asked ``decide(t, index)``, told
+    which save of the forward ``t`` is (every pack call counts); else ``policy(t)`` is."""
+
+    def __post_init__(self) -> None:
+        decide = getattr(self.policy, "decide", None)
+        self.decide = decide if callable(decide) else None
+
+
+def _bad_decision(slot: _Slot, decision: object) -> TypeError:
+    return TypeError(
+        f"the swap policy {policy_name(slot.policy)} of {slot.name!r} answered {decision!r};"
+        " a swap policy answers graphswap.CheckpointPolicy.MUST_SWAP or MUST_SAVE"
+        " (torch.utils.checkpoint.CheckpointPolicy is another enum, for recomputation)"
+    )
+
+
+class _SlotHooks:
+    """When backward reaches a group, and what may not run then.
+
+    A base of ``SwapManager`` (methods moved, not wrapped); the state it uses is
+    ``SwapManager``'s, commented there.
+    """
+
+    def _on_backward(self, group: _Group, out: Any) -> None:
+        """Call ``_backward_begins(group)`` when backward reaches the outputs ``out``."""
+        begins = functools.partial(self._backward_begins, group)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if len(outputs) == 1 and outputs[0].grad_fn is not None:
+            outputs[0].grad_fn.register_prehook(begins)
+        elif outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
+
+    def _refuse_reload_under_capture(self, group: _Group) -> None:
+        """A backward under graph capture may not reload what a forward outside it copied
+        to host: the copy would be captured into the graph, and every replay would read
+        host buffers that other steps reuse by then. Checked before any copy is issued,
+        for ``group`` and the groups its backward prefetches."""
+        target = group
+        for _ in range(self.prefetch_depth + 1):
+            if any(entry.buf is not None for entry in target.entries.values()):
+                raise SwapExclusionError(
+                    f"activation swap excludes capturing a backward whose forward ran outside"
+                    f" the capture: the backward of {group.name!r} began while the current"
+                    f" stream captures a graph, but {target.name!r} swapped tensors to host in"
+                    f" a forward outside it, and their reload would be captured and replayed"
+                    f" from reused host buffers; run that forward under the same capture (its"
+                    f" tensors then stay on device, counted as kept_capturing), or this"
+                    f" backward outside it"
+                )
+            if target.prev is None:
+                return
+            target = target.prev
+
+    def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
+        """Backward reached ``group``: at its first unpack (a hook on its outputs would
+        cost more than the whole swap of a small layer), or, for a group that saved
+        nothing, at its outputs."""
+        if self.events is not None:
+            self.events.append(("backward_begin", group.name))
+        for engine in self._engines.values():
+            if engine.capturing():
+                self._refuse_reload_under_capture(group)
+                break
+        self._boundary(self._seq)
+        target = group.prev
+        for _ in range(self.prefetch_depth):
+            if target is None:
+                break
+            self._prefetch(target)
+            target = target.prev
