@@ -165,7 +165,30 @@ _NO_KERNEL = frozenset(
 """Operators that launch no kernel: allocation, metadata and host reads of a scalar."""
 
 
+_ATTENTION_FORWARD = frozenset(
+    {
+        _ops._scaled_dot_product_flash_attention,
+        _ops._scaled_dot_product_efficient_attention,
+        _ops._scaled_dot_product_cudnn_attention,
+        _ops._scaled_dot_product_flash_attention_for_cpu,
+    }
+)
+"""The fused attention kernels, counted here rather than by torch's flop registry, which
+before torch 2.13 refuses grouped-query heads (fewer key/value heads than query heads)."""
+
+_ATTENTION_BACKWARD = frozenset(
+    {
+        _ops._scaled_dot_product_flash_attention_backward,
+        _ops._scaled_dot_product_efficient_attention_backward,
+        _ops._scaled_dot_product_cudnn_attention_backward,
+        _ops._scaled_dot_product_flash_attention_for_cpu_backward,
+    }
+)
+
+
 def _attention_flops(q: torch.Tensor, k: torch.Tensor, *, backward: bool) -> float:
+    """Scores and weighted sum per query head (two batched matmuls); backward recomputes
+    the scores and makes four more (2.5x), as torch's flop counter counts them."""
     batch_heads = math.prod(q.shape[:-2])
     flops = 4.0 * batch_heads * q.shape[-2] * k.shape[-2] * q.shape[-1]
     return 2.5 * flops if backward else flops
@@ -182,16 +205,14 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor) -> float:
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> float:
     """Multiply-add FLOPs (2 per multiply-add) of one operator; 0 for elementwise ones."""
     packet = func._overloadpacket
-    counted = flop_registry.get(packet)
-    if counted is not None:
-        return float(counted(*args, **kwargs, out_val=out))
+    if packet in _ATTENTION_FORWARD:
+        return _attention_flops(args[0], args[1], backward=False)
+    if packet in _ATTENTION_BACKWARD:
+        return _attention_flops(args[1], args[2], backward=True)
     if packet is _ops._grouped_mm:
         return _grouped_mm_flops(args[0], args[1])
-    if packet is _ops._scaled_dot_product_flash_attention_for_cpu:
-        return _attention_flops(args[0], args[1], backward=False)
-    if packet is _ops._scaled_dot_product_flash_attention_for_cpu_backward:
-        return _attention_flops(args[1], args[2], backward=True)
-    return 0.0
+    counted = flop_registry.get(packet)
+    return 0.0 if counted is None else float(counted(*args, **kwargs, out_val=out))
 
 
 def op_bytes(args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> int:

@@ -59,3 +59,18 @@ def test_views_and_in_place_results_of_older_storages_are_not_born() -> None:
     assert log.born == [0, 64 * 64 * 4]  # the empty tensor set_ retargets, and the product
     assert log.freed == [0, 64 * 64 * 4]  # the storage set_ dropped, and the product
     assert alias.untyped_storage().nbytes() == 64 * 64 * 4
+
+
+def test_fused_attention_counts_every_query_head_with_fewer_key_value_heads() -> None:
+    """Grouped-query attention (8 query heads over 2 key/value heads) is costed as the
+    kernel runs it, on every torch the project supports."""
+    from graphswap.runtime.profile import op_flops
+
+    ops = torch.ops.aten
+    q = torch.empty(2, 8, 128, 64, device="meta")
+    k = v = torch.empty(2, 2, 128, 64, device="meta")
+    forward = 4.0 * 2 * 8 * 128 * 128 * 64
+    kernel = ops._scaled_dot_product_efficient_attention.default
+    assert op_flops(kernel, (q, k, v, None, True), {}, None) == forward
+    backward = ops._scaled_dot_product_flash_attention_backward.default
+    assert op_flops(backward, (q, q, k, v), {}, None) == 2.5 * forward
