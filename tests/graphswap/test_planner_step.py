@@ -142,7 +142,11 @@ def test_attention_swap_of_qwen3_30b_stalls_the_forward(
         assert layer.forward_window < layer.copy_seconds < layer.backward_window
         assert layer.forward_stall > 1e-3 and layer.backward_stall == 0
         assert layer.verdict() == "STALLS" and not layer.hides
-    assert attention.step_ratio > 1.05
+    # The step is longer by its stalls, and they are a real share of it (6% on torch
+    # 2.13, 5% on 2.9, whose meta kernels run other elementwise operators).
+    extra = attention.timeline.step_seconds - attention.baseline.step_seconds
+    assert extra == pytest.approx(attention.timeline.stall_seconds, rel=1e-6)
+    assert attention.timeline.stall_seconds > 0.03 * attention.baseline.step_seconds
     forward_labels = {label for label in attention.timeline.stalls if label.startswith("F")}
     assert len(forward_labels) == 47
 
