@@ -5,7 +5,8 @@ Rules (``notes/clock_contract.md``; ``graphswap.runtime.manager`` is what they m
 operators run on the compute stream back to back; each wrapped module's forward is one
 group, and at both ends of it the offloads of groups ``offload_lag`` or more back are
 fenced (compute waits) and their sources released, then the finished ones in issue
-order; a swapped storage is copied to host once per group, on one device-to-host
+order, a batch at a time (the offloads issued between two boundaries end together, at
+their batch's last copy); a swapped storage is copied to host once per group, on one device-to-host
 queue, after the compute that made it; the last group keeps everything; a group's
 backward begins at its first unpack, which first runs a boundary and then issues the
 reloads of the ``prefetch_depth`` groups before it, each group's in reverse saving
@@ -63,11 +64,22 @@ class Replay:
     """Per decoder layer, its wrapped module (all zero when nothing is wrapped)."""
 
 
+class _Batch:
+    """The offloads issued between two module boundaries: seen done together."""
+
+    __slots__ = ("end",)
+
+    def __init__(self) -> None:
+        self.end = 0.0
+        """When its last copy ends (the copy queue runs in order)."""
+
+
 class _Entry:
     """One storage copied to host by one group (the runtime's ``_Entry``)."""
 
     __slots__ = (
         "active",
+        "batch",
         "block",
         "dsts",
         "gen",
@@ -80,11 +92,15 @@ class _Entry:
         "waiting",
     )
 
-    def __init__(self, group: int, block: int, nbytes: int, offload_end: float) -> None:
+    def __init__(
+        self, group: int, block: int, nbytes: int, offload_end: float, batch: _Batch
+    ) -> None:
         self.group = group
         self.block = block
         self.nbytes = nbytes
         self.offload_end = offload_end
+        self.batch = batch
+        batch.end = offload_end
         self.source_held = True
         self.refs = 0
         """Saves of it autograd still holds."""
@@ -151,6 +167,7 @@ def replay(
     peak_label, peak_seconds = label, 0.0
     memory: list[tuple[float, int]] = [(0.0, base)]
     last_seq = 0
+    batch = _Batch()
 
     def changed() -> None:
         nonlocal peak, peak_label, peak_seconds
@@ -178,12 +195,14 @@ def replay(
             drop(entry.block)
 
     def boundary(seq: int) -> None:
+        nonlocal batch
+        batch = _Batch()
         limit = seq - offload_lag
         while in_flight:
             entry = in_flight[0]
             if entry.group + 1 <= limit:
                 wait(entry.offload_end, forward_stall, entry.group)
-            elif entry.offload_end > t:
+            elif entry.batch.end > t:
                 break
             release_source(entry)
             in_flight.popleft()
@@ -232,7 +251,9 @@ def replay(
                     d2h = max(d2h, t) + seconds
                     d2h_busy += seconds
                     offloaded[group] += sizes[block]
-                    entry = entries[group][block] = _Entry(group, block, sizes[block], d2h)
+                    entry = entries[group][block] = _Entry(
+                        group, block, sizes[block], d2h, batch
+                    )
                     holders[block] += 1
                     in_flight.append(entry)
             if entry is None:

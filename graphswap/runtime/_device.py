@@ -1,13 +1,14 @@
 """The device interface the copy engine is written against, and torch's accelerator.
 
-The engine needs little of a device: its current stream, new streams, events,
-waits, asynchronous copies in both directions, device and host allocations, and a
-word when it lets go of a source a copy read. Streams and events are used through
-the methods ``torch.Stream`` and ``torch.Event`` have, so on a GPU the engine holds
-torch's own objects and calls them directly; everything else goes through a
-:class:`Device`. :class:`TorchDevice` is torch's accelerator API; the simulated
-device (``graphswap.runtime._simdevice``) is the same interface on CPU, with every
-ordering hazard checked, so the engine a GPU runs is the engine CI runs.
+The engine needs little of a device: its current stream, new streams, events it
+records again and again (created once, pooled), waits, asynchronous copies in both
+directions, device and host allocations, and a word when it lets go of a source a
+copy read. Waits and queries are made through the methods ``torch.Stream`` and
+``torch.Event`` have, so on a GPU the engine holds torch's own objects and calls
+them directly; everything else goes through a :class:`Device`. :class:`TorchDevice`
+is torch's accelerator API; the simulated device (``graphswap.runtime._simdevice``)
+is the same interface on CPU, with every ordering hazard checked, so the engine a GPU
+runs is the engine CI runs.
 """
 
 from __future__ import annotations
@@ -64,8 +65,17 @@ class Device(abc.ABC):
         """The stream compute runs on now (``with stream:`` changes it)."""
 
     @abc.abstractmethod
-    def new_stream(self) -> Stream:
-        """A stream of the engine's own, for copies."""
+    def new_stream(self, role: str) -> Stream:
+        """A stream of the engine's own, for copies (``role``: ``offload`` or ``reload``)."""
+
+    @abc.abstractmethod
+    def new_event(self, role: str) -> Event:
+        """An event the engine records again and again; ``role`` says what it orders."""
+
+    @abc.abstractmethod
+    def record(self, stream: Stream, event: Event) -> Event:
+        """Record ``event`` at the end of what is queued on ``stream`` now; a wait made
+        before keeps the point it waited for."""
 
     @abc.abstractmethod
     def to_host(self, stream: Stream, src: torch.Tensor, host: torch.Tensor) -> None:
@@ -83,6 +93,10 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes`` bytes for copies to and from this device."""
+
+    @abc.abstractmethod
+    def host_free(self, host: torch.Tensor) -> None:
+        """The engine drops ``host``, a buffer of ``host_empty``."""
 
     @abc.abstractmethod
     def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
@@ -110,8 +124,15 @@ class TorchDevice(Device):
     def current_stream(self) -> Stream:
         return torch.accelerator.current_stream(self.device)
 
-    def new_stream(self) -> Stream:
+    def new_stream(self, role: str) -> Stream:
         return torch.Stream(device=self.device)
+
+    def new_event(self, role: str) -> Event:
+        return torch.Event(device=self.device)
+
+    def record(self, stream: Stream, event: Event) -> Event:
+        event.record(stream)  # type: ignore[attr-defined]
+        return event
 
     def to_host(self, stream: Stream, src: torch.Tensor, host: torch.Tensor) -> None:
         with stream:
@@ -126,6 +147,11 @@ class TorchDevice(Device):
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def host_free(self, host: torch.Tensor) -> None:
+        """The block goes back to torch's caching host allocator when the last reference
+        dies: no driver call, and its cache is never emptied (other components, a
+        DataLoader's ``pin_memory`` among them, keep theirs there)."""
 
     def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
         """The engine orders the drop (a completed query or a fence); nothing to add."""

@@ -11,6 +11,8 @@ backward begins, issue reloads, and free the source and the host buffer at the e
 from __future__ import annotations
 
 import collections
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -20,7 +22,6 @@ from graphswap.runtime._handles import Layout, _Entry, _Kept, _Swapped
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime.engines import (
     AcceleratorCopyEngine,
-    Copy,
     CopyEngine,
     SimulatedAccelerator,
 )
@@ -129,30 +130,75 @@ class _GroupOps:
             else:
                 engine = AcceleratorCopyEngine()
             self._engines[device.type] = engine
+            self._capturing = self._capturing or engine.capturing()
         self._device_engines[device] = engine
         return engine
 
     def _boundary(self, seq: int) -> None:
-        """A module boundary: the device advances; offloads of groups ``offload_lag``
-        forwards back are fenced (their producing stream waits for them) and their
-        sources dropped; finished ones too."""
+        """A module boundary: the one capture query until the next; the offloads since
+        the last boundary are closed as a batch; offloads of groups ``offload_lag``
+        forwards back are fenced (their producing stream waits for the newest of them,
+        which ends all before it) and their sources dropped; finished ones too."""
         engines = self._engines.values()
-        for engine in engines:
-            if engine.capturing():
-                return
+        self._capturing = any([engine.capturing() for engine in engines])
+        if self._capturing:
+            return
         for engine in engines:
             engine.tick()
         limit = seq - self.offload_lag
         with self._lock:
             for queue in self._in_flight.values():
+                due = 0
+                for issued, _, _ in queue:
+                    if issued > limit:
+                        break
+                    due += 1
+                if due:
+                    queue[due - 1][1].fence()
                 while queue:
-                    issued, copy = queue[0]
+                    issued, copy, ref = queue[0]
                     if issued <= limit:
-                        copy.fence()
+                        copy.fence()  # ordered already, unless it had another producer
                     elif not copy.done():
                         break
-                    copy.release_source()
                     queue.popleft()
+                    entry = ref()
+                    if entry is not None:  # else its graph died and released it
+                        self._release_source(entry)
+
+    def _release_source(self, entry: _Entry) -> None:
+        """Drop the offload's device source (ordered already); one that another reference
+        keeps on device is watched until its reload: see ``_settle_held``."""
+        if entry.released:
+            return
+        entry.released = True
+        held = entry.offload.release_source()
+        if held is not None:
+            entry.held = held
+            self._held.add(entry)
+
+    def _settle_held(self, entry: _Entry) -> None:
+        """The reload of ``entry`` is issued or its graph died: if another reference kept
+        its source on device all along, count it as copied but not freed, and warn once."""
+        held = entry.held
+        entry.held = None
+        if held is None or held.expired():
+            return
+        entry.stats.offloaded_not_freed_bytes += entry.nbytes
+        if not self._warned_not_freed:
+            self._warned_not_freed = True
+            warnings.warn(
+                f"graphswap: {entry.nbytes:,} bytes that {entry.name!r} copied to host"
+                " stayed on device until backward: another reference holds the tensor, so the"
+                " copy frees nothing (counted in stats.offloaded_not_freed_bytes). Likely"
+                " holders: a key/value cache the model returns (pass use_cache=False, which"
+                " graphswap.rewrite sets in train mode for Hugging Face models), autocast's"
+                " weight cache (torch.autocast(..., cache_enabled=False)),"
+                " output_attentions=True or output_hidden_states=True, or a tensor your code"
+                " keeps until backward",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
         index = group.saves
@@ -210,7 +256,7 @@ class _GroupOps:
         buf: HostBuffer | Refusal | None = None
         if group.keep:
             reason = "kept_last_layer"
-        elif engine.capturing():
+        elif self._capturing:
             reason = "kept_capturing"
         else:
             buf = self._pool.acquire(device, nbytes, engine)
@@ -245,7 +291,7 @@ class _GroupOps:
             queue = self._in_flight.get(device)
             if queue is None:
                 queue = self._in_flight[device] = collections.deque()
-            queue.append((group.seq, copy))
+            queue.append((group.seq, copy, weakref.ref(entry)))
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
         if self.events is not None:
@@ -253,29 +299,39 @@ class _GroupOps:
         return entry
 
     def _prefetch(self, group: _Group) -> None:
-        """Reload ``group``'s swapped storages, first needed first: backward consumes
-        them in reverse saving order, and each waits only for its own copy."""
-        issued = False
+        """Reload ``group``'s swapped storages as one batch, first needed first: backward
+        consumes them in reverse saving order, and each waits only for its own copy."""
         with self._lock:
-            for entry in reversed(group.entries.values()):
-                if entry.load is None and entry.buf is not None and entry.refs:
-                    self._load(entry)
-                    entry.prefetched = True
-                    issued = True
-        if issued and self.events is not None:
+            due = [
+                entry
+                for entry in reversed(group.entries.values())
+                if entry.load is None and entry.buf is not None and entry.refs
+            ]
+            if not due:
+                return
+            self._load(due)
+            for entry in due:
+                entry.prefetched = True
+        if self.events is not None:
             self.events.append(("prefetch", group.name))
 
-    def _load(self, entry: _Entry) -> Copy:
-        """Issue the reload of ``entry`` for the live handles that have not consumed one."""
-        assert entry.host is not None
-        load = entry.engine.load(entry.host, entry.device, (entry.offload,))
-        entry.load = load
-        entry.gen += 1
-        entry.waiting = entry.refs
-        entry.prefetched = False
-        entry.stats.reloaded_tensors += 1
-        entry.stats.reloaded_bytes += entry.nbytes
-        return load
+    def _load(self, entries: list[_Entry]) -> None:
+        """Issue the reloads of ``entries`` (per device, one batch) for the live handles
+        that have not consumed one."""
+        batches: dict[tuple[CopyEngine, torch.device], list[_Entry]] = {}
+        for entry in entries:
+            batches.setdefault((entry.engine, entry.device), []).append(entry)
+        for (engine, device), batch in batches.items():
+            loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])
+            for entry, load in zip(batch, loads, strict=True):
+                entry.load = load
+                entry.gen += 1
+                entry.waiting = entry.refs
+                entry.prefetched = False
+                entry.stats.reloaded_tensors += 1
+                entry.stats.reloaded_bytes += entry.nbytes
+                if entry.held is not None:
+                    self._settle_held(entry)
 
     def _release(self, entry: _Entry) -> None:
         """The last handle died: free the source once ordered, pool the host buffer.
@@ -289,11 +345,14 @@ class _GroupOps:
             return
         entry.host = None
         last_use = (entry.offload,) if entry.load is None else (entry.offload, entry.load)
-        if not entry.engine.capturing():
-            if not entry.offload.done():
-                entry.offload.fence()
-            entry.offload.release_source()
+        if not self._capturing:
+            if not entry.released:
+                if not entry.offload.done():
+                    entry.offload.fence()
+                self._release_source(entry)
             if entry.load is not None:
                 entry.load.fence()
+        if entry.held is not None:
+            self._settle_held(entry)
         entry.load = None
         self._pool.release(buf, last_use)

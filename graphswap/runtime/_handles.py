@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.runtime.engines import Copy, CopyEngine
 from graphswap.runtime.pool import HostBuffer
@@ -112,6 +113,7 @@ class _Entry:
         "device",
         "engine",
         "gen",
+        "held",
         "host",
         "layout",
         "load",
@@ -121,6 +123,7 @@ class _Entry:
         "offload",
         "prefetched",
         "refs",
+        "released",
         "stats",
         "version",
         "waiting",
@@ -149,6 +152,10 @@ class _Entry:
         self.host: torch.Tensor | None = host  # ``buf`` viewed as ``layout``; None: released
         self.layout = layout  # the host copy's dtype, size and stride
         self.offload = offload  # the device-to-host copy; its source is held until fenced
+        self.released = False  # the offload's source was dropped (``_release_source``)
+        self.held: StorageWeakRef | None = None
+        """The source, when another reference kept it on device after it was dropped:
+        watched until the reload (``_settle_held``)."""
         self.load: Copy | None = None  # the current backward's reload; None: none pending
         self.prefetched = False  # ``load`` was issued by a prefetch, not yet hit
         self.gen = 0  # the current reload's generation: ``_load`` counts them
@@ -235,12 +242,13 @@ class _HandleOps:
             if load is None or packed.gen == entry.gen:
                 entry.stats.prefetch_misses += 1
                 if load is None:
-                    load = self._load(entry)
+                    self._load([entry])
+                    load = entry.load
+                    assert load is not None
                 else:
-                    load = entry.engine.load(
-                        entry.host,  # type: ignore[arg-type]
+                    (load,) = entry.engine.loads(
                         entry.device,
-                        (entry.offload,),
+                        [(entry.host, (entry.offload,))],  # type: ignore[list-item]
                     )
                     entry.stats.reloaded_tensors += 1
                     entry.stats.reloaded_bytes += entry.nbytes
@@ -278,7 +286,7 @@ class _HandleOps:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.load = None
-                    if not entry.engine.capturing():
+                    if not self._capturing:
                         load.fence()
             if entry.refs == 0:
                 self._release(entry)

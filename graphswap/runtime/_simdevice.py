@@ -44,31 +44,29 @@ Point = tuple["SimStream", int]
 
 
 class SimEvent:
-    """A point on a simulated stream, and the positions of other streams it follows."""
+    """A point on a simulated stream, and the positions of other streams it follows.
 
-    __slots__ = ("device", "epoch", "position", "stream", "time", "waited")
+    Like ``torch.Event`` it can be recorded again: a wait or query uses the record
+    current when it is made (a queued wait keeps the point it waits for)."""
 
-    def __init__(
-        self,
-        device: SimDevice,
-        stream: SimStream,
-        waited: dict[SimStream, int],
-        time: float,
-        epoch: int,
-    ) -> None:
+    __slots__ = ("device", "epoch", "position", "role", "stream", "time", "waited")
+
+    def __init__(self, device: SimDevice, role: str) -> None:
         self.device = device
         """The device that answers queries about the event."""
-        self.stream = stream
-        """The stream the event was recorded on."""
-        self.position = stream.issued
-        """The last item queued on ``stream`` before the event."""
-        self.waited = waited
-        """What ``stream`` had waited for when the event was recorded: a stream that
-        waits for the event has waited for all of it too."""
-        self.time = time
+        self.role = role
+        """What the event orders (``offload``, ``reload``, ``user``): its calls count there."""
+        self.stream: SimStream | None = None
+        """The stream the event was last recorded on (None: never recorded)."""
+        self.position = 0
+        """The last item queued on ``stream`` before the record."""
+        self.waited: dict[SimStream, int] = {}
+        """What ``stream`` had waited for at the record: a stream that waits for the event
+        has waited for all of it too."""
+        self.time = 0.0
         """The clock's ``stream.busy_until`` at record (0 without a clock)."""
-        self.epoch = epoch
-        """The clocked step the event belongs to: from an earlier one, it is at 0."""
+        self.epoch = 0
+        """The clocked step of the record: from an earlier one, it is at 0."""
 
     def query(self) -> bool:
         return self.device.query(self)
@@ -126,7 +124,7 @@ class SimStream:
         self.device.wait(self, stream.record_event())
 
     def record_event(self) -> SimEvent:
-        return self.device.record(self)
+        return self.device.record(self, self.device.new_event("user"))
 
     def __enter__(self) -> SimStream:
         self.device.enter(self)
@@ -137,13 +135,15 @@ class SimStream:
 
 
 class _Wait:
-    """A copy stream's wait: later items start once ``event`` completed."""
+    """A copy stream's wait: later items start once ``stream`` completed ``until``."""
 
-    __slots__ = ("event", "position")
+    __slots__ = ("position", "stream", "until")
 
-    def __init__(self, event: SimEvent, position: int) -> None:
-        self.event = event
-        """What the stream waits for."""
+    def __init__(self, stream: SimStream, until: int, position: int) -> None:
+        self.stream = stream
+        """The stream waited for."""
+        self.until = until
+        """Its position waited for (the event's at the wait: a later record changes nothing)."""
         self.position = position
         """The wait's own position on its stream."""
 
@@ -266,14 +266,22 @@ class SimDevice(Device):
         """The step being clocked, if one is."""
         self.epoch = 0
         """Clocked steps begun: events of earlier ones count as at time 0."""
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Accelerator calls made, by (kind, what they serve): ``event_create``,
+        ``record``, ``wait``, ``query``, ``synchronize``, ``copy`` for ``offload``,
+        ``reload`` or ``user``; ``capture_query``; ``host_alloc`` and ``host_free``."""
 
     # -- streams and events (called by SimStream and SimEvent) --------------------------
 
     def current_stream(self) -> SimStream:
         return self.current
 
-    def new_stream(self) -> SimStream:
-        return self._stream("copy stream", copies=True)
+    def new_stream(self, role: str) -> SimStream:
+        return self._stream(f"{role} copy stream", copies=True)
+
+    def new_event(self, role: str) -> SimEvent:
+        self.calls["event_create", role] += 1
+        return SimEvent(self, role)
 
     def compute_stream(self) -> SimStream:
         """A stream for user code: operators issued under ``with stream:`` run on it."""
@@ -301,26 +309,32 @@ class SimDevice(Device):
         if tracking is not None:
             tracking.__exit__(None, None, None)
 
-    def record(self, stream: SimStream) -> SimEvent:
+    def record(self, stream: SimStream, event: SimEvent) -> SimEvent:
         if self.capturing:
             _illegal("an event record")
+        self.calls["record", event.role] += 1
         waited = dict(stream.waited)
         waited[stream] = stream.issued
-        time = stream.busy_until if self.clock is not None else 0.0
-        return SimEvent(self, stream, waited, time, self.epoch)
+        event.stream, event.position, event.waited = stream, stream.issued, waited
+        event.time = stream.busy_until if self.clock is not None else 0.0
+        event.epoch = self.epoch
+        return event
 
     def wait(self, stream: SimStream, event: SimEvent) -> None:
         if self.capturing:
             _illegal("a stream wait")
+        self.calls["wait", event.role] += 1
+        waited_for = event.stream
+        assert waited_for is not None, "a wait for an event never recorded"
         if stream.copies:
             stream.issued += 1
-            if stream.queue or event.stream.done < event.position:
-                stream.queue.append(_Wait(event, stream.issued))
+            if stream.queue or waited_for.done < event.position:
+                stream.queue.append(_Wait(waited_for, event.position, stream.issued))
             else:
                 stream.done = stream.issued
         else:
             # The host runs this stream: it goes on only once the device got there.
-            self._force(event)
+            self._force(waited_for, event.position)
         waited = stream.waited
         for other, position in event.waited.items():
             if other is not stream and waited.get(other, 0) < position:
@@ -331,7 +345,9 @@ class SimDevice(Device):
     def query(self, event: SimEvent) -> bool:
         if self.capturing:
             _illegal("an event query")
+        self.calls["query", event.role] += 1
         stream = event.stream
+        assert stream is not None, "a query of an event never recorded"
         if stream.done < event.position:
             return False
         if (
@@ -347,11 +363,13 @@ class SimDevice(Device):
     def synchronize(self, event: SimEvent) -> None:
         if self.capturing:
             _illegal("a synchronize")
-        self._force(event)
+        self.calls["synchronize", event.role] += 1
+        stream = event.stream
+        assert stream is not None, "a synchronize of an event never recorded"
+        self._force(stream, event.position)
         if self.clock is not None:
             # The host blocks until then, so compute issued after starts no earlier.
             self.clock.wait(self.current, event)
-        stream = event.stream
         stream.observed = max(stream.observed, event.position)
 
     # -- the device interface ---------------------------------------------------------
@@ -359,6 +377,7 @@ class SimDevice(Device):
     def to_host(self, stream: SimStream, src: torch.Tensor, host: torch.Tensor) -> None:
         if self.capturing:
             _illegal("a device-to-host copy")
+        self.calls["copy", "offload"] += 1
         stream.issued += 1
         hazard = self._offload_hazard(stream, src, host)
         self._queue(stream, src, host, hazard, to_host=True)
@@ -366,6 +385,7 @@ class SimDevice(Device):
     def to_device(self, stream: SimStream, host: torch.Tensor, dst: torch.Tensor) -> None:
         if self.capturing:
             _illegal("a host-to-device copy")
+        self.calls["copy", "reload"] += 1
         stream.issued += 1
         hazard = self._load_hazard(stream, host, dst)
         self._queue(stream, host, dst, hazard, to_host=False)
@@ -380,7 +400,16 @@ class SimDevice(Device):
         return dst
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
+        self.calls["host_alloc", "host"] += 1
         return self._own(torch.empty, nbytes, dtype=torch.uint8)
+
+    def host_free(self, host: torch.Tensor) -> None:
+        self.calls["host_free", "host"] += 1
+
+    def is_capturing(self) -> bool:
+        """The capture query (``cudaStreamIsCapturing``), counted."""
+        self.calls["capture_query", "boundary"] += 1
+        return self.capturing
 
     def drop(self, storage: torch.UntypedStorage, event: SimEvent) -> None:
         copy_stream = event.stream
@@ -508,7 +537,7 @@ class SimDevice(Device):
                 while queue:
                     item = queue[0]
                     if type(item) is _Wait:
-                        if item.event.stream.done < item.event.position:
+                        if item.stream.done < item.until:
                             break
                         queue.popleft()
                         stream.done = item.position
@@ -519,13 +548,12 @@ class SimDevice(Device):
                         self._execute(stream, item)
                     progressed = True
 
-    def _force(self, event: SimEvent) -> None:
-        """Complete ``event`` now: its stream's items up to it, and what they wait for."""
-        stream = event.stream
-        while stream.done < event.position:
+    def _force(self, stream: SimStream, position: int) -> None:
+        """Complete ``stream`` up to ``position`` now, and what its items wait for."""
+        while stream.done < position:
             item = stream.queue.popleft()
             if type(item) is _Wait:
-                self._force(item.event)
+                self._force(item.stream, item.until)
                 stream.done = item.position
             else:
                 self._execute(stream, item)

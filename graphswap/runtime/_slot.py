@@ -174,11 +174,9 @@ class _SlotHooks:
         nothing, at its outputs."""
         if self.events is not None:
             self.events.append(("backward_begin", group.name))
-        for engine in self._engines.values():
-            if engine.capturing():
-                self._refuse_reload_under_capture(group)
-                break
         self._boundary(self._seq)
+        if self._capturing:
+            self._refuse_reload_under_capture(group)
         target = group.prev
         for _ in range(self.prefetch_depth):
             if target is None:

@@ -23,10 +23,12 @@ the CPU test suite runs the engine a GPU runs (invariant I11).
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.runtime._device import Device, Event, HazardError, Stream, TorchDevice
 from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
@@ -55,7 +57,10 @@ class Copy(abc.ABC):
     def synchronize(self) -> None: ...
 
     @abc.abstractmethod
-    def release_source(self) -> None: ...
+    def release_source(self) -> StorageWeakRef | None:
+        """Drop the offload's reference to its device source. None when that frees it (or
+        there is none); else a weak reference to the source, which another reference
+        still keeps on device."""
 
     @abc.abstractmethod
     def result(self) -> torch.Tensor:
@@ -76,116 +81,273 @@ class CopyEngine(abc.ABC):
         without grad): the copy keeps its storage, never its autograd graph."""
 
     @abc.abstractmethod
-    def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
-        """Copy ``host`` into a new tensor of its dtype and shape on ``device`` after
-        ``after``."""
+    def loads(
+        self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
+    ) -> list[Copy]:
+        """Per ``(host, after)`` of ``items``, copy ``host`` into a new tensor of its dtype
+        and shape on ``device`` after ``after``: one batch, in the order given."""
 
     @abc.abstractmethod
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes`` bytes (uint8) for copies to and from ``device``."""
 
     @abc.abstractmethod
+    def free_host_buffer(self, device: torch.device, host: torch.Tensor) -> None:
+        """Drop ``host``, a buffer of ``host_buffer(device, ...)``."""
+
+    @abc.abstractmethod
     def tick(self) -> None:
-        """A module boundary on the host; a simulated device advances here."""
+        """A module boundary on the host: the offloads issued since the last one are
+        closed as one batch (a simulated device also advances here)."""
 
     @abc.abstractmethod
     def capturing(self) -> bool:
         """True while the current stream captures a graph: no copy, query or wait is legal."""
 
 
-class _EventCopy(Copy):
-    """A copy of this engine: the device it runs on and the event that ends it."""
+class _Mark:
+    """A pooled event recorded on a copy stream: the end of the copies before it.
 
-    __slots__ = ("_device", "_event")
+    Its event goes back to the pool when the last copy that refers to it dies; a wait
+    made before keeps the point it waited for, so the event can be recorded again."""
 
-    def __init__(self, device: Device, event: Event) -> None:
-        self._device = device
-        """The device interface the copy was issued through."""
-        self._event = event
-        """Recorded on the copy stream right after the copy: it completes with it."""
+    __slots__ = ("event", "free", "seq")
+
+    def __init__(self, event: Event, free: list[Event], seq: int) -> None:
+        self.event = event
+        """Recorded on the copy stream right after the copies it ends."""
+        self.free = free
+        """The pool the event returns to."""
+        self.seq = seq
+        """Marks recorded on its stream before it, plus one: a later mark ends more."""
+
+    def __del__(self) -> None:
+        self.free.append(self.event)
+
+
+class _Lane:
+    """One device as the engine drives it: its interface, the engine's two streams, their
+    event pools, and what the host knows of their order without asking the device.
+
+    What the host knows lets it skip a call: a stream that waited for a mark has waited
+    for every earlier one of that stream (each stream runs in order); a mark the host
+    saw completed ends every earlier one."""
+
+    __slots__ = (
+        "batch",
+        "d2h",
+        "d2h_after_h2d",
+        "d2h_done",
+        "d2h_marks",
+        "device",
+        "fenced",
+        "h2d",
+        "h2d_after_d2h",
+        "h2d_done",
+        "h2d_marks",
+        "loaded",
+        "offload_events",
+        "reload_events",
+    )
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        """The device's interface: torch's accelerator or the simulated device."""
+        self.d2h = device.new_stream("offload")
+        """Offloads, in issue order."""
+        self.h2d = device.new_stream("reload")
+        """Reloads, in issue order: both directions run at once."""
+        self.offload_events: list[Event] = []
+        """Idle events for the offload side: the producer waits and the batch marks."""
+        self.reload_events: list[Event] = []
+        """Idle events for the reload side: the allocation waits and the reload marks."""
+        self.batch: _Batch | None = None
+        """Offloads issued since the last module boundary, not yet marked."""
+        self.d2h_marks = 0
+        """Marks recorded on ``d2h`` so far."""
+        self.h2d_marks = 0
+        """Marks recorded on ``h2d`` so far."""
+        self.d2h_done = 0
+        """The newest ``d2h`` mark the host saw completed."""
+        self.h2d_done = 0
+        """The newest ``h2d`` mark the host saw completed."""
+        self.fenced: dict[Stream, int] = {}
+        """Per compute stream, the newest ``d2h`` mark it waited for (an offload fence)."""
+        self.loaded: dict[Stream, int] = {}
+        """Per compute stream, the newest ``h2d`` mark it waited for (a reload fence)."""
+        self.h2d_after_d2h = 0
+        """The newest ``d2h`` mark ``h2d`` is ordered after (directly or through compute)."""
+        self.d2h_after_h2d = 0
+        """The newest ``h2d`` mark ``d2h`` is ordered after (directly or through compute)."""
+
+    def event(self, free: list[Event], role: str) -> Event:
+        """An idle event of ``free``, made when none is (the first steps only)."""
+        return free.pop() if free else self.device.new_event(role)
+
+    def follow(self, waiter: Stream, stream: Stream, role: str) -> None:
+        """Order the work queued on ``waiter`` from now on after what ``stream`` queued."""
+        free = self.offload_events if role == "offload" else self.reload_events
+        event = self.event(free, role)
+        waiter.wait_event(self.device.record(stream, event))
+        free.append(event)
+
+    def seal(self) -> None:
+        """Mark the end of the open batch of offloads."""
+        batch = self.batch
+        if batch is not None:
+            event = self.device.record(self.d2h, self.event(self.offload_events, "offload"))
+            self.batch = None
+            self.d2h_marks += 1
+            batch.mark = _Mark(event, self.offload_events, self.d2h_marks)
+
+
+class _Batch:
+    """Offloads issued on one lane between two module boundaries: one mark ends them all,
+    so the lag fence, the completion query and the source release are a call per batch."""
+
+    __slots__ = ("lane", "mark")
+
+    def __init__(self, lane: _Lane) -> None:
+        self.lane = lane
+        """The device and streams the batch's offloads ran on."""
+        self.mark: _Mark | None = None
+        """Recorded when the batch is sealed (None: still open)."""
+
+    def sealed(self) -> _Mark:
+        if self.mark is None:
+            self.lane.seal()
+        assert self.mark is not None
+        return self.mark
 
     def done(self) -> bool:
-        return self._event.query()
+        mark = self.sealed()
+        lane = self.lane
+        if lane.d2h_done >= mark.seq:
+            return True
+        if not mark.event.query():
+            return False
+        lane.d2h_done = mark.seq
+        return True
 
     def synchronize(self) -> None:
-        self._event.synchronize()
+        mark = self.sealed()
+        lane = self.lane
+        if lane.d2h_done < mark.seq:
+            mark.event.synchronize()
+            lane.d2h_done = mark.seq
+
+    def fence(self, stream: Stream) -> None:
+        mark = self.sealed()
+        lane = self.lane
+        if lane.fenced.get(stream, 0) < mark.seq and lane.d2h_done < mark.seq:
+            stream.wait_event(mark.event)
+            lane.fenced[stream] = mark.seq
 
 
-class _Offload(_EventCopy):
-    __slots__ = ("_hold", "_producer")
+class _Offload(Copy):
+    """A copy to host: its batch, the stream that produced the source, and the source."""
 
-    def __init__(
-        self, device: Device, event: Event, producer: Stream, hold: torch.UntypedStorage
-    ) -> None:
-        super().__init__(device, event)
+    __slots__ = ("_batch", "_hold", "_producer")
+
+    def __init__(self, batch: _Batch, producer: Stream, hold: torch.UntypedStorage) -> None:
+        self._batch = batch
+        """The module boundary's batch: its mark ends this copy."""
         self._producer = producer
         """The stream current when the source was saved: the one that produced it, and
         the allocation stream whose pool its memory returns to."""
         self._hold: torch.UntypedStorage | None = hold
         """The source's device memory, held until ``release_source``."""
 
-    def fence(self) -> None:
-        self._producer.wait_event(self._event)
+    def done(self) -> bool:
+        return self._batch.done()
 
-    def release_source(self) -> None:
+    def synchronize(self) -> None:
+        self._batch.synchronize()
+
+    def fence(self) -> None:
+        self._batch.fence(self._producer)
+
+    def release_source(self) -> StorageWeakRef | None:
         hold = self._hold
-        if hold is not None:
-            self._device.drop(hold, self._event)
-            self._hold = None
+        if hold is None:
+            return None
+        self._hold = None
+        batch = self._batch
+        batch.lane.device.drop(hold, batch.sealed().event)
+        # This reference and another: the bytes stay on device whatever the swap does.
+        if torch._C._storage_Use_Count(hold._cdata) > 1:
+            return StorageWeakRef(hold)
+        return None
 
     def result(self) -> torch.Tensor:
         raise TypeError("result() of an offload: an offload fills a host buffer")
 
 
-class _Load(_EventCopy):
-    __slots__ = ("_out",)
+class _Load(Copy):
+    """A copy to device: its own mark (an unpack waits for its own copy only)."""
 
-    def __init__(self, device: Device, event: Event, out: torch.Tensor) -> None:
-        super().__init__(device, event)
+    __slots__ = ("_lane", "_mark", "_out")
+
+    def __init__(self, lane: _Lane, mark: _Mark, out: torch.Tensor) -> None:
+        self._lane = lane
+        """The device and streams the copy ran on."""
+        self._mark = mark
+        """Recorded on the reload stream right after the copy."""
         self._out = out
         """The destination, allocated on the stream current at issue."""
 
+    def done(self) -> bool:
+        lane, mark = self._lane, self._mark
+        if lane.h2d_done >= mark.seq:
+            return True
+        if not mark.event.query():
+            return False
+        lane.h2d_done = mark.seq
+        return True
+
+    def synchronize(self) -> None:
+        lane, mark = self._lane, self._mark
+        if lane.h2d_done < mark.seq:
+            mark.event.synchronize()
+            lane.h2d_done = mark.seq
+
     def fence(self) -> None:
-        self._device.current_stream().wait_event(self._event)
+        lane, mark = self._lane, self._mark
+        stream = lane.device.current_stream()
+        if lane.loaded.get(stream, 0) < mark.seq:
+            stream.wait_event(mark.event)
+            lane.loaded[stream] = mark.seq
 
     def release_source(self) -> None:
         """A load holds no source: its host buffer is the pool's, which orders its reuse."""
 
     def result(self) -> torch.Tensor:
-        return self._device.read(self._out, self._event)
-
-
-class _Lane:
-    """One device as the engine drives it: its interface and the engine's two streams."""
-
-    __slots__ = ("d2h", "device", "h2d")
-
-    def __init__(self, device: Device) -> None:
-        self.device = device
-        """The device's interface: torch's accelerator or the simulated device."""
-        self.d2h = device.new_stream()
-        """Offloads, in issue order."""
-        self.h2d = device.new_stream()
-        """Reloads, in issue order: both directions run at once."""
+        return self._lane.device.read(self._out, self._mark.event)
 
 
 class AcceleratorCopyEngine(CopyEngine):
-    """Side streams per device and direction, events, pinned host buffers.
+    """Side streams per device and direction, pooled events, pinned host buffers.
 
     Offload: the d2h stream waits for the stream that produced the source (the current
-    stream when it is saved) and for the host buffer's last users, copies, records an
-    event; the source stays referenced until the manager releases it after a fence
-    (which makes the producing stream wait) or a completed query. Load: the destination
-    is allocated on the current stream; the h2d stream waits for it (the block may still
-    be in use by queued kernels) and for the offload, copies, records an event that the
+    stream when it is saved) and for the host buffer's last reload, copies; the
+    offloads issued between two module boundaries share one mark, recorded at the
+    second. The source stays referenced until the manager releases it after a fence
+    (which makes the producing stream wait for the mark) or a completed query. Loads
+    come in batches: their destinations are allocated on the current stream, the h2d
+    stream waits for it once (the blocks may still be in use by queued kernels) and
+    for the offloads not yet ordered, then copies, each with its own mark that the
     reading stream waits on before reading.
+
+    Events are made once and recorded again; every wait the host knows to be implied
+    by an earlier one is skipped. Per swapped tensor that leaves, on each side, a copy,
+    an ordering wait and its record; the rest is per module boundary.
     """
 
     pin = True
 
     def __init__(self) -> None:
         self._lanes: dict[torch.device, _Lane] = {}
-        """Per device met, its interface and copy streams."""
+        """Per device met, its interface, copy streams and event pools."""
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return AcceleratorCopyEngine, ()
@@ -205,30 +367,52 @@ class AcceleratorCopyEngine(CopyEngine):
         device = lane.device
         producer = device.current_stream()
         d2h = lane.d2h
-        d2h.wait_stream(producer)
+        lane.follow(d2h, producer, "offload")
+        lane.d2h_after_h2d = max(lane.d2h_after_h2d, lane.loaded.get(producer, 0))
         for copy in after:
-            if isinstance(copy, _EventCopy):
-                d2h.wait_event(copy._event)
+            # An earlier offload ran on d2h itself, in order; a reload needs a wait.
+            if type(copy) is _Load and copy._mark.seq > lane.d2h_after_h2d:
+                d2h.wait_event(copy._mark.event)
+                lane.d2h_after_h2d = copy._mark.seq
         device.to_host(d2h, src, host)
-        return _Offload(device, d2h.record_event(), producer, src.untyped_storage())
+        batch = lane.batch
+        if batch is None:
+            batch = lane.batch = _Batch(lane)
+        return _Offload(batch, producer, src.untyped_storage())
 
-    def load(self, host: torch.Tensor, device: torch.device, after: Sequence[Copy]) -> Copy:
+    def loads(
+        self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
+    ) -> list[Copy]:
         lane = self._lanes.get(device) or self._lane(device)
         interface = lane.device
-        dst = interface.empty(host.shape, host.dtype)
+        dsts = [interface.empty(host.shape, host.dtype) for host, _ in items]
         h2d = lane.h2d
-        h2d.wait_stream(interface.current_stream())
-        for copy in after:
-            if isinstance(copy, _EventCopy):
-                h2d.wait_event(copy._event)
-        interface.to_device(h2d, host, dst)
-        return _Load(interface, h2d.record_event(), dst)
+        current = interface.current_stream()
+        lane.follow(h2d, current, "reload")
+        lane.h2d_after_d2h = max(lane.h2d_after_d2h, lane.fenced.get(current, 0))
+        copies: list[Copy] = []
+        for (host, after), dst in zip(items, dsts, strict=True):
+            for copy in after:
+                if type(copy) is _Offload:
+                    mark = copy._batch.sealed()
+                    if mark.seq > lane.h2d_after_d2h:
+                        h2d.wait_event(mark.event)
+                        lane.h2d_after_d2h = mark.seq
+            interface.to_device(h2d, host, dst)
+            lane.h2d_marks += 1
+            event = interface.record(h2d, lane.event(lane.reload_events, "reload"))
+            copies.append(_Load(lane, _Mark(event, lane.reload_events, lane.h2d_marks), dst))
+        return copies
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
         return self._lane(device).device.host_empty(nbytes)
 
+    def free_host_buffer(self, device: torch.device, host: torch.Tensor) -> None:
+        self._lane(device).device.host_free(host)
+
     def tick(self) -> None:
-        """Copies progress on their own streams; nothing to drive from the host."""
+        for lane in self._lanes.values():
+            lane.seal()
 
     def capturing(self) -> bool:
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
@@ -280,10 +464,17 @@ class SimulatedAccelerator(AcceleratorCopyEngine):
         return self._sim
 
     def tick(self) -> None:
+        super().tick()
         self._sim.tick()
 
     def capturing(self) -> bool:
-        return self._sim.capturing
+        return self._sim.is_capturing()
+
+    @property
+    def calls(self) -> collections.Counter[tuple[str, str]]:
+        """Accelerator calls made so far, by (kind, what they serve): what a GPU would be
+        asked, counted (``SimDevice.calls`` lists the kinds)."""
+        return self._sim.calls
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:

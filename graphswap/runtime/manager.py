@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from graphswap.runtime._slot import (
     _SlotHooks,
 )
 from graphswap.runtime.engines import Copy, CopyEngine
-from graphswap.runtime.pool import HostPool
+from graphswap.runtime.pool import HostPool, check_host_bytes, host_budget
 from graphswap.runtime.stats import GroupStats, SwapStats
 
 # Public names, and the private classes that lived here before the split (tests import
@@ -66,9 +65,16 @@ for _public in (GroupInfo, SwapExclusionError, SwapIntegrityError):
 TRACE_LIMIT = 100_000
 
 
-def _default_max_host_bytes() -> int:
-    """Half of physical memory: enough for any layer stack that fits on a GPU."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+def _push_hooks(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], Any]) -> None:
+    """What ``torch.autograd.graph.saved_tensors_hooks`` does on entry, without its context
+    manager object and checks, which cost more than the whole swap of a small layer.
+    Looked up at each call: ``graphswap.measure`` marks pack hooks as they are pushed."""
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _pop_hooks() -> None:
+    """What ``saved_tensors_hooks`` does on exit."""
+    torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
@@ -91,7 +97,8 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
     ``prefetch_depth``: how many earlier layers start coming back when a layer's
     backward begins. ``keep_last``: the end of a linked chain keeps its tensors on
     device, since its backward starts right after forward. ``max_host_bytes``: cap of
-    the host pool (default: half of physical memory); past it tensors stay on device
+    the host pool (default: this rank's share of the memory its container or node
+    allows, ``graphswap.runtime.pool.host_budget``); past it tensors stay on device
     and ``pool_exhausted`` counts them. ``offload_lag``: a layer's swapped storages
     leave device memory no later than when the forward of the wrapped module
     ``offload_lag`` forwards later begins (0: at the end of its own forward); the
@@ -127,9 +134,11 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         _check_bool("trace", trace)
         # Pinned host buffers the offloads copy into, capped at ``max_host_bytes``.
         self._pool = HostPool(
-            _default_max_host_bytes()
+            host_budget()
             if max_host_bytes is None
-            else _check_int("max_host_bytes", max_host_bytes, 0, " (or None: half of RAM)")
+            else check_host_bytes(
+                _check_int("max_host_bytes", max_host_bytes, 0, " (or None: a share of the node)")
+            )
         )
         self._engine_override = engine  # the ``engine`` option; None: each device's own
         self._engines: dict[str, CopyEngine] = {}  # the copy engine per device type met
@@ -140,9 +149,19 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}  # links: earlier -> later
         # The group each module opened last: the ``prev`` of its next module's next group.
         self._latest: dict[torch.nn.Module, weakref.ref[_Group]] = {}
-        self._in_flight: dict[torch.device, collections.deque[tuple[int, Copy]]] = {}
-        """Offloads whose source is still held, per device in issue order, with the
-        ``seq`` of the forward that issued them."""
+        self._in_flight: dict[
+            torch.device, collections.deque[tuple[int, Copy, weakref.ref[_Entry]]]
+        ] = {}
+        """Offloads whose source may still be held, per device in issue order, with the
+        ``seq`` of the forward that issued them and their entry (dead once its graph died,
+        which released the source)."""
+        self._capturing = False
+        """What the capture query of the last module boundary answered: every call
+        until the next boundary goes by it (one query per boundary, not per tensor)."""
+        self._held: weakref.WeakSet[_Entry] = weakref.WeakSet()
+        """Entries whose source another reference kept on device when it was dropped,
+        until ``_settle_held`` counts them."""
+        self._warned_not_freed = False  # the copied-but-not-freed warning was given
         self._seq = 0  # forwards run so far under the hooks: the last group's ``seq``
         self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
         self._lock = threading.RLock()  # guards stats, in-flight queues and entries
@@ -271,11 +290,16 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
     def stats(self) -> SwapStats:
         with self._lock:
             snapshot = SwapStats(
+                host_budget_bytes=self._pool.max_bytes,
                 peak_host_bytes=self._pool.peak_in_use_bytes,
                 host_reserved_bytes=self._pool.reserved_bytes,
                 host_in_use_bytes=self._pool.in_use_bytes,
                 per_group={k: dataclasses.replace(v) for k, v in self._stats.items()},
             )
+            for entry in list(self._held):
+                held = entry.held
+                if held is not None and not held.expired():
+                    snapshot.per_group[entry.name].offloaded_not_freed_bytes += entry.nbytes
         for group_stats in snapshot.per_group.values():
             snapshot.add(group_stats)
         return snapshot
@@ -296,12 +320,14 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
     def synchronize(self) -> None:
         """Block until every offload in flight completed, and free their sources."""
         with self._lock:
-            copies = [copy for queue in self._in_flight.values() for _, copy in queue]
+            items = [item for queue in self._in_flight.values() for item in queue]
             for queue in self._in_flight.values():
                 queue.clear()
-        for copy in copies:
-            copy.synchronize()
-            copy.release_source()
+            for _, copy, ref in items:
+                copy.synchronize()
+                entry = ref()
+                if entry is not None:
+                    self._release_source(entry)
 
     def run_forward(
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -317,6 +343,9 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
             _refuse(slot.name, "activation_checkpointing", checkpointed)
         self._seq += 1
         seq = self._seq
+        if self._pool.in_use_bytes == 0:
+            # Nothing swapped is alive: a step boundary, outside every hook.
+            self._pool.trim()
         self._boundary(seq)
         prev = self._prev.get(module)
         prev_ref = self._latest.get(prev) if prev is not None else None
@@ -328,14 +357,11 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
             prev=prev_ref() if prev_ref is not None else None,
         )
         self._latest[module] = weakref.ref(group)
-        # What saved_tensors_hooks does, without three Python calls per forward.
-        torch._C._autograd._push_saved_tensors_default_hooks(
-            functools.partial(self._pack, group), self._unpack
-        )
+        _push_hooks(functools.partial(self._pack, group), self._unpack)
         try:
             out = forward(*args, **kwargs)
         finally:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            _pop_hooks()
         self._boundary(seq)
         if group.saves == 0:
             # Nothing saved, so no unpack will tell when this group's backward begins.

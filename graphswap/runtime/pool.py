@@ -6,21 +6,114 @@ host allocator really holds them: pinned memory is rounded up to a power of two 
 the caching host allocator, so pinned classes are powers of two. Each buffer carries
 the copies that last used it; the next offload into it waits for them on the copy
 stream, so a buffer is never rewritten while a reload of another step still reads it.
-Idle buffers are trimmed, least recently used first, so reserved bytes stay within
-twice the most ever in use.
+
+Nothing here frees or empties anything inside a saved-tensor hook once the pool is
+warm: the first step of a shape allocates its buffers, later steps reuse them. Idle
+buffers are trimmed at a step boundary (``trim``, called by the manager when nothing
+swapped is alive), least recently used first, so reserved bytes come back within twice
+the most ever in use; a dropped pinned buffer returns to torch's caching host
+allocator, whose cache graphswap never empties (a DataLoader's ``pin_memory`` and
+FSDP2's CPU offload keep their blocks there too).
+
+The default cap is a share of the node: pinned memory cannot be paged out, so a cap
+over what the container or node holds ends in an out-of-memory kill, not in the
+counted ``pool_exhausted``.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import os
 import threading
+import warnings
+from pathlib import Path
 
 import torch
 
 from graphswap.runtime.engines import Copy, CopyEngine
 
 _MIN_CLASS = 4096
+
+HOST_SHARE = 0.5
+"""The share of the memory available to this process's container or node that the
+default host budget takes, divided among the ranks on the node: the other half is
+left to the processes themselves, their data loaders and the page cache."""
+
+REUSE_SLACK = 4
+"""A buffer up to this many times larger than asked for is lent rather than a new one
+allocated (its slack counts as in use while lent)."""
+
+_UNLIMITED = 1 << 60
+"""cgroup v1 writes "no limit" as a number near 2**63."""
+
+
+def _cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The tightest memory limit of this process's cgroup and its parents (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``); None when none is set or readable."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        here = Path(path)
+        for folder in (here, *here.parents):
+            try:
+                text = (base / folder.relative_to("/") / name).read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if text.isdigit() and int(text) < _UNLIMITED:
+                limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def node_memory() -> int:
+    """Bytes of memory this process may use: physical memory, or its container's
+    (cgroup) limit when that is lower."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_limit()
+    return physical if limit is None else min(physical, limit)
+
+
+def local_ranks() -> int:
+    """Ranks on this node: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={value!r} is not a positive int (torchrun sets it to the ranks"
+            " on this node); fix the environment or pass max_host_bytes explicitly"
+        )
+    return int(value)
+
+
+def host_budget() -> int:
+    """The default ``max_host_bytes``: ``HOST_SHARE`` of :func:`node_memory`, divided by
+    :func:`local_ranks`, so that the ranks of a node together stay within it."""
+    return int(node_memory() * HOST_SHARE) // local_ranks()
+
+
+def check_host_bytes(max_bytes: int) -> int:
+    """Accept ``max_bytes``; warn when the node could not hold it."""
+    available = node_memory()
+    if max_bytes > available:
+        warnings.warn(
+            f"max_host_bytes={max_bytes} ({max_bytes / 2**30:.1f} GiB) is more than this"
+            f" process's container or node holds ({available / 2**30:.1f} GiB); pinned"
+            " memory cannot be paged out, so running out ends in an out-of-memory kill"
+            " rather than in tensors kept on device; leave max_host_bytes unset for this"
+            " rank's share of the node",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return max_bytes
 
 
 def size_class(nbytes: int, *, pinned: bool) -> int:
@@ -45,13 +138,16 @@ class HostBuffer:
     """One pooled buffer, the copies that used it last, and its view last asked for:
     the same tensor shapes come back every step, so the view is made once."""
 
-    __slots__ = ("_dtype", "_shape", "_view", "key", "last_use", "nbytes", "tensor")
+    __slots__ = ("_dtype", "_shape", "_view", "engine", "key", "last_use", "nbytes", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple[torch.device, bool, int]) -> None:
-        self.tensor = tensor
-        self.key = key
-        self.nbytes = key[2]
-        self.last_use: tuple[Copy, ...] = ()
+    def __init__(
+        self, tensor: torch.Tensor, key: tuple[torch.device, bool, int], engine: CopyEngine
+    ) -> None:
+        self.tensor = tensor  # the host memory, ``nbytes`` of uint8
+        self.key = key  # (device, pinned, size class): its idle list in the pool
+        self.nbytes = key[2]  # its size class
+        self.engine = engine  # the engine that allocated it, told when it is dropped
+        self.last_use: tuple[Copy, ...] = ()  # copies the next offload into it waits for
         self._view = tensor
         self._dtype = tensor.dtype
         self._shape = tensor.shape
@@ -62,15 +158,6 @@ class HostBuffer:
             self._view = self.tensor[:nbytes].view(dtype).view(shape)
             self._dtype, self._shape = dtype, shape
         return self._view
-
-
-def _empty_host_cache() -> None:
-    """Return dropped pinned blocks to the OS; the caching host allocator keeps them."""
-    empty = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(
-        torch._C, "_host_emptyCache", None
-    )
-    if empty is not None:
-        empty()
 
 
 class HostPool:
@@ -98,14 +185,16 @@ class HostPool:
     def acquire(
         self, device: torch.device, nbytes: int, engine: CopyEngine
     ) -> HostBuffer | Refusal:
-        """A buffer for copies of ``nbytes`` between ``device`` and the host; a new one is
-        allocated by ``engine`` (pinned if it pins), whose device may keep it apart from
-        the memory it accounts for."""
+        """A buffer for copies of ``nbytes`` between ``device`` and the host: an idle one
+        of its size class, else of the smallest idle class up to ``REUSE_SLACK`` times
+        larger (after a step at the longest sequence, shorter ones allocate nothing),
+        else a new one allocated by ``engine`` (pinned if it pins), whose device may keep
+        it apart from the memory it accounts for."""
         pin = engine.pin
         key = (device, pin, size_class(nbytes, pinned=pin))
         size = key[2]
         with self._lock:
-            idle = self._idle.get(key)
+            idle = self._idle.get(key) or self._larger_idle(key)
             if idle:
                 buf = idle.pop()
                 del self._lru[buf]
@@ -116,14 +205,12 @@ class HostPool:
                     tensor = engine.host_buffer(device, size)
                 except RuntimeError:
                     return Refusal.ALLOC_FAILED
-                buf = HostBuffer(tensor, key)
+                buf = HostBuffer(tensor, key, engine)
                 self.reserved_bytes += size
-            in_use = self.in_use_bytes = self.in_use_bytes + size
+            in_use = self.in_use_bytes = self.in_use_bytes + buf.nbytes
             if in_use > self.peak_in_use_bytes:  # the high water is never below the peak
                 self.peak_in_use_bytes = in_use
                 self._high_water = max(self._high_water, in_use)
-            if self.reserved_bytes > 2 * self._high_water:
-                self._trim(2 * self._high_water)
             return buf
 
     def release(self, buf: HostBuffer, last_use: tuple[Copy, ...]) -> None:
@@ -134,20 +221,34 @@ class HostPool:
             self._idle[buf.key].append(buf)
             self._lru[buf] = None
 
+    def _larger_idle(self, key: tuple[torch.device, bool, int]) -> list[HostBuffer] | None:
+        """The idle buffers of the smallest larger class within ``REUSE_SLACK``."""
+        device, pin, size = key
+        best = None
+        for (d, p, other), idle in self._idle.items():
+            fits = idle and d == device and p == pin and size < other <= size * REUSE_SLACK
+            if fits and (best is None or other < best[0]):
+                best = (other, idle)
+        return None if best is None else best[1]
+
     def _make_room(self, nbytes: int) -> bool:
         if nbytes > self.max_bytes - self.in_use_bytes:
             return False
         self._trim(self.max_bytes - nbytes)
         return True
 
+    def trim(self) -> None:
+        """At a step boundary: drop idle buffers until reserved bytes are within twice
+        the most ever in use (a step of another shape left buffers no step uses)."""
+        if self.reserved_bytes > 2 * self._high_water:
+            with self._lock:
+                self._trim(2 * self._high_water)
+
     def _trim(self, limit: int) -> None:
         """Drop idle buffers, least recently used first, until reserved <= ``limit``."""
-        dropped_pinned = False
         while self.reserved_bytes > limit and self._lru:
             buf = next(iter(self._lru))
             del self._lru[buf]
             self._idle[buf.key].remove(buf)
             self.reserved_bytes -= buf.nbytes
-            dropped_pinned |= buf.key[1]
-        if dropped_pinned:
-            _empty_host_cache()
+            buf.engine.free_host_buffer(buf.key[0], buf.tensor)

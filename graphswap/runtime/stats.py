@@ -18,10 +18,15 @@ class GroupStats:
     in-place change, whose copy may hold either version (``kept_changed``).
     ``plan_mismatches`` counts saves that a planned policy (``activation_swap: auto``)
     chose to swap but that came with another shape or dtype than planned: they stay on
-    device, and the rewrite report's ``check()`` raises."""
+    device, and the rewrite report's ``check()`` raises. ``offloaded_not_freed_bytes``
+    counts offloaded bytes that another reference kept on device from their release
+    until their reload was issued (or their graph died): copied, and freed nothing
+    (a returned key/value cache, autocast's weight cache, a tensor the caller keeps);
+    a snapshot also counts those still held at that moment."""
 
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
+    offloaded_not_freed_bytes: int = 0
     reloaded_tensors: int = 0
     reloaded_bytes: int = 0
     kept_tensors: int = 0
@@ -46,8 +51,10 @@ class SwapStats(GroupStats):
 
     ``host_reserved_bytes`` counts buffers as the host allocator holds them (size
     classes; powers of two when pinned); ``host_in_use_bytes`` the part lent to saved
-    tensors now; ``peak_host_bytes`` the most in use since the last ``reset_stats``."""
+    tensors now; ``peak_host_bytes`` the most in use since the last ``reset_stats``;
+    ``host_budget_bytes`` the cap on reserved bytes (``max_host_bytes``)."""
 
+    host_budget_bytes: int = 0
     peak_host_bytes: int = 0
     host_reserved_bytes: int = 0
     host_in_use_bytes: int = 0

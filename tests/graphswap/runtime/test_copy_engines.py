@@ -5,9 +5,16 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.runtime import HazardError, SimulatedAccelerator
+from graphswap.runtime.engines import Copy
 from graphswap.runtime.pool import HostPool, Refusal, size_class
 
 CPU = torch.device("cpu")
+
+
+def load_one(engine: SimulatedAccelerator, host: torch.Tensor, after: tuple) -> Copy:
+    """A batch of one reload."""
+    (load,) = engine.loads(CPU, [(host, after)])
+    return load
 UNPINNED = SimulatedAccelerator()
 """An engine whose host buffers are pageable."""
 
@@ -19,7 +26,7 @@ def test_copies_complete_lag_ticks_after_issue_in_order() -> None:
     host = torch.zeros(4096, dtype=torch.uint8)
     offload = engine.offload(src, host, ())
     engine.tick()
-    load = engine.load(host, CPU, (offload,))
+    load = load_one(engine, host, (offload,))
     assert not offload.done() and torch.count_nonzero(host) == 0
     engine.tick()
     assert offload.done()
@@ -34,7 +41,7 @@ def test_a_fence_completes_the_copy_and_everything_it_waits_for() -> None:
     engine = SimulatedAccelerator(lag=5)
     src = torch.full((64,), 7, dtype=torch.uint8)
     host = torch.zeros(64, dtype=torch.uint8)
-    load = engine.load(host, CPU, (engine.offload(src, host, ()),))
+    load = load_one(engine, host, (engine.offload(src, host, ()),))
     load.fence()
     assert torch.equal(load.result(), src)
     assert engine.pending() == 0
@@ -57,7 +64,7 @@ def test_source_released_before_its_copy_completed_is_a_hazard() -> None:
 def test_reading_a_reload_without_a_fence_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=0)
     host = torch.zeros(16, dtype=torch.uint8)
-    load = engine.load(host, CPU, (engine.offload(torch.ones(16, dtype=torch.uint8), host, ()),))
+    load = load_one(engine, host, (engine.offload(torch.ones(16, dtype=torch.uint8), host, ()),))
     assert load.done()
     with pytest.raises(HazardError, match="before compute waited"):
         load.result()
@@ -67,13 +74,13 @@ def test_rewriting_a_host_buffer_a_reload_still_reads_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=1)
     host = torch.zeros(16, dtype=torch.uint8)
     first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = engine.load(host, CPU, (first,))
+    load = load_one(engine, host, (first,))
     engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, ())
     with pytest.raises(HazardError, match="rewritten while a reload still reads it"):
         engine.tick()
     engine = SimulatedAccelerator(lag=1)
     first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = engine.load(host, CPU, (first,))
+    load = load_one(engine, host, (first,))
     engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, (load,))
     engine.tick()
     load.fence()
@@ -84,7 +91,7 @@ def test_reading_a_host_buffer_before_its_offload_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=3)
     host = torch.zeros(16, dtype=torch.uint8)
     engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = engine.load(host, CPU, ())
+    load = load_one(engine, host, ())
     with pytest.raises(HazardError, match="before its offload filled it"):
         load.fence()
 
@@ -144,13 +151,18 @@ def test_pool_keeps_buffers_per_device() -> None:
     assert b is not a
 
 
-def test_pool_trims_idle_buffers_to_twice_the_peak_in_use() -> None:
+def test_pool_trims_idle_buffers_to_twice_the_peak_in_use_at_a_step_boundary() -> None:
+    engine = SimulatedAccelerator()
     pool = HostPool(max_bytes=1 << 40)
     for n in range(1, 200):
-        buf = pool.acquire(CPU, n * 50_000, UNPINNED)
+        freed = engine.calls["host_free", "host"]
+        buf = pool.acquire(CPU, n * 50_000, engine)
         assert not isinstance(buf, Refusal)
         pool.release(buf, ())
+        assert engine.calls["host_free", "host"] == freed, "nothing is dropped inside a step"
+        pool.trim()
         assert pool.reserved_bytes <= 2 * pool.peak_in_use_bytes
+    assert engine.calls["host_free", "host"] > 0
 
 
 def test_failed_allocation_is_a_refusal(monkeypatch) -> None:

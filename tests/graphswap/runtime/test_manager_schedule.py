@@ -145,7 +145,8 @@ def test_fencing_the_current_stream_instead_of_the_producer_is_caught(monkeypatc
     allocated the source does not, so the allocator may reuse it under the copy."""
 
     def fence_current_stream(self: _Offload) -> None:
-        self._device.current_stream().wait_event(self._event)
+        lane = self._batch.lane
+        lane.device.current_stream().wait_event(self._batch.sealed().event)
 
     monkeypatch.setattr(_Offload, "fence", fence_current_stream)
     with pytest.raises(HazardError, match=r"stream \d+ \(the stream that allocated it\)"):
@@ -172,13 +173,13 @@ def test_reloads_are_issued_first_needed_first() -> None:
         swap_wrapper(block, manager=manager, name=name, policy=size_threshold_policy(0))
     manager.set_forward_prefetch_layer(first, last)
     loads: list[int] = []
-    load = engine.load
+    issue = engine.loads
 
-    def recording_load(host: torch.Tensor, device: torch.device, after: tuple) -> object:
-        loads.append(host.nbytes)
-        return load(host, device, after)
+    def recording_loads(device: torch.device, items: list) -> object:
+        loads.extend(host.nbytes for host, _ in items)
+        return issue(device, items)
 
-    engine.load = recording_load  # type: ignore[method-assign]
+    engine.loads = recording_loads  # type: ignore[method-assign]
     x = torch.randn(64, 32, requires_grad=True)
     last(first(x) @ torch.ones(8, 32)).sum().backward()
     narrow, wide = 64 * 8 * 4, 64 * 32 * 4

@@ -13,8 +13,15 @@ import torch
 
 from graphswap.runtime import HazardError, SimulatedAccelerator
 from graphswap.runtime._simdevice import SimDevice
+from graphswap.runtime.engines import Copy
 
 CPU = torch.device("cpu")
+
+
+def load_one(engine: SimulatedAccelerator, host: torch.Tensor, after: tuple) -> Copy:
+    """A batch of one reload."""
+    (load,) = engine.loads(CPU, [(host, after)])
+    return load
 
 
 def produced_on(device: SimDevice) -> tuple[torch.Tensor, object]:
@@ -31,7 +38,7 @@ def test_a_source_fenced_on_another_stream_than_its_allocation_stream_is_a_hazar
     next kernel at once: only a wait by that very stream makes dropping the source legal."""
     device = SimDevice(lag=1, profile=None)
     src, side = produced_on(device)
-    copies = device.new_stream()
+    copies = device.new_stream("offload")
     host = torch.empty_like(src)
     copies.wait_stream(side)
     device.to_host(copies, src, host)
@@ -47,7 +54,7 @@ def test_a_source_fenced_on_another_stream_than_its_allocation_stream_is_a_hazar
 def test_a_source_dropped_before_its_copy_completed_is_a_hazard_until_the_host_saw_it() -> None:
     device = SimDevice(lag=1, profile=None)
     src = torch.ones(4096)
-    copies = device.new_stream()
+    copies = device.new_stream("offload")
     copies.wait_stream(device.default)
     device.to_host(copies, src, torch.empty_like(src))
     copied = copies.record_event()
@@ -63,9 +70,9 @@ def test_a_copy_of_a_tensor_its_stream_has_not_waited_for_is_a_hazard() -> None:
     """Waiting for the default stream does not order a copy after a side stream's kernel."""
     device = SimDevice(lag=0, profile=None)
     src, side = produced_on(device)
-    copies = device.new_stream()
+    copies = device.new_stream("offload")
     copies.wait_stream(device.default)
-    with pytest.raises(HazardError, match=r"stream \d+ wrote before copy stream \d+ waited"):
+    with pytest.raises(HazardError, match=r"stream \d+ wrote before offload copy stream \d+ waited"):
         device.to_host(copies, src, torch.empty_like(src))
     copies.wait_stream(side)
     host = torch.empty_like(src)
@@ -77,7 +84,7 @@ def test_a_reload_read_on_a_stream_that_did_not_wait_for_it_is_a_hazard() -> Non
     device = SimDevice(lag=0, profile=None)
     side = device.compute_stream()
     host = torch.full((64,), 3.0)
-    copies = device.new_stream()
+    copies = device.new_stream("offload")
     dst = device.empty(host.shape, host.dtype)
     copies.wait_stream(device.default)
     device.to_device(copies, host, dst)
@@ -94,7 +101,7 @@ def test_waits_are_transitive_as_on_a_device() -> None:
     device = SimDevice(lag=0, profile=None)
     src, side = produced_on(device)
     device.default.wait_stream(side)
-    copies = device.new_stream()
+    copies = device.new_stream("offload")
     copies.wait_stream(device.default)
     host = torch.empty_like(src)
     device.to_host(copies, src, host)
@@ -126,7 +133,7 @@ def test_a_swapped_tensor_produced_on_a_side_stream_is_fenced_on_that_stream() -
     assert not offload.done()
     offload.fence()
     offload.release_source()
-    load = engine.load(host, CPU, (offload,))
+    load = load_one(engine, host, (offload,))
     load.fence()
     assert torch.equal(load.result(), src)
 
