@@ -14,6 +14,7 @@ import contextlib
 import difflib
 import fnmatch
 import itertools
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import networkx as nx
 import torch.fx
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from graphswap.errors import (
     AlreadyTransformedError,
@@ -32,6 +34,7 @@ from graphswap.errors import (
     UnknownRuleError,
 )
 from graphswap.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
+from graphswap.hf import decoder_layers
 from graphswap.rules import Rule, RuleContext, available_rules, get_rule, qualified_name
 from graphswap.runtime import SwapManager
 from graphswap.transforms import Transform, find_transforms
@@ -115,6 +118,46 @@ def _dead() -> None:
     """A model reference that is gone."""
 
 
+class _NoCacheInTraining:
+    """A forward pre-hook on a Hugging Face decoder stack: in train mode it runs with
+    ``use_cache=False``, as Hugging Face's gradient checkpointing does.
+
+    The key/value cache a decoder returns with ``use_cache=True`` holds every layer's
+    keys and values; where attention saves those very tensors, their copies to host
+    would free nothing. An explicit ``use_cache=True`` is overridden with a warning
+    (once); in eval mode nothing changes, so generation keeps its cache."""
+
+    warned = False
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not module.training or kwargs.get("use_cache") is False:
+            return None
+        if kwargs.get("use_cache") and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"graphswap: use_cache=True is overridden in train mode on a swap-rewritten"
+                f" {type(module).__name__}: the returned cache would keep on device every"
+                " key and value the swap copies to host; call model.eval() to generate",
+                stacklevel=2,
+            )
+        return args, {**kwargs, "use_cache": False}
+
+
+def _cache_off_in_training(model: nn.Module) -> RemovableHandle | None:
+    """Install :class:`_NoCacheInTraining` on the decoder stack of a Hugging Face model
+    whose config has ``use_cache`` (the module that holds the layer list)."""
+    if not hasattr(getattr(model, "config", None), "use_cache"):
+        return None
+    try:
+        layers_fqn, _ = decoder_layers(model)
+    except HierarchyError:
+        return None
+    owner = model.get_submodule(layers_fqn.rpartition(".")[0])
+    return owner.register_forward_pre_hook(_NoCacheInTraining(), with_kwargs=True)
+
+
 @dataclass(eq=False)
 class RewriteReport:
     """What ``rewrite`` changed: per rule the modules and links, the prefetch graph,
@@ -126,6 +169,8 @@ class RewriteReport:
     dry_run: bool
     _applied: tuple[_Applied, ...] = field(repr=False)
     _model: weakref.ref[nn.Module] = field(repr=False)
+    _cache_hook: RemovableHandle | None = field(default=None, repr=False)
+    """The hook that turns ``use_cache`` off in train mode (``_NoCacheInTraining``)."""
     _undone: bool = field(default=False, init=False, repr=False)
 
     def __str__(self) -> str:
@@ -186,6 +231,8 @@ class RewriteReport:
         if model is None:
             raise RewriteError("the rewritten model no longer exists; nothing to undo")
         _restore_all(model, self._applied)
+        if self._cache_hook is not None:
+            self._cache_hook.remove()
         if getattr(model, _STATE_ATTR, None) is self:
             delattr(model, _STATE_ATTR)
         _recompile(model)
@@ -208,6 +255,8 @@ def rewrite(
     holds no modules. ``manager``: the ``SwapManager`` to register with, a
     fresh one by default; it must be empty (one manager per model).
     A ``torch.fx.GraphModule`` is rewritten through its submodules and recompiled.
+    On a Hugging Face model, the decoder stack then runs with ``use_cache=False`` in
+    train mode (``_NoCacheInTraining``; ``undo`` removes it).
     """
     resolved = _resolve_rules(rules)
     _refuse_transformed(model, resolved)
@@ -249,6 +298,7 @@ def rewrite(
     if dry_run:
         _restore_all(model, applied)
     else:
+        report._cache_hook = _cache_off_in_training(model)
         setattr(model, _STATE_ATTR, report)
         _recompile(model)
     return report
