@@ -372,6 +372,10 @@ def format_summary(results: list[TrainResult]) -> str:
         ("swap offloaded / step", [_per_step(r, "offloaded_bytes") for r in results]),
         ("swap reloaded / step", [_per_step(r, "reloaded_bytes") for r in results]),
         ("swap kept on device / step", [_per_step(r, "kept_bytes") for r in results]),
+        (
+            "swap copied, not freed / step",
+            [_per_step(r, "offloaded_not_freed_bytes") for r in results],
+        ),
         *(
             [("auto plan / step", [_planned(r) for r in results])]
             if any(r.auto_swap is not None for r in results)
@@ -384,7 +388,15 @@ def format_summary(results: list[TrainResult]) -> str:
                 for r in results
             ],
         ),
-        ("host pool peak", [_mib(r.swap.get("peak_host_bytes", 0)) for r in results]),
+        (
+            "host pool peak / budget",
+            [
+                f"{_mib(r.swap.get('peak_host_bytes', 0))} / {_mib(r.swap['host_budget_bytes'])}"
+                if r.swap
+                else "-"
+                for r in results
+            ],
+        ),
         *(_clock_rows(base, results) if all(r.clock is not None for r in results) else []),
         ("passes", [" -> ".join(r.applied_passes) or "-" for r in results]),
     ]

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from bench_report import targets, to_markdown
 from swap_modes import ATTENTION, AUTO, LAYER, MODES, NONE, Mode
-from swap_overhead import OverheadConfig, measure_overhead, target_line
+from swap_overhead import OverheadConfig, calls_line, measure_overhead, target_line
 
 from graphswap.measure import ResidentActivationTracker, output_tensors
 
@@ -655,7 +655,9 @@ def _main_overhead(args: argparse.Namespace, device: torch.device, stem: Path, d
     def save(result: dict[str, Any]) -> None:
         write_whole(path, json.dumps(head | result, indent=2) + "\n")
 
-    print(target_line(measure_overhead(config, device, on_round=save)))
+    result = measure_overhead(config, device, on_round=save)
+    print(target_line(result))
+    print(calls_line(result))
     print(f"wrote {stem}.json")
     return 0
 

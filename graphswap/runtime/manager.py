@@ -65,18 +65,6 @@ for _public in (GroupInfo, SwapExclusionError, SwapIntegrityError):
 TRACE_LIMIT = 100_000
 
 
-def _push_hooks(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], Any]) -> None:
-    """What ``torch.autograd.graph.saved_tensors_hooks`` does on entry, without its context
-    manager object and checks, which cost more than the whole swap of a small layer.
-    Looked up at each call: ``graphswap.measure`` marks pack hooks as they are pushed."""
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-
-
-def _pop_hooks() -> None:
-    """What ``saved_tensors_hooks`` does on exit."""
-    torch._C._autograd._pop_saved_tensors_default_hooks()
-
-
 def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
     """An int, not a bool (``True`` would pass as 1) nor a string of one."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -357,11 +345,10 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
             prev=prev_ref() if prev_ref is not None else None,
         )
         self._latest[module] = weakref.ref(group)
-        _push_hooks(functools.partial(self._pack, group), self._unpack)
-        try:
+        with torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self._pack, group), self._unpack
+        ):
             out = forward(*args, **kwargs)
-        finally:
-            _pop_hooks()
         self._boundary(seq)
         if group.saves == 0:
             # Nothing saved, so no unpack will tell when this group's backward begins.

@@ -37,6 +37,14 @@ def test_swap_changes_no_loss_and_lowers_resident_activations(
     assert offloaded > 0
     assert none.peak_memory_bytes - swap.peak_memory_bytes == pytest.approx(offloaded, rel=0.01)
     assert swap.applied_passes == ["swap"] and none.applied_passes == []
+    # Trained as transformers.Trainer calls a model: no cache holds what was copied.
+    assert swap.swap["offloaded_not_freed_bytes"] == 0
+    rows = dict(
+        line.split("  ", 1) for line in format_summary([none, swap]).splitlines() if "  " in line
+    )
+    assert rows["swap copied, not freed / step"].split() == ["0.0", "MiB", "0.0", "MiB"]
+    budget = swap.swap["host_budget_bytes"]
+    assert rows["host pool peak / budget"].split()[-2:] == [f"{budget / 2**20:,.1f}", "MiB"]
 
 
 def test_summary_is_side_by_side_and_written(tmp_path) -> None:

@@ -97,6 +97,11 @@ def test_overhead_reports_microseconds_per_swapped_tensor(tmp_path: Path) -> Non
     assert isinstance(result["us_per_wrapped_forward"], float)
     assert isinstance(result["us_per_swapped_tensor_beyond_wrapping"], float)
     assert "TARGET host_overhead_per_swapped_tensor: " in done.stdout
+    calls = result["accelerator_calls"]
+    assert calls["swapped_tensors"] == per_step["offloaded_tensors"]
+    assert set(calls["per_swapped_tensor"]) == {"offload", "reload", "boundary"}
+    assert calls["by_kind"]["copy/offload"] == calls["by_kind"]["copy/reload"]
+    assert "TARGET accelerator_calls_per_swapped_tensor: " in done.stdout
 
 
 def test_bad_arguments_name_the_flag() -> None:
