@@ -11,6 +11,8 @@ function: importing graphswap must not import model code.
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,11 +20,11 @@ import torch
 import torch.fx
 from torch import nn
 
-from graphswap.errors import HierarchyError
+from graphswap.errors import HierarchyError, NoMatchError
 from graphswap.presets import qwen3_moe_config
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig, Qwen3MoeConfig
 
 
 class CheckpointError(ValueError):
@@ -120,16 +122,18 @@ def load_weights(
 
 
 def build_model(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """Instantiate ``Qwen3MoeForCausalLM``; on ``meta`` no memory is allocated."""
-    from transformers import Qwen3MoeForCausalLM  # model code loads on first use, not on import
+    """Instantiate the causal LM of ``config``'s family (``Qwen3MoeForCausalLM`` for a
+    ``Qwen3MoeConfig``, ``LlamaForCausalLM`` for a ``LlamaConfig``...); on ``meta`` no
+    memory is allocated."""
+    from transformers import AutoModelForCausalLM  # model code loads on first use
 
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype=dtype)
 
 
@@ -185,4 +189,67 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise HierarchyError(
         f"{type(model).__qualname__} must hold exactly one decoder layer list (a"
         f" torch.nn.ModuleList named 'layers'), {problem}"
+    )
+
+
+@dataclass(frozen=True)
+class DecoderClasses:
+    """A model's own decoder layer and attention classes."""
+
+    layers: tuple[type, ...]
+    attention: tuple[type, ...]
+
+
+def decoder_classes(model: nn.Module, *, rule: str) -> DecoderClasses:
+    """The decoder layer and attention classes ``model``'s Hugging Face class declares:
+    those whose outputs it records as ``hidden_states`` and ``attentions``
+    (``_can_record_outputs``), and every layer class it keeps whole on one device
+    (``_no_split_modules``, which lists each kind of layer of a hybrid stack).
+
+    Declared, not found in the tree: a subclass or a wrapper put in the model's place
+    does not become a target. A model that declares none, or holds no decoder stack,
+    raises :class:`NoMatchError` (for ``rule``) listing the module types it holds.
+    """
+    try:
+        decoder_layers(model)
+    except HierarchyError as error:
+        raise NoMatchError(_undeclared(rule, model, f"no decoder stack ({error})")) from None
+    root = type(model)
+    records = getattr(root, "_can_record_outputs", None) or {}
+    attention = _record_class(records.get("attentions"))
+    layer = _record_class(records.get("hidden_states"))
+    if attention is None or layer is None:
+        raise NoMatchError(
+            _undeclared(
+                rule,
+                model,
+                f"{_qualified(root)} declares no decoder layer and attention classes"
+                " (_can_record_outputs['hidden_states'] and ['attentions'])",
+            )
+        )
+    namespace = vars(sys.modules[root.__module__])
+    hybrid = [namespace.get(name) for name in sorted(getattr(model, "_no_split_modules", ()) or ())]
+    layers = (layer, *(cls for cls in hybrid if isinstance(cls, type) and cls is not layer))
+    return DecoderClasses(layers=layers, attention=(attention,))
+
+
+def _record_class(record: object) -> type | None:
+    """The module class of one ``_can_record_outputs`` entry: a class, or an
+    ``OutputRecorder`` holding it as ``target_class``."""
+    cls = getattr(record, "target_class", record)
+    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _undeclared(rule: str, model: nn.Module, reason: str, limit: int = 12) -> str:
+    types = list(dict.fromkeys(_qualified(type(m)) for m in model.modules()))
+    more = f" (+{len(types) - limit} more)" if len(types) > limit else ""
+    return (
+        f"rule {rule!r} found no decoder attention to match: {reason}; module types found:"
+        f" {', '.join(types[:limit])}{more}. Fix: pass a Hugging Face decoder model (a"
+        " ...ForCausalLM or ...Model built by transformers) as it was built, or write a Rule"
+        " with targets naming your attention class"
     )

@@ -229,10 +229,11 @@ class SavedTensorCollector:
             handles.append(layer.register_forward_pre_hook(self._enter_layer(i, f"{fqn}.{i}")))
             # Prepended: a boundary at the end of a layer comes before other hooks see it end.
             handles.append(layer.register_forward_hook(self._leave_layer, prepend=True))
-            handles.append(layer.self_attn.register_forward_pre_hook(self._enter_attention))
-            handles.append(
-                layer.self_attn.register_forward_hook(self._leave_attention, prepend=True)
-            )
+            attention = getattr(layer, "self_attn", None)
+            if attention is None:  # another token mixer (linear attention): no attention scope
+                continue
+            handles.append(attention.register_forward_pre_hook(self._enter_attention))
+            handles.append(attention.register_forward_hook(self._leave_attention, prepend=True))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
@@ -348,7 +349,7 @@ class MetaModel:
         layers = tuple(
             LayerTrace(
                 name=f"{fqn}.{i}",
-                moe=hasattr(layer.mlp, "experts"),
+                moe=hasattr(getattr(layer, "mlp", None), "experts"),
                 saves=tuple(saves.get(f"{fqn}.{i}", ())),
             )
             for i, layer in enumerate(decoder)
