@@ -182,7 +182,9 @@ class FusedAttentionMode(TorchFunctionMode):
     ) -> torch.Tensor:
         aten: Any = torch.ops.aten
         name, device = self.kernel.name, self.kernel.device
-        if name == "math":
+        if name == "math" or (device == "cpu" and value.size(-1) != query.size(-1)):
+            # The CPU flash kernel needs one head size for q, k and v; for values of
+            # another (multi-head latent attention) PyTorch's CPU dispatcher runs math.
             return aten._scaled_dot_product_attention_math(
                 query,
                 key,

@@ -10,6 +10,7 @@ the prefetch graph, and the ordering facts that ``passes/`` checks at plan time.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import functools
@@ -254,6 +255,24 @@ class _HierarchyValidator:
 
 def _swap(policy: SwapPolicy, module: nn.Module, ctx: RuleContext) -> nn.Module:
     return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
+
+
+def with_policy(rule: str | Rule, policy: SwapPolicy) -> Rule:
+    """A built-in swap rule (by name or object) that wraps with ``policy`` instead of its
+    own, e.g. ``size_threshold_policy(64 << 10)`` for a small model whose saves all stay
+    under the default 1 MiB; everything else about the rule is kept."""
+    base = get_rule(rule) if isinstance(rule, str) else rule
+    if not _is_swap(base):
+        raise RewriteError(
+            f"rule {base.name!r} does not wrap with a swap policy, so it cannot take one;"
+            f" swap rules: {', '.join(n for n in available_rules() if _is_swap(get_rule(n)))}"
+        )
+    return dataclasses.replace(base, factory=functools.partial(_swap, policy))
+
+
+def _is_swap(rule: Rule) -> bool:
+    factory = rule.factory
+    return isinstance(factory, functools.partial) and factory.func is _swap
 
 
 def _register_qwen3_swap(

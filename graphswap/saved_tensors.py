@@ -78,29 +78,41 @@ def attention_swap(save: SavedTensor) -> bool:
     return save.in_attention and save.policy_swaps
 
 
+def in_attention(save: SavedTensor) -> bool:
+    """The save was made inside the attention, the module attention swap wraps."""
+    return save.in_attention
+
+
 def bytes_by_scope(
     scopes: Mapping[str, Sequence[SavedTensor]],
     swapped: Callable[[SavedTensor], bool] = attention_swap,
+    wrapped: Callable[[SavedTensor], bool] = in_attention,
 ) -> dict[str, tuple[int, int]]:
     """``scope -> (saved bytes, swappable bytes)``.
 
-    A storage counts once, in the scope that saved it first, and is swappable only when
-    every save of it is swapped: a copy of one save frees nothing while another holds it.
+    A storage counts once, in the scope that saved it first. It is swappable when the
+    runtime frees it: its first save is ``swapped``, and every later save of it is
+    made in the same scope's ``wrapped`` module, where the runtime hands it the same
+    copy whatever the policy would answer (a view the policy keeps included). A save
+    anywhere else keeps the storage on device, and a copy then frees nothing.
     """
     owner: dict[int, tuple[str, int]] = {}
-    every_save_swapped: dict[int, bool] = {}
+    held: set[int] = set()
     for scope, saves in scopes.items():
         for save in saves:
             if save.parameter:
                 continue
-            owner.setdefault(save.storage, (scope, save.storage_nbytes))
-            every_save_swapped[save.storage] = every_save_swapped.get(
-                save.storage, True
-            ) and swapped(save)
+            first = owner.get(save.storage)
+            if first is None:
+                owner[save.storage] = (scope, save.storage_nbytes)
+                if not swapped(save):
+                    held.add(save.storage)
+            elif first[0] != scope or not wrapped(save):
+                held.add(save.storage)
     totals: dict[str, tuple[int, int]] = {}
     for storage, (scope, nbytes) in owner.items():
         saved, swappable = totals.get(scope, (0, 0))
-        moved = nbytes if every_save_swapped[storage] else 0
+        moved = 0 if storage in held else nbytes
         totals[scope] = (saved + nbytes, swappable + moved)
     return totals
 

@@ -294,3 +294,20 @@ def test_a_rule_takes_targets_or_targets_from_not_both() -> None:
         make_rule(targets_from=get_rule("attn_swap").targets_from)
     with pytest.raises(RewriteError, match="takes its targets from the model: pass the model"):
         get_rule("attn_swap").resolve_targets()
+
+
+def test_with_policy_keeps_the_rule_but_its_policy_and_refuses_a_rule_without_one() -> None:
+    from graphswap.policy import size_threshold_policy
+    from graphswap.rules import with_policy
+
+    policy = size_threshold_policy(1 << 10, name="one_kib")
+    rule = with_policy("attn_swap", policy)
+    model = _llama()
+    report = rewrite(model, rules=[rule])
+    assert report.rules[0].rule == "attn_swap"
+    assert {group.policy for group in report.manager.groups()} == {"one_kib"}
+    with pytest.raises(RewriteError, match="does not wrap with a swap policy") as info:
+        with_policy(make_rule(), policy)
+    assert "swap rules: attn_swap, layer_swap, qwen3_attn_swap, qwen3_moe_layer_swap" in str(
+        info.value
+    )
