@@ -593,7 +593,8 @@ def _swap_assumptions(swap: str, offload_lag: int, prefetch_depth: int) -> tuple
         return copies
     whole = (
         "layer and auto: the swapped bytes count a storage only when every save of it is in "
-        "one layer and the policy swaps each (the rotary cos/sin, saved by every layer, stay)",
+        "one layer and the policy swaps the first (later saves share its copy, as in the "
+        "runtime; the rotary cos/sin, saved by every layer, stay)",
     )
     if swap == "layer":
         return copies + whole

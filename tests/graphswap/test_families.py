@@ -7,27 +7,31 @@ before the next. Every run must give the same loss and gradients bit for bit, of
 exactly the bytes the planner predicts from a meta-device trace of the same shape
 (and the independent tracker must see what the plan says those copies free leave the
 device by the end of forward),
-reload what it offloaded and never miss a prefetch. One model build and one trace per
-case keep the module to a few seconds per family.
+reload what it offloaded and never miss a prefetch; and the planner's FLOPs per layer,
+taken from the traced operators, must match torch's FLOP count of the operators the real
+forward runs. One model build and one trace per case keep the module to a few seconds
+per family.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from graphswap import rewrite
 from graphswap.auto_swap import AutoSwap
 from graphswap.hf import build_model
 from graphswap.measure import ResidentActivationTracker, output_tensors
 from graphswap.planner import MemoryPlan, plan_step, trace_step
-from graphswap.planner._plan import resolve_profile
 from graphswap.policy import size_threshold_policy
-from graphswap.presets import PRESETS, preset_config
+from graphswap.presets import PRESETS
 from graphswap.rules import Rule, with_policy
+from graphswap.runtime.profile import device_profile
 from graphswap.saved_tensors import build_meta_model
 
 SEQ, BATCH = 128, 2
@@ -38,23 +42,6 @@ lower threshold than the 1 MiB default swaps them without a model 16 times large
 
 FAMILY_PRESETS = ["tiny", *sorted(name for name in PRESETS if name.startswith("tiny-"))]
 """Qwen3-MoE (``tiny``) and one tiny preset per other supported family."""
-
-
-def _family_config(preset: str, attn: str) -> object:
-    """The preset's config, or a skip when this transformers lacks the family or its
-    model does not run ``attn``."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    model_type = PRESETS[preset].model_type
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"this transformers has no {model_type!r} models")
-    config = preset_config(preset, attn_implementation="eager")
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    if attn == "sdpa" and not model_class._supports_sdpa:
-        pytest.skip(f"{model_class.__name__} runs eager attention only")
-    config._attn_implementation = attn
-    return config
 
 
 @dataclass(frozen=True)
@@ -78,17 +65,51 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, manager: object = None) -> 
     return _Run(out.loss.detach(), grads, resident)
 
 
+PROFILE = device_profile("h200,link_gbps=1e9,tflops=1,hbm_gbps=1e15")
+"""A link fast enough that ``auto`` keeps every copy it can, and a device on which an
+operator's time is its FLOPs (1 TFLOP/s, memory traffic free): a planned second is
+10^12 FLOPs."""
+
+
 def _plans(config: object, attn: str) -> dict[str, MemoryPlan]:
-    """One meta-device trace of the step, planned per mode; a link fast enough that
-    ``auto`` keeps every copy it can."""
+    """One meta-device trace of the step, planned per mode."""
     meta = build_meta_model(
         config, seq=SEQ, batch=BATCH, dtype=torch.float32, attn_implementation=attn, device="cpu"
     )
-    profile = resolve_profile("h200", bandwidth_gbps=1e9)
-    trace = trace_step(meta, profile, (POLICY,), optimizer=False)
+    trace = trace_step(meta, PROFILE, (POLICY,), optimizer=False)
     return {
         mode: plan_step(config, trace, swap=mode)  # type: ignore[arg-type]
         for mode in ("attention", "layer", "auto")
+    }
+
+
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # type: ignore[no-untyped-def]
+    """A MoE experts' grouped matmul of (tokens x K) by (experts x K x N): every routed
+    row is multiplied once, whatever the routing."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+def _cpu_flash_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:  # type: ignore[no-untyped-def]
+    return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+def _forward_flops(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
+    """Per decoder layer, the FLOPs of the ops a real forward executes, as torch's FLOP
+    counter counts them (its formulas, plus the two ops it has none for on CPU)."""
+    aten = torch.ops.aten
+    counter = FlopCounterMode(
+        display=False,
+        custom_mapping={
+            aten._grouped_mm: _grouped_mm_flop,
+            aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flop,
+        },
+    )
+    with torch.no_grad(), counter:
+        model(input_ids=ids, use_cache=False)
+    root = type(model).__name__
+    return {
+        name.removeprefix(f"{root}."): sum(ops.values())
+        for name, ops in counter.get_flop_counts().items()
     }
 
 
@@ -99,33 +120,32 @@ def _rule(mode: str, plan: MemoryPlan) -> Rule:
 
 
 @pytest.fixture(autouse=True)
-def _deterministic() -> Iterator[None]:
+def _deterministic(one_thread: None) -> Iterator[None]:
     """I4 holds for deterministic kernels: gpt-oss's expert biases accumulate their
-    gradients in a thread-dependent order otherwise, with or without swap. One thread:
-    these models are too small for more, and on a loaded machine OpenMP's barriers
-    make a step of two threads fifty times slower."""
-    threads = torch.get_num_threads()
+    gradients in a thread-dependent order otherwise, with or without swap."""
     torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_swap_changes_no_number_and_moves_what_the_planner_predicts(
-    preset: str, attn: str
+    preset: str, attn: str, family_config: Callable[[str, str], Any]
 ) -> None:
-    config = _family_config(preset, attn)
+    config = family_config(preset, attn)
     plans = _plans(config, attn)
     torch.manual_seed(0)
     model = build_model(config).train()
     vocab = config.vocab_size  # type: ignore[attr-defined]
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     plain = _step(model, ids)
+    flops = _forward_flops(model, ids)
+    for layer in plans["layer"].layers:
+        planned = layer.forward_seconds * PROFILE.tflops * 1e12
+        assert planned == pytest.approx(flops[layer.name], rel=0.05), layer.name
     for mode, plan in plans.items():
         report = rewrite(model, rules=[_rule(mode, plan)])
         run = _step(model, ids, report.manager)
