@@ -254,3 +254,43 @@ def _undeclared(rule: str, model: nn.Module, reason: str, limit: int = 12) -> st
         " ...ForCausalLM or ...Model built by transformers) as it was built, or write a Rule"
         " with targets naming your attention class"
     )
+
+
+HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""What tensor parallelism shards by heads: q/k/v column-wise, o row-wise."""
+
+HEAD_NORMS = ("q_norm", "k_norm")
+"""Norms over one head's width, which a rank applies to its own heads."""
+
+
+def head_sharding_problem(attention: nn.Module) -> str | None:
+    """Why tensor parallelism cannot shard ``attention`` by heads, or ``None``.
+
+    A rank holding some heads runs the attention when its weights are the q/k/v/o
+    projections (``nn.Linear``) and norms over one head's width, and nothing else: a
+    parameter per head (gpt-oss's sinks), a norm across all heads (OLMoE's q/k norm) or
+    low-rank projections (multi-head latent attention) would need a plan of their own.
+    """
+    name = type(attention).__name__
+    children = dict(attention.named_children())
+    missing = [n for n in HEAD_PROJECTIONS if not isinstance(children.get(n), nn.Linear)]
+    if missing:
+        held = ", ".join(n for n, m in children.items() if any(True for _ in m.parameters()))
+        return f"{name} has no {', '.join(missing)} projection (it holds {held})"
+    own = [n for n, _ in attention.named_parameters(recurse=False)]
+    if own:
+        return f"{name} holds {', '.join(own)} itself, one value per head"
+    head_dim = getattr(attention, "head_dim", None)
+    for child, module in children.items():
+        weights = list(module.parameters())
+        if child in HEAD_PROJECTIONS or not weights:
+            continue
+        if child not in HEAD_NORMS:
+            return f"{name}.{child} ({type(module).__name__}) holds weights of its own"
+        width = weights[0].shape[-1]
+        if width != head_dim:
+            return (
+                f"{name}.{child} normalizes across all heads (width {width}, head_dim"
+                f" {head_dim}), which a rank holding some of them cannot compute"
+            )
+    return None

@@ -31,7 +31,7 @@ from graphswap.attention_kernels import (
     PlanSettingError,
     resolve_attention_kernel,
 )
-from graphswap.hf import build_model, decoder_layers
+from graphswap.hf import build_model, decoder_layers, head_sharding_problem
 from graphswap.policy import (
     CheckpointPolicy,
     SwapPolicy,
@@ -395,7 +395,8 @@ def build_meta_model(
 
     ``device`` and ``attn_kernel`` choose the sdpa kernel (``None``: the one PyTorch
     picks first for the device and dtype). Every setting is checked before a model is
-    built; a bad one raises :class:`PlanSettingError` naming it.
+    built, but for ``tp`` against the attention's layout, which the meta model shows; a
+    bad one raises :class:`PlanSettingError` naming it.
     """
     for name, value in (("seq", seq), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -414,6 +415,16 @@ def build_meta_model(
     rank_config = per_rank_config(config, tp)
     rank_config._attn_implementation = attn_implementation
     model = build_model(rank_config, device="meta", dtype=dtype).train()
+    if tp > 1:
+        _, layers = decoder_layers(model)
+        attention = getattr(layers[0], "self_attn", None)
+        problem = (
+            "a layer without self_attn" if attention is None else head_sharding_problem(attention)
+        )
+        if problem is not None:
+            raise PlanSettingError(
+                "tp", tp, f"shards attention heads, which this model's cannot be: {problem}; use 1"
+            )
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return MetaModel(model, kernel, rank_config, tp, device, ids)
 
