@@ -35,13 +35,13 @@ from graphswap.hf import build_model, decoder_layers, head_sharding_problem
 from graphswap.policy import (
     CheckpointPolicy,
     SwapPolicy,
+    attention_swap_policy,
     is_parameter_like,
-    qwen3_attention_swap_policy,
     tensor_nbytes,
 )
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
 EMBED = "embed"
 HEAD = "head"
@@ -133,7 +133,7 @@ class SavedTensorTrace:
     head: tuple[SavedTensor, ...]
     kernel: AttentionKernel | None
     """The sdpa kernel traced; ``None`` for eager attention."""
-    rank_config: Qwen3MoeConfig
+    rank_config: PretrainedConfig
     """The model one rank runs (the whole model when ``tp`` is 1)."""
     tp: int
 
@@ -183,7 +183,7 @@ class SavedTensorCollector:
     (``_storage_id``) and what a module boundary does (``_boundary``).
     """
 
-    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = qwen3_attention_swap_policy):
+    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = attention_swap_policy):
         self.model = model
         self.policy = policy
         self.saves: dict[str, list[SavedTensor]] = {}
@@ -287,11 +287,11 @@ class SavedTensorCollector:
         return bytes_by_scope(self.saves, swapped)
 
 
-def head_dim(config: Qwen3MoeConfig) -> int:
+def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def per_rank_config(config: Qwen3MoeConfig, tp: int) -> Qwen3MoeConfig:
+def per_rank_config(config: PretrainedConfig, tp: int) -> PretrainedConfig:
     """The model one rank runs under ``passes/tensor_parallel.py``'s plan with ``tp`` ranks.
 
     That plan shards the attention heads (q/k/v column-parallel, o row-parallel, the q/k
@@ -326,7 +326,7 @@ class MetaModel:
     """One rank's model, on meta, in training mode."""
     kernel: AttentionKernel | None
     """The sdpa kernel its attention runs; ``None`` for eager attention."""
-    rank_config: Qwen3MoeConfig
+    rank_config: PretrainedConfig
     """The model one rank runs (the whole model when ``tp`` is 1)."""
     tp: int
     """Tensor-parallel ranks the model is one rank of."""
@@ -381,7 +381,7 @@ def _not_packed(position_ids: torch.Tensor) -> None:
 
 
 def build_meta_model(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     seq: int,
     batch: int = 1,
@@ -430,7 +430,7 @@ def build_meta_model(
 
 
 def trace_saved_tensors(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     seq: int,
     batch: int = 1,
@@ -439,7 +439,7 @@ def trace_saved_tensors(
     device: str = "cuda",
     attn_kernel: str | None = None,
     tp: int = 1,
-    policy: SwapPolicy = qwen3_attention_swap_policy,
+    policy: SwapPolicy = attention_swap_policy,
 ) -> SavedTensorTrace:
     """Trace one training forward of ``config`` on meta: one rank's saves, per scope.
 
