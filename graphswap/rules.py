@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch.fx
 from torch import nn
 
+from graphswap.decoder import decoder_classes
 from graphswap.errors import HierarchyError, RewriteError, UnknownRuleError
-from graphswap.hf import decoder_classes, decoder_layers
+from graphswap.hf import decoder_layers
 from graphswap.policy import (
     MIN_SWAP_TENSOR_BYTES,
     SwapPolicy,
@@ -364,7 +365,7 @@ class _StackValidator:
 
 def _register_decoder_swap(name: str, what: str, attr: str | None, policy: SwapPolicy) -> Rule:
     """A built-in swap rule for any Hugging Face decoder: the classes come from the model
-    (:func:`graphswap.hf.decoder_classes`), matched by exact type."""
+    (:func:`graphswap.decoder.decoder_classes`), matched by exact type."""
     return register_rule(
         Rule(
             name=name,

@@ -31,7 +31,8 @@ from graphswap.attention_kernels import (
     PlanSettingError,
     resolve_attention_kernel,
 )
-from graphswap.hf import build_model, decoder_layers, head_sharding_problem
+from graphswap.decoder import head_sharding_problem
+from graphswap.hf import build_model, decoder_layers
 from graphswap.policy import (
     CheckpointPolicy,
     SwapPolicy,
