@@ -8,7 +8,6 @@ Where the stack lives is :func:`graphswap.hf.decoder_layers`.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -28,8 +27,8 @@ class DecoderClasses:
 def decoder_classes(model: nn.Module, *, rule: str) -> DecoderClasses:
     """The decoder layer and attention classes ``model``'s Hugging Face class declares:
     those whose outputs it records as ``hidden_states`` and ``attentions``
-    (``_can_record_outputs``), and every layer class it keeps whole on one device
-    (``_no_split_modules``, which lists each kind of layer of a hybrid stack).
+    (``_can_record_outputs``; a hybrid stack, such as Jamba's attention and Mamba
+    layers, lists one class per kind of layer).
 
     Declared, not found in the tree: a subclass or a wrapper put in the model's place
     does not become a target. A model that declares none, or holds no decoder stack,
@@ -41,9 +40,9 @@ def decoder_classes(model: nn.Module, *, rule: str) -> DecoderClasses:
         raise NoMatchError(_undeclared(rule, model, f"no decoder stack ({error})")) from None
     root = type(model)
     records = getattr(root, "_can_record_outputs", None) or {}
-    attention = _record_class(records.get("attentions"))
-    layer = _record_class(records.get("hidden_states"))
-    if attention is None or layer is None:
+    layers = _record_classes(records.get("hidden_states"))
+    attention = _record_classes(records.get("attentions"))
+    if not layers or not attention:
         raise NoMatchError(
             _undeclared(
                 rule,
@@ -52,17 +51,17 @@ def decoder_classes(model: nn.Module, *, rule: str) -> DecoderClasses:
                 " (_can_record_outputs['hidden_states'] and ['attentions'])",
             )
         )
-    namespace = vars(sys.modules[root.__module__])
-    hybrid = [namespace.get(name) for name in sorted(getattr(model, "_no_split_modules", ()) or ())]
-    layers = (layer, *(cls for cls in hybrid if isinstance(cls, type) and cls is not layer))
-    return DecoderClasses(layers=layers, attention=(attention,))
+    return DecoderClasses(layers=layers, attention=attention)
 
 
-def _record_class(record: object) -> type | None:
-    """The module class of one ``_can_record_outputs`` entry: a class, or an
-    ``OutputRecorder`` holding it as ``target_class``."""
-    cls = getattr(record, "target_class", record)
-    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+def _record_classes(record: object) -> tuple[type, ...]:
+    """The module classes of one ``_can_record_outputs`` entry: a class, an
+    ``OutputRecorder`` holding one as ``target_class``, or a list of them."""
+    entries = record if isinstance(record, (list, tuple)) else [record]
+    classes = [getattr(entry, "target_class", entry) for entry in entries]
+    if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
+        return ()
+    return tuple(classes)
 
 
 def _qualified(cls: type) -> str:

@@ -311,3 +311,53 @@ def test_with_policy_keeps_the_rule_but_its_policy_and_refuses_a_rule_without_on
     assert "swap rules: attn_swap, layer_swap, qwen3_attn_swap, qwen3_moe_layer_swap" in str(
         info.value
     )
+
+
+def test_a_stack_of_two_declared_layer_classes_is_swapped_per_class(one_thread: None) -> None:
+    """Jamba alternates Mamba and attention layers, two classes it declares: layer_swap
+    wraps and links every layer by its own exact class and changes no number;
+    attn_swap refuses the Mamba layers, which hold no attention."""
+    pytest.importorskip("transformers.models.jamba")
+    import torch
+    from transformers import JambaConfig, JambaForCausalLM
+
+    from graphswap.policy import size_threshold_policy
+    from graphswap.rules import with_policy
+
+    config = JambaConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        num_experts=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=4,
+    )
+    torch.manual_seed(0)
+    model = JambaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+    plain_loss, plain_grads = step()
+    report = rewrite(model, rules=[with_policy("layer_swap", size_threshold_policy(4 << 10))])
+    kinds = [change.old_type.rpartition(".")[2] for change in report.rules[0].changes]
+    assert kinds == ["JambaMambaDecoderLayer", "JambaAttentionDecoderLayer"] * 2
+    assert len(report.rules[0].links) == 3
+    loss, grads = step()
+    stats = report.manager.stats
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    assert stats.offloaded_bytes == stats.reloaded_bytes > 0 and stats.prefetch_misses == 0
+    report.undo()
+    with pytest.raises(HierarchyError, match=r"'model\.layers\.0' has no self_attn \(it holds"):
+        rewrite(model, rules=["attn_swap"])
