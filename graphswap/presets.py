@@ -3,7 +3,7 @@
 Each preset names its Hugging Face family (``model_type``) and the config values that
 differ from that family's defaults. The full-size presets copy the published
 ``config.json`` of the checkpoint their :class:`Preset` names (the fields that set
-shapes; rope scaling, which changes none, is left at the family's default); the small ones
+shapes; rope settings, which change none, may be left at the family's default); the small ones
 keep each family's layout (attention, MoE routing, MLA, sliding windows) at widths that
 train on a laptop CPU.
 """
