@@ -182,7 +182,9 @@ class FusedAttentionMode(TorchFunctionMode):
     ) -> torch.Tensor:
         aten: Any = torch.ops.aten
         name, device = self.kernel.name, self.kernel.device
-        if name == "math":
+        if name == "math" or (device == "cpu" and value.size(-1) != query.size(-1)):
+            # The CPU flash kernel needs one head size for q, k and v; for values of
+            # another (multi-head latent attention) PyTorch's CPU dispatcher runs math.
             return aten._scaled_dot_product_attention_math(
                 query,
                 key,
@@ -202,6 +204,14 @@ class FusedAttentionMode(TorchFunctionMode):
             return aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
             )[0]
+        if name == "flash" and value.size(-1) != query.size(-1):
+            raise PlanSettingError(
+                "attn_kernel",
+                name,
+                f"flash needs one head size for q, k and v, but this model's values have"
+                f" {value.size(-1)} and its queries {query.size(-1)} (multi-head latent"
+                " attention); PyTorch runs efficient there: use efficient or math",
+            )
         log_sumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if name in _REPEATS_KV and key.size(-3) != query.size(-3):
             # These kernels take no grouped key/value heads: the heads are repeated first.

@@ -36,8 +36,11 @@ if TYPE_CHECKING:
     from graphswap.planner import LayerPlan, MemoryPlan
     from graphswap.runtime import SwapManager
 
-AUTO_RULE = "qwen3_moe_auto_swap"
-"""The name of the rule :meth:`AutoSwap.rule` builds from ``qwen3_moe_layer_swap``."""
+AUTO_RULE = "auto_swap"
+"""The name of the rule :meth:`AutoSwap.rule` builds from ``layer_swap``."""
+
+_BASE_RULE = "layer_swap"
+"""Whole decoder layers of any Hugging Face decoder, by the classes the model declares."""
 
 
 class AutoSwapMismatchError(ValueError):
@@ -148,12 +151,12 @@ class AutoSwap:
         self._warned = False
 
     def rule(self) -> Rule:
-        """``qwen3_moe_layer_swap`` with this plan's policy in each layer."""
-        base = get_rule("qwen3_moe_layer_swap")
+        """``layer_swap`` with this plan's policy in each layer."""
+        base = get_rule(_BASE_RULE)
         return dataclasses.replace(
             base,
             name=AUTO_RULE,
-            description="swap, per Qwen3-MoE decoder layer, the saved tensors an auto plan chose",
+            description="swap, per decoder layer, the saved tensors an auto plan chose",
             factory=self._wrap,
             validate=self._validate,
             node_attributes=self._node_attributes,
@@ -161,7 +164,7 @@ class AutoSwap:
         )
 
     def _validate(self, root: nn.Module) -> None:
-        base = get_rule("qwen3_moe_layer_swap")
+        base = get_rule(_BASE_RULE)
         assert base.validate is not None
         base.validate(root)
         found = len(decoder_layers(root)[1])

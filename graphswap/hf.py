@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3-MoE models as they are, before graphswap or a pass touches them:
+"""Hugging Face decoder models as they are, before graphswap or a pass touches them:
 a config from a preset or a local folder, an instance on a device, a checkpoint's
 weights, and where the decoder layers live.
 
@@ -19,24 +19,24 @@ import torch.fx
 from torch import nn
 
 from graphswap.errors import HierarchyError
-from graphswap.presets import qwen3_moe_config
+from graphswap.presets import preset_config
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
 
 class CheckpointError(ValueError):
     """A local checkpoint folder that graphswap cannot use; the message names the file."""
 
 
-_QWEN3_MOE_TYPE = "qwen3_moe"
-
-
-def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> Qwen3MoeConfig:
-    """Read ``config.json`` of a local checkpoint folder (never the hub); it must
-    declare ``model_type: qwen3_moe``, since another architecture's keys would
-    silently build a Qwen3-MoE of some other shape."""
-    from transformers import Qwen3MoeConfig  # model code loads on first use, not on import
+def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> PretrainedConfig:
+    """Read ``config.json`` of a local checkpoint folder (never the hub) into the config
+    class of the family its ``model_type`` names; a folder without one, or of a family
+    that has no causal LM in this transformers, is refused rather than read as some
+    other architecture's keys."""
+    import transformers  # model code loads on first use, not on import
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     folder = Path(path)
     config_file = folder / "config.json" if folder.is_dir() else folder
@@ -59,17 +59,17 @@ def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> Q
             " re-save the checkpoint with save_pretrained"
         )
     model_type = values.get("model_type")
-    if model_type != _QWEN3_MOE_TYPE:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         found = "no model_type" if model_type is None else f"model_type {model_type!r}"
         raise CheckpointError(
-            f"{config_file} has {found}; graphswap trains {_QWEN3_MOE_TYPE!r} checkpoints only:"
-            f' pass a Qwen3-MoE checkpoint folder (config.json with "model_type":'
-            f' "{_QWEN3_MOE_TYPE}")'
+            f"{config_file} has {found}, which names no causal language model in"
+            f" transformers {transformers.__version__}; pass the checkpoint folder of a"
+            ' decoder family (config.json with "model_type": "llama", "qwen3_moe", ...)'
         )
     for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
         values.pop(key, None)
     try:
-        return Qwen3MoeConfig(attn_implementation=attn_implementation, **values)
+        return AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **values)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{config_file}: {error}; fix the file") from error
 
@@ -96,14 +96,15 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def load_weights(
-    path: str | Path, hf_config: Qwen3MoeConfig, *, dtype: torch.dtype
+    path: str | Path, hf_config: PretrainedConfig, *, dtype: torch.dtype
 ) -> torch.nn.Module:
-    """``Qwen3MoeForCausalLM.from_pretrained`` of a local folder; a parameter that the
-    checkpoint does not hold (it would stay randomly initialized) is an error."""
-    from transformers import Qwen3MoeForCausalLM  # model code loads on first use, not on import
+    """The causal LM of ``hf_config``'s family, ``from_pretrained`` of a local folder; a
+    parameter that the checkpoint does not hold (it would stay randomly initialized) is
+    an error."""
+    from transformers import AutoModelForCausalLM  # model code loads on first use
 
     weight_files(path)
-    model, info = Qwen3MoeForCausalLM.from_pretrained(
+    model, info = AutoModelForCausalLM.from_pretrained(
         path, config=hf_config, local_files_only=True, dtype=dtype, output_loading_info=True
     )
     missing = sorted(info.get("missing_keys", ())) + [
@@ -120,16 +121,18 @@ def load_weights(
 
 
 def build_model(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """Instantiate ``Qwen3MoeForCausalLM``; on ``meta`` no memory is allocated."""
-    from transformers import Qwen3MoeForCausalLM  # model code loads on first use, not on import
+    """Instantiate the causal LM of ``config``'s family (``Qwen3MoeForCausalLM`` for a
+    ``Qwen3MoeConfig``, ``LlamaForCausalLM`` for a ``LlamaConfig``...); on ``meta`` no
+    memory is allocated."""
+    from transformers import AutoModelForCausalLM  # model code loads on first use
 
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype=dtype)
 
 
@@ -139,12 +142,12 @@ def model_config(
     *,
     attn_implementation: str = "eager",
     num_layers: int | None = None,
-) -> Qwen3MoeConfig:
+) -> PretrainedConfig:
     """The config of the local checkpoint folder ``path`` when given, else of ``preset``;
     ``num_layers`` replaces ``num_hidden_layers`` (a shallower model of the same shape)."""
     overrides = {} if num_layers is None else {"num_hidden_layers": num_layers}
     if path is None:
-        return qwen3_moe_config(preset, attn_implementation=attn_implementation, **overrides)
+        return preset_config(preset, attn_implementation=attn_implementation, **overrides)
     config = load_hf_config(path, attn_implementation=attn_implementation)
     for key, value in overrides.items():
         setattr(config, key, value)

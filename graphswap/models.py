@@ -1,4 +1,5 @@
-"""Build Hugging Face Qwen3-MoE models from a trainer config, with the passes it asks for.
+"""Build Hugging Face decoder models, of any family, from a trainer config, with the passes
+it asks for.
 
 The plain model (config, instance, weights) comes from :mod:`graphswap.hf`; this module
 adds the infrastructure through ``passes.apply_model_infrastructure``, so every builder
@@ -19,7 +20,7 @@ from passes import apply_model_infrastructure, plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
     from graphswap.auto_swap import AutoSwap
     from graphswap.runtime import SwapManager
@@ -47,7 +48,7 @@ class BuiltModel:
 def build(
     config: TrainerConfig,
     *,
-    hf_config: Qwen3MoeConfig | None = None,
+    hf_config: PretrainedConfig | None = None,
     weights: str | Path | None = None,
     device: str | torch.device = "cpu",
     mesh: DeviceMesh | None = None,
@@ -75,7 +76,7 @@ def build(
     return BuiltModel(infrastructure.model, infrastructure)
 
 
-def trainer_hf_config(config: TrainerConfig) -> Qwen3MoeConfig:
+def trainer_hf_config(config: TrainerConfig) -> PretrainedConfig:
     """The Hugging Face config that ``config`` names (preset or local folder)."""
     return model_config(
         config.model,
@@ -100,14 +101,15 @@ def _with_swap(
 
 
 def from_config(
-    hf_config: Qwen3MoeConfig,
+    hf_config: PretrainedConfig,
     *,
     activation_swap: ActivationSwap | None = None,
     trainer_config: TrainerConfig | None = None,
     device: str | torch.device = "cpu",
     mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
-    """A fresh ``Qwen3MoeForCausalLM`` with ``activation_swap`` installed through the pass plan.
+    """A fresh causal LM of ``hf_config``'s family with ``activation_swap`` installed through
+    the pass plan.
 
     ``auto`` plans for ``trainer_config``'s ``seq_len``, ``batch_size``, ``tp_size`` and
     ``swap_*`` keys; build with a ``TrainerConfig(activation_swap="auto", ...)`` to set them.

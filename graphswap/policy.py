@@ -130,5 +130,11 @@ qwen3_attention_swap_policy: SwapPolicy = size_threshold_policy(
 """What ``qwen3_attn_swap`` moves: the same test, named for the rule in graphs and reports."""
 
 
+attention_swap_policy: SwapPolicy = size_threshold_policy(
+    MIN_SWAP_TENSOR_BYTES, name="attention_swap_policy"
+)
+"""What ``attn_swap`` moves: the same test, named for the rule in graphs and reports."""
+
+
 def policy_name(policy: SwapPolicy) -> str:
     return getattr(policy, "__name__", type(policy).__name__)

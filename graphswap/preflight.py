@@ -24,13 +24,13 @@ from graphswap.config import ConfigError, TrainerConfig
 from graphswap.hf import CheckpointError, weight_files
 from graphswap.models import trainer_hf_config
 from passes import PassRequirementError
-from passes.tensor_parallel import check_heads_divisible
+from passes.tensor_parallel import check_head_layout, check_heads_divisible
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
 
-def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> Qwen3MoeConfig:
+def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> PretrainedConfig:
     """Every check ``graphswap train`` needs; returns the Hugging Face config to build."""
     passes.plan(config).check()
     hf_config = check_model(config)
@@ -41,18 +41,34 @@ def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> Qwen3MoeConfi
     return hf_config
 
 
-def check_model(config: TrainerConfig) -> Qwen3MoeConfig:
+def check_model(config: TrainerConfig) -> PretrainedConfig:
     """The model's config (preset, or ``model_path``'s config.json and weights), and
-    that ``tp_size`` divides its head counts."""
+    that ``tp_size`` divides its head counts of a family whose heads it can shard."""
     try:
         hf_config = trainer_hf_config(config)
         if config.model_path is not None:
             weight_files(config.model_path)
     except CheckpointError as error:
         raise ConfigError("model_path", str(error)) from error
+    check_attention(config, hf_config)
     if config.tp_size > 1:
         check_heads_divisible(hf_config, config.tp_size)
+        check_head_layout(hf_config, config.tp_size)
     return hf_config
+
+
+def check_attention(config: TrainerConfig, hf_config: PretrainedConfig) -> None:
+    """``attn_implementation: sdpa`` on a family whose model runs eager attention only
+    (gpt-oss: its attention sinks) is refused before the build, naming the key."""
+    from transformers import AutoModelForCausalLM  # loaded with the config already
+
+    model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    if config.attn_implementation == "sdpa" and not model_class._supports_sdpa:
+        raise ConfigError(
+            "attn_implementation",
+            f"sdpa: {model_class.__name__} runs eager attention only in this transformers;"
+            " set attn_implementation: eager",
+        )
 
 
 def resolve_device(config: TrainerConfig) -> torch.device:

@@ -268,7 +268,7 @@ def rewrite(
             "model (omit manager= to get a fresh one)"
         )
     modules = list(model.named_modules())
-    plan = [(rule, _collect(rule, modules, strict)) for rule in resolved]
+    plan = [(rule, _collect(rule, model, modules, strict)) for rule in resolved]
     _check_conflicts(plan)
     for rule, matches in plan:
         if matches and rule.validate is not None:
@@ -331,7 +331,7 @@ def _resolve_rules(rules: str | Rule | Sequence[str | Rule]) -> list[Rule]:
     else:
         raise TypeError(_bad_rules("rules must be a rule name, a Rule or a list of them", rules))
     if not items:
-        raise RewriteError("rewrite() needs at least one rule; e.g. rules=['qwen3_attn_swap']")
+        raise RewriteError("rewrite() needs at least one rule; e.g. rules=['attn_swap']")
     for item in items:
         if not isinstance(item, (str, Rule)):
             raise TypeError(_bad_rules("rules must list rule names or Rule objects", item))
@@ -346,15 +346,15 @@ def _resolve_rules(rules: str | Rule | Sequence[str | Rule]) -> list[Rule]:
 def _bad_rules(what: str, value: object) -> str:
     return (
         f"{what}, got {type(value).__name__} {value!r}; available rules:"
-        f" {', '.join(available_rules())} (e.g. rules=['qwen3_attn_swap'])"
+        f" {', '.join(available_rules())} (e.g. rules=['attn_swap'])"
     )
 
 
 def _collect(
-    rule: Rule, modules: list[tuple[str, nn.Module]], strict: bool
+    rule: Rule, model: nn.Module, modules: list[tuple[str, nn.Module]], strict: bool
 ) -> list[tuple[str, nn.Module]]:
     """The rule's matches in forward (registration) order."""
-    targets = rule.resolve_targets()
+    targets = rule.resolve_targets(model)
     matches = [(fqn, m) for fqn, m in modules if rule.matches(fqn, m, targets)]
     if not matches and strict:
         raise NoMatchError(_no_match_message(rule, targets, modules))

@@ -31,17 +31,18 @@ from graphswap.attention_kernels import (
     PlanSettingError,
     resolve_attention_kernel,
 )
+from graphswap.decoder import head_sharding_problem
 from graphswap.hf import build_model, decoder_layers
 from graphswap.policy import (
     CheckpointPolicy,
     SwapPolicy,
+    attention_swap_policy,
     is_parameter_like,
-    qwen3_attention_swap_policy,
     tensor_nbytes,
 )
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
 EMBED = "embed"
 HEAD = "head"
@@ -78,29 +79,41 @@ def attention_swap(save: SavedTensor) -> bool:
     return save.in_attention and save.policy_swaps
 
 
+def in_attention(save: SavedTensor) -> bool:
+    """The save was made inside the attention, the module attention swap wraps."""
+    return save.in_attention
+
+
 def bytes_by_scope(
     scopes: Mapping[str, Sequence[SavedTensor]],
     swapped: Callable[[SavedTensor], bool] = attention_swap,
+    wrapped: Callable[[SavedTensor], bool] = in_attention,
 ) -> dict[str, tuple[int, int]]:
     """``scope -> (saved bytes, swappable bytes)``.
 
-    A storage counts once, in the scope that saved it first, and is swappable only when
-    every save of it is swapped: a copy of one save frees nothing while another holds it.
+    A storage counts once, in the scope that saved it first. It is swappable when the
+    runtime frees it: its first save is ``swapped``, and every later save of it is
+    made in the same scope's ``wrapped`` module, where the runtime hands it the same
+    copy whatever the policy would answer (a view the policy keeps included). A save
+    anywhere else keeps the storage on device, and a copy then frees nothing.
     """
     owner: dict[int, tuple[str, int]] = {}
-    every_save_swapped: dict[int, bool] = {}
+    held: set[int] = set()
     for scope, saves in scopes.items():
         for save in saves:
             if save.parameter:
                 continue
-            owner.setdefault(save.storage, (scope, save.storage_nbytes))
-            every_save_swapped[save.storage] = every_save_swapped.get(
-                save.storage, True
-            ) and swapped(save)
+            first = owner.get(save.storage)
+            if first is None:
+                owner[save.storage] = (scope, save.storage_nbytes)
+                if not swapped(save):
+                    held.add(save.storage)
+            elif first[0] != scope or not wrapped(save):
+                held.add(save.storage)
     totals: dict[str, tuple[int, int]] = {}
     for storage, (scope, nbytes) in owner.items():
         saved, swappable = totals.get(scope, (0, 0))
-        moved = nbytes if every_save_swapped[storage] else 0
+        moved = 0 if storage in held else nbytes
         totals[scope] = (saved + nbytes, swappable + moved)
     return totals
 
@@ -121,7 +134,7 @@ class SavedTensorTrace:
     head: tuple[SavedTensor, ...]
     kernel: AttentionKernel | None
     """The sdpa kernel traced; ``None`` for eager attention."""
-    rank_config: Qwen3MoeConfig
+    rank_config: PretrainedConfig
     """The model one rank runs (the whole model when ``tp`` is 1)."""
     tp: int
 
@@ -171,7 +184,7 @@ class SavedTensorCollector:
     (``_storage_id``) and what a module boundary does (``_boundary``).
     """
 
-    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = qwen3_attention_swap_policy):
+    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = attention_swap_policy):
         self.model = model
         self.policy = policy
         self.saves: dict[str, list[SavedTensor]] = {}
@@ -229,10 +242,11 @@ class SavedTensorCollector:
             handles.append(layer.register_forward_pre_hook(self._enter_layer(i, f"{fqn}.{i}")))
             # Prepended: a boundary at the end of a layer comes before other hooks see it end.
             handles.append(layer.register_forward_hook(self._leave_layer, prepend=True))
-            handles.append(layer.self_attn.register_forward_pre_hook(self._enter_attention))
-            handles.append(
-                layer.self_attn.register_forward_hook(self._leave_attention, prepend=True)
-            )
+            attention = getattr(layer, "self_attn", None)
+            if attention is None:  # another token mixer (linear attention): no attention scope
+                continue
+            handles.append(attention.register_forward_pre_hook(self._enter_attention))
+            handles.append(attention.register_forward_hook(self._leave_attention, prepend=True))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
@@ -274,11 +288,11 @@ class SavedTensorCollector:
         return bytes_by_scope(self.saves, swapped)
 
 
-def head_dim(config: Qwen3MoeConfig) -> int:
+def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def per_rank_config(config: Qwen3MoeConfig, tp: int) -> Qwen3MoeConfig:
+def per_rank_config(config: PretrainedConfig, tp: int) -> PretrainedConfig:
     """The model one rank runs under ``passes/tensor_parallel.py``'s plan with ``tp`` ranks.
 
     That plan shards the attention heads (q/k/v column-parallel, o row-parallel, the q/k
@@ -313,7 +327,7 @@ class MetaModel:
     """One rank's model, on meta, in training mode."""
     kernel: AttentionKernel | None
     """The sdpa kernel its attention runs; ``None`` for eager attention."""
-    rank_config: Qwen3MoeConfig
+    rank_config: PretrainedConfig
     """The model one rank runs (the whole model when ``tp`` is 1)."""
     tp: int
     """Tensor-parallel ranks the model is one rank of."""
@@ -348,7 +362,7 @@ class MetaModel:
         layers = tuple(
             LayerTrace(
                 name=f"{fqn}.{i}",
-                moe=hasattr(layer.mlp, "experts"),
+                moe=hasattr(getattr(layer, "mlp", None), "experts"),
                 saves=tuple(saves.get(f"{fqn}.{i}", ())),
             )
             for i, layer in enumerate(decoder)
@@ -368,7 +382,7 @@ def _not_packed(position_ids: torch.Tensor) -> None:
 
 
 def build_meta_model(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     seq: int,
     batch: int = 1,
@@ -382,7 +396,8 @@ def build_meta_model(
 
     ``device`` and ``attn_kernel`` choose the sdpa kernel (``None``: the one PyTorch
     picks first for the device and dtype). Every setting is checked before a model is
-    built; a bad one raises :class:`PlanSettingError` naming it.
+    built, but for ``tp`` against the attention's layout, which the meta model shows; a
+    bad one raises :class:`PlanSettingError` naming it.
     """
     for name, value in (("seq", seq), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -401,12 +416,22 @@ def build_meta_model(
     rank_config = per_rank_config(config, tp)
     rank_config._attn_implementation = attn_implementation
     model = build_model(rank_config, device="meta", dtype=dtype).train()
+    if tp > 1:
+        _, layers = decoder_layers(model)
+        attention = getattr(layers[0], "self_attn", None)
+        problem = (
+            "a layer without self_attn" if attention is None else head_sharding_problem(attention)
+        )
+        if problem is not None:
+            raise PlanSettingError(
+                "tp", tp, f"shards attention heads, which this model's cannot be: {problem}; use 1"
+            )
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return MetaModel(model, kernel, rank_config, tp, device, ids)
 
 
 def trace_saved_tensors(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     seq: int,
     batch: int = 1,
@@ -415,7 +440,7 @@ def trace_saved_tensors(
     device: str = "cuda",
     attn_kernel: str | None = None,
     tp: int = 1,
-    policy: SwapPolicy = qwen3_attention_swap_policy,
+    policy: SwapPolicy = attention_swap_policy,
 ) -> SavedTensorTrace:
     """Trace one training forward of ``config`` on meta: one rank's saves, per scope.
 

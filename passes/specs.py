@@ -19,13 +19,14 @@ from passes.errors import PlanError
 if TYPE_CHECKING:
     from passes.settings import PassSettings
 
-SWAP_RULE = "qwen3_attn_swap"
-"""The rewrite rule the swap pass applies for ``activation_swap: attention``."""
+SWAP_RULE = "attn_swap"
+"""The rewrite rule the swap pass applies for ``activation_swap: attention``: any Hugging
+Face decoder family, by the classes the model declares."""
 
 SWAP_RULES: Mapping[str, str] = {
     "attention": SWAP_RULE,
-    "layer": "qwen3_moe_layer_swap",
-    "auto": "qwen3_moe_layer_swap",
+    "layer": "layer_swap",
+    "auto": "layer_swap",
 }
 """The registered rule behind each ``activation_swap`` mode (``auto`` runs the layer
 rule with a planned policy per layer, see ``graphswap.auto_swap``)."""

@@ -1,29 +1,31 @@
 """Tensor parallel: shard the attention heads of every decoder layer over a 1-D mesh.
 
 q/k/v are column-parallel and o row-parallel, so each rank computes its local heads
-and one all-reduce joins them. HF's ``Qwen3MoeAttention`` infers the head count from
-the projection's width (``view(..., -1, head_dim)``) and only reads
+and one all-reduce joins them. Hugging Face attentions infer the head count from the
+projection's width (``view(..., -1, head_dim)``) and only read
 ``num_key_value_groups``, which is unchanged when both head counts divide by
-``tp_size``, so no module attribute needs rewriting. The per-head q/k norms hold
-weights shared by all heads: they run as sequence-parallel over the head dimension so
-that their gradients are summed over ranks instead of staying partial.
+``tp_size``, so no module attribute needs rewriting. Per-head q/k norms (Qwen3, Gemma 3)
+hold weights shared by all heads: they run as sequence-parallel over the head dimension
+so that their gradients are summed over ranks instead of staying partial. An attention
+with other weights (MLA, sinks, norms across all heads) is refused, naming ``tp_size``.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from graphswap.hf import decoder_layers
+from graphswap.decoder import HEAD_NORMS, HEAD_PROJECTIONS, head_sharding_problem
+from graphswap.hf import build_model, decoder_layers
 from passes.errors import PassPostconditionError, PassRequirementError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-_COLWISE = ("q_proj", "k_proj", "v_proj")
-_ROWWISE = ("o_proj",)
-_HEAD_NORMS = ("q_norm", "k_norm")
+_COLWISE = HEAD_PROJECTIONS[:3]
+_ROWWISE = HEAD_PROJECTIONS[3:]
 _HEAD_DIM = 2
 """The head dimension of ``(batch, seq, heads, head_dim)``, where the q/k norms run."""
 
@@ -47,6 +49,39 @@ def check_heads_divisible(hf_config: Any, tp_size: int) -> None:
         )
 
 
+def check_head_layout(hf_config: Any, tp_size: int) -> None:
+    """Refuse a family whose attention the head-sharding plan cannot shard, from its
+    config alone: one decoder layer is built on the meta device and inspected."""
+    one_layer = copy.deepcopy(hf_config)
+    one_layer.num_hidden_layers = 1
+    one_layer._attn_implementation = "eager"  # the layout is the same; every family runs it
+    if isinstance(getattr(one_layer, "layer_types", None), list):
+        one_layer.layer_types = one_layer.layer_types[:1]
+    check_heads_shardable(build_model(one_layer, device="meta"), tp_size)
+
+
+def check_heads_shardable(model: nn.Module, tp_size: int) -> None:
+    """Every decoder layer's attention is one the head-sharding plan can shard."""
+    fqn, layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        problem = (
+            f"{fqn}.{index} has no self_attn"
+            if attention is None
+            else head_sharding_problem(attention)
+        )
+        if problem is not None:
+            raise PassRequirementError(
+                f"tp_size: {tp_size} shards attention heads (q/k/v/o projections and per-head"
+                f" q/k norms), but {type(model).__name__} cannot be sharded so: {problem};"
+                " set tp_size: 1 (fsdp: true still shards parameters over the ranks)"
+            )
+
+
+def _head_norms(attention: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name in HEAD_NORMS if hasattr(attention, name))
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     # torch.distributed loads only when the pass runs.
     from torch.distributed.tensor.parallel import (
@@ -57,16 +92,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     )
 
     check_heads_divisible(getattr(model, "config", None), tp_mesh.size())
-    plan = {
-        **{name: ColwiseParallel() for name in _COLWISE},
-        **{name: RowwiseParallel() for name in _ROWWISE},
-        **{
-            name: SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)
-            for name in _HEAD_NORMS
-        },
-    }
+    check_heads_shardable(model, tp_mesh.size())
     _, layers = decoder_layers(model)
     for layer in layers:
+        plan = {
+            **{name: ColwiseParallel() for name in _COLWISE},
+            **{name: RowwiseParallel() for name in _ROWWISE},
+            **{
+                name: SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)
+                for name in _head_norms(layer.self_attn)
+            },
+        }
         parallelize_module(layer.self_attn, tp_mesh, plan)
     verify_tensor_parallel(model, tp_mesh)
 
@@ -74,13 +110,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 def verify_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard  # as in apply_tensor_parallel
 
-    expected = {
-        **{name: Shard(0) for name in _COLWISE},
-        **{name: Shard(1) for name in _ROWWISE},
-        **{name: Replicate() for name in _HEAD_NORMS},
-    }
     fqn, layers = decoder_layers(model)
     for index, layer in enumerate(layers):
+        expected = {
+            **{name: Shard(0) for name in _COLWISE},
+            **{name: Shard(1) for name in _ROWWISE},
+            **{name: Replicate() for name in _head_norms(layer.self_attn)},
+        }
         for name, placement in expected.items():
             weight = layer.self_attn.get_submodule(name).weight
             if not isinstance(weight, DTensor) or weight.placements != (placement,):

@@ -13,7 +13,7 @@ from pathlib import Path
 from graphswap.cli._args import positive_int
 
 DEFAULT_PRESET = "graph-default"
-DEFAULT_RULE = "qwen3_attn_swap"
+DEFAULT_RULE = "attn_swap"
 FORMATS = ("dot", "json", "svg", "png")
 
 
@@ -22,7 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "graph",
         help="write the prefetch graph of a swap rewrite (DOT, JSON, SVG or PNG)",
         description=(
-            "Build a Qwen3-MoE model on the meta device (no weights, no downloads), apply "
+            "Build a Hugging Face decoder (the family --model's config.json names, or a "
+            "Qwen3-MoE preset) on the meta device (no weights, no downloads), apply "
             "the rewrite rules and write the resulting prefetch graph. Without --model the "
             f"embedded preset {DEFAULT_PRESET!r} is used: 48 layers, as in Qwen3-30B-A3B, "
             "at tiny widths."

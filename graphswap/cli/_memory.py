@@ -83,7 +83,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "plan-memory",
         help="predict one training step with activation swap: time, stalls, memory (no GPU)",
         description=(
-            "Trace one training step (forward, backward, AdamW) of a Qwen3-MoE model on the "
+            "Trace one training step (forward, backward, AdamW) of a Hugging Face decoder (any "
+            "family a preset or --model DIR's config.json names) on the "
             "meta device, time every operator on a device profile, and replay the step as the "
             "swap runtime runs it: per decoder layer what is saved and swapped, the copy time "
             "against both windows (forward, fenced --offload-lag modules later; backward, "

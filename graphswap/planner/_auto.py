@@ -35,18 +35,17 @@ class SwapCandidate:
 def layer_candidates(trace: SavedTensorTrace) -> dict[str, list[SwapCandidate]]:
     """Per layer, the storages whole-layer swap moves, in order of first save.
 
-    A storage qualifies when the policy swaps every save of it and all those saves are
-    in this layer's forward: a copy frees nothing while another save keeps the storage
-    (the rotary cos/sin that every layer saves).
+    A storage qualifies when the policy swaps its first save and all its saves are in
+    this layer's forward, where the runtime hands later saves of it (views the policy
+    would keep included) the first one's copy: a copy frees nothing while a save
+    elsewhere keeps the storage (the rotary cos/sin that every layer saves).
     """
     scopes: dict[int, set[str]] = {}
-    every_save_swaps: dict[int, bool] = {}
+    first_swaps: dict[int, bool] = {}
     for scope, saves in trace.scopes().items():
         for save in saves:
             scopes.setdefault(save.storage, set()).add(scope)
-            every_save_swaps[save.storage] = (
-                every_save_swaps.get(save.storage, True) and save.policy_swaps
-            )
+            first_swaps.setdefault(save.storage, save.policy_swaps)
     candidates: dict[str, list[SwapCandidate]] = {}
     for layer in trace.layers:
         by_storage: dict[int, list[SavedTensor]] = {}
@@ -55,7 +54,7 @@ def layer_candidates(trace: SavedTensorTrace) -> dict[str, list[SwapCandidate]]:
         candidates[layer.name] = [
             SwapCandidate(saves[0].storage_nbytes, tuple(saves))
             for storage, saves in by_storage.items()
-            if every_save_swaps[storage] and scopes[storage] == {layer.name}
+            if first_swaps[storage] and scopes[storage] == {layer.name}
         ]
     return candidates
 

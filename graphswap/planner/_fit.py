@@ -35,7 +35,7 @@ from graphswap.runtime.profile import DeviceProfile
 from graphswap.saved_tensors import MetaModel, build_meta_model
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
 DEFAULT_SEQ_STEP = 512
 """``fit_sequence`` answers in multiples of this many tokens."""
@@ -137,7 +137,7 @@ class FitResult:
 
 
 def fit_sequence(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     memory_bytes: int | None = None,
     batch: int = 1,
@@ -240,7 +240,7 @@ def fit_sequence(
 
 
 def _plan_modes(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     trace: StepTrace,
     modes: Sequence[str],
     *,

@@ -16,8 +16,8 @@ from graphswap.planner._auto import SwapCandidate, layer_candidates, plan_auto
 from graphswap.planner._replay import Replay, SwapChoice, replay
 from graphswap.planner._trace import StepTrace, trace_step
 from graphswap.planner._windows import StepTimes, group_of, step_times
-from graphswap.policy import SwapPolicy, qwen3_attention_swap_policy
-from graphswap.rules import qwen3_layer_swap_policy
+from graphswap.policy import SwapPolicy, attention_swap_policy
+from graphswap.rules import layer_swap_policy
 from graphswap.runtime.profile import DeviceProfile, device_profile
 from graphswap.runtime.tape import StepTimeline
 from graphswap.saved_tensors import (
@@ -30,7 +30,7 @@ from graphswap.saved_tensors import (
 )
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
 DEFAULT_PROFILE = "h200"
 """The device a plan is made for unless told: an H200 on PCIe Gen5."""
@@ -351,11 +351,11 @@ def resolve_profile(
 def default_policy(swap: str) -> SwapPolicy:
     """The policy the mode's rule runs (``none``: the attention rule's, for the figures
     of what the attention would swap)."""
-    return qwen3_layer_swap_policy if swap in ("layer", "auto") else qwen3_attention_swap_policy
+    return layer_swap_policy if swap in ("layer", "auto") else attention_swap_policy
 
 
 def plan_memory(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     *,
     seq: int,
     batch: int = 1,
@@ -423,7 +423,7 @@ def plan_memory(
 
 
 def plan_step(
-    config: Qwen3MoeConfig,
+    config: PretrainedConfig,
     trace: StepTrace,
     *,
     swap: str,
@@ -593,7 +593,8 @@ def _swap_assumptions(swap: str, offload_lag: int, prefetch_depth: int) -> tuple
         return copies
     whole = (
         "layer and auto: the swapped bytes count a storage only when every save of it is in "
-        "one layer and the policy swaps each (the rotary cos/sin, saved by every layer, stay)",
+        "one layer and the policy swaps the first (later saves share its copy, as in the "
+        "runtime; the rotary cos/sin, saved by every layer, stay)",
     )
     if swap == "layer":
         return copies + whole
@@ -620,7 +621,7 @@ def _shard_assumptions(state_shards: int) -> tuple[str, ...]:
     )
 
 
-def _trace_assumptions(trace: StepTrace, config: Qwen3MoeConfig) -> tuple[str, ...]:
+def _trace_assumptions(trace: StepTrace, config: PretrainedConfig) -> tuple[str, ...]:
     saved = trace.saved
     attention = EAGER_ASSUMPTION if saved.kernel is None else saved.kernel.describe()
     if saved.tp == 1:
@@ -637,7 +638,7 @@ def _trace_assumptions(trace: StepTrace, config: Qwen3MoeConfig) -> tuple[str, .
     )
 
 
-def _config_summary(config: Qwen3MoeConfig) -> dict[str, Any]:
+def _config_summary(config: PretrainedConfig) -> dict[str, Any]:
     keys = (
         "num_hidden_layers",
         "hidden_size",

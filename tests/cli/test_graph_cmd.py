@@ -42,7 +42,7 @@ def test_json_with_layers(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert [n["id"] for n in data["nodes"]] == [f"model.layers.{i}.self_attn" for i in range(3)]
     assert len(data["edges"]) == 2
-    assert err.strip() == "qwen3_attn_swap: 3 modules wrapped, 2 prefetch links"
+    assert err.strip() == "attn_swap: 3 modules wrapped, 2 prefetch links"
 
 
 def test_model_dir_reads_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,6 +51,21 @@ def test_model_dir_reads_config_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert run_graph(["--model", str(tmp_path), "-o", str(out_file)]) == 0
     assert out_file.read_text().count('[kind="prefetch"]') == 4
     assert capsys.readouterr().out == ""
+
+
+def test_model_dir_of_another_family(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import MistralConfig
+
+    MistralConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4).save_pretrained(
+        tmp_path
+    )
+    assert run_graph(["--model", str(tmp_path), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    nodes = json.loads(out)["nodes"]
+    assert {n["module_type"] for n in nodes} == {
+        "transformers.models.mistral.modeling_mistral.MistralAttention"
+    }
+    assert err.strip() == "attn_swap: 3 modules wrapped, 2 prefetch links"
 
 
 def test_layers_override_the_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

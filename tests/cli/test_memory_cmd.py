@@ -6,11 +6,18 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from graphswap import rewrite
 from graphswap.cli import _memory
+from graphswap.hf import build_model
+from graphswap.measure import ResidentActivationTracker, output_tensors
+from graphswap.presets import PRESETS
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -351,3 +358,46 @@ def test_a_memory_size_without_a_known_unit_is_a_usage_error(
     with pytest.raises(SystemExit):
         _args("--preset", "tiny", "--fit", "141 parsecs")
     assert "expected a size such as 141GiB" in capsys.readouterr().err
+
+
+FAMILY_PRESETS = ["tiny", *sorted(name for name in PRESETS if name.startswith("tiny-"))]
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_a_checkpoint_folder_of_each_family_plans_what_the_runtime_frees(
+    preset: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    family_config: Callable[[str, str], Any],
+    one_thread: None,
+) -> None:
+    """``--model DIR`` traces any family from its config.json; layer swap (eager, where
+    the probabilities pass the 1 MiB threshold at seq 256) then takes off the device what
+    the plan says, by the independent tracker, and copies what it says."""
+    config = family_config(preset, "eager")
+    config.save_pretrained(tmp_path)
+    seq, batch = 256, 2
+    args = _args(
+        "--model", str(tmp_path), "--seq", str(seq), "--batch", str(batch), "--policy", "layer",
+        "--dtype", "float32", "--device", "cpu", "--attn-implementation", "eager",
+        "--format", "json",
+    )  # fmt: skip
+    assert args.run(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    torch.manual_seed(0)
+    model = build_model(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator())
+    resident = []
+    for rules in ([], ["layer_swap"]):
+        report = rewrite(model, rules=rules) if rules else None
+        tracker = ResidentActivationTracker("cpu")
+        with tracker.track():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+        if report is not None:
+            report.manager.synchronize()
+        resident.append(tracker.resident_bytes(output_tensors(out)))
+        out.loss.backward()
+    assert report is not None
+    offloaded = sum(layer["offloaded_bytes"] for layer in plan["layers"])
+    assert report.manager.stats.offloaded_bytes == offloaded > 0
+    assert resident[0] - resident[1] == pytest.approx(plan["swapped_bytes"], rel=0.01)

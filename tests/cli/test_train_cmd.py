@@ -2,6 +2,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from graphswap.hf import build_model
+
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -111,3 +115,24 @@ def test_train_refuses_a_wrong_pass_order_before_anything_runs(tmp_path) -> None
         " off: set activation_swap: none or fsdp: false\n"
     )
     assert not out.exists(), "the output folder is made only after the plan is accepted"
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mixtral"])
+def test_train_a_dense_and_a_moe_family_from_a_checkpoint_folder(
+    tmp_path, preset: str, family_config
+) -> None:
+    """The family is the one the folder's config.json names; layer swap (eager, whose
+    probabilities pass the 1 MiB threshold at seq 256) changes no loss and moves bytes."""
+    folder = tmp_path / "checkpoint"
+    build_model(family_config(preset, "eager")).save_pretrained(folder)
+    done = run_cli(
+        "--compare", f"model_path={folder}", "activation_swap=layer",
+        "attn_implementation=eager", "seq_len=256", "steps=2", f"output_dir={tmp_path}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first = next(line for line in done.stdout.splitlines() if line.startswith("loss first"))
+    assert len(set(first.split()[2:])) == 1
+    swapped = json.loads((tmp_path / "summary.json").read_text())[1]
+    assert swapped["swap"]["offloaded_bytes"] == swapped["swap"]["reloaded_bytes"] > 0
+    assert swapped["swap"]["prefetch_misses"] == 0

@@ -82,7 +82,7 @@ def read_only_dir(tmp_path: Path) -> str:
     pytest.skip("no folder refuses writes for this user")
 
 
-LLAMA = '{"model_type": "llama", "hidden_size": 64}'
+NOT_A_DECODER = '{"model_type": "vit", "hidden_size": 64}'
 
 # (id, argv built from tmp_path, exit code, first words of stderr)
 CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
@@ -124,8 +124,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
         "graphswap train: model_path: ",
     ),
     (
-        "train-model-path-other-architecture",
-        lambda p: ["train", f"model_path={checkpoint_config(p, LLAMA)}"],
+        "train-model-path-not-a-decoder",
+        lambda p: ["train", f"model_path={checkpoint_config(p, NOT_A_DECODER)}"],
         2,
         "graphswap train: model_path: ",
     ),
@@ -173,8 +173,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
         "graphswap graph: error: -o ",
     ),
     (
-        "graph-model-other-architecture",
-        lambda p: ["graph", "--model", checkpoint_config(p, LLAMA)],
+        "graph-model-not-a-decoder",
+        lambda p: ["graph", "--model", checkpoint_config(p, NOT_A_DECODER)],
         1,
         "graphswap graph: error: --model ",
     ),
@@ -185,8 +185,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
         "graphswap plan-memory: error: --model ",
     ),
     (
-        "plan-memory-model-other-architecture",
-        lambda p: ["plan-memory", "--seq", "8", "--model", checkpoint_config(p, LLAMA)],
+        "plan-memory-model-not-a-decoder",
+        lambda p: ["plan-memory", "--seq", "8", "--model", checkpoint_config(p, NOT_A_DECODER)],
         2,
         "graphswap plan-memory: error: --model ",
     ),

@@ -122,3 +122,19 @@ def test_flash_refuses_an_attention_mask_and_efficient_takes_it_as_a_bias() -> N
 
 def test_the_cli_offers_the_kernels_the_planner_knows() -> None:
     assert _memory.KERNELS == KERNELS
+
+
+def test_values_of_another_head_size_run_math_on_cpu_and_refuse_flash_on_cuda(
+    family_config,
+) -> None:
+    """DeepSeek-V3's latent attention: queries of 24, values of 16 per head."""
+    config = family_config("tiny-deepseek-v3", "sdpa")
+    on_cpu = trace_saved_tensors(config, seq=64, device="cpu", dtype=torch.float32)
+    shapes = [save.shape for save in on_cpu.layers[0].saves if save.in_attention]
+    assert (1, 4, 64, 64) in shapes  # math saves the probabilities
+    with pytest.raises(PlanSettingError, match="flash needs one head size for q, k and v"):
+        trace_saved_tensors(config, seq=64, device="cuda", dtype=torch.bfloat16)
+    efficient = trace_saved_tensors(
+        config, seq=64, device="cuda", dtype=torch.bfloat16, attn_kernel="efficient"
+    )
+    assert efficient.kernel is not None and efficient.kernel.name == "efficient"

@@ -305,7 +305,7 @@ def test_the_plan_is_in_the_prefetch_graph_nodes() -> None:
     built = _build("auto", num_layers=3, **MIDDLE)
     report = built.infrastructure.report
     assert report is not None and built.auto_swap is not None
-    assert str(report) == "qwen3_moe_auto_swap: 3 modules wrapped, 2 prefetch links"
+    assert str(report) == "auto_swap: 3 modules wrapped, 2 prefetch links"
     nodes = {node["id"]: node for node in report.to_dict()["prefetch_graph"]["nodes"]}
     first, last = nodes["model.layers.0"], nodes["model.layers.2"]
     planned = built.auto_swap.plan.layers[0]

@@ -55,7 +55,7 @@ class FakeManager:
 
 def default_graph(layers: int = 48) -> nx.DiGraph:
     config = qwen3_moe_config("graph-default", num_hidden_layers=layers)
-    return rewrite(build_model(config, device="meta"), "qwen3_attn_swap").graph
+    return rewrite(build_model(config, device="meta"), "attn_swap").graph
 
 
 def test_graph_nodes_and_edges_follow_the_manager() -> None:
@@ -65,7 +65,7 @@ def test_graph_nodes_and_edges_follow_the_manager() -> None:
         "index": 2,
         "layer": 2,
         "module_type": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
-        "policy": "qwen3_attention_swap_policy",
+        "policy": "attention_swap_policy",
         "keep_on_device": False,
     }
     assert graph.nodes["model.layers.3.self_attn"]["keep_on_device"] is True

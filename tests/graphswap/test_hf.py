@@ -18,9 +18,9 @@ Model = Callable[..., nn.Module]
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"model_type": "llama"}', "has model_type 'llama'; graphswap trains 'qwen3_moe'"),
-        ('{"model_type": "qwen2"}', "has model_type 'qwen2'; graphswap trains 'qwen3_moe'"),
-        ('{"hidden_size": 64}', "has no model_type; graphswap trains 'qwen3_moe'"),
+        ('{"model_type": "vit"}', "has model_type 'vit', which names no causal language model"),
+        ('{"model_type": "qwen9"}', "has model_type 'qwen9', which names no causal language"),
+        ('{"hidden_size": 64}', "has no model_type, which names no causal language model"),
         ('{"model_type": ', "is not valid JSON"),
         ("[1, 2]", "holds a JSON list, not an object of settings"),
     ],
@@ -47,6 +47,21 @@ def test_model_config_reads_a_preset_or_a_folder_and_sets_the_depth(
     assert from_folder._attn_implementation == "sdpa"
     preset = model_config("qwen3-30b-a3b")
     assert (preset.hidden_size, preset.num_hidden_layers) == (2048, 48)
+
+
+def test_load_hf_config_reads_the_family_its_model_type_names(tmp_path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4).save_pretrained(
+        tmp_path
+    )
+    config = load_hf_config(tmp_path, attn_implementation="sdpa")
+    assert type(config) is LlamaConfig
+    assert (config.hidden_size, config.num_hidden_layers, config._attn_implementation) == (
+        64,
+        2,
+        "sdpa",
+    )
 
 
 def test_decoder_layers_are_found_wherever_a_head_class_keeps_them(tiny_model: Model) -> None:

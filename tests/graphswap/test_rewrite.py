@@ -256,7 +256,7 @@ def test_rules_of_the_wrong_type_name_the_argument_and_the_rules(
         rewrite(model, rules)  # type: ignore[arg-type]
     assert str(info.value) == (
         f"{message}; available rules: {', '.join(available_rules())}"
-        " (e.g. rules=['qwen3_attn_swap'])"
+        " (e.g. rules=['attn_swap'])"
     )
     assert "qwen3_attn_swap, qwen3_moe_layer_swap" in str(info.value)
     assert_untouched(model, before)

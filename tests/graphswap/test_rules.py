@@ -1,4 +1,5 @@
-"""Rule (declarative data), the registry, and the built-in qwen3_attn_swap."""
+"""Rule (declarative data), the registry, the built-in qwen3_attn_swap, and the family-generic
+attn_swap and layer_swap."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import sys
 import pytest
 from torch import nn
 
+from graphswap import rewrite
 from graphswap import rules as rules_module
+from graphswap.errors import HierarchyError, NoMatchError
 from graphswap.rules import (
     RewriteError,
     Rule,
@@ -18,6 +21,7 @@ from graphswap.rules import (
     get_rule,
     register_rule,
 )
+from graphswap.runtime import is_swap_wrapped
 
 
 def _new_module(module: nn.Module, ctx: RuleContext) -> nn.Module:
@@ -102,7 +106,7 @@ def test_unknown_rule_lists_available_and_suggests_the_closest() -> None:
     assert message.startswith(
         "unknown rule 'qwen3_attention_swap' (did you mean 'qwen3_attn_swap'?)"
     )
-    assert "available rules: qwen3_attn_swap" in message
+    assert "available rules: attn_swap, layer_swap, qwen3_attn_swap" in message
     assert isinstance(info.value, KeyError)
     assert isinstance(info.value, RewriteError)
 
@@ -165,3 +169,195 @@ def test_importing_graphswap_does_not_import_model_code() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# The family-generic rules: targets declared by the model, matched by exact type.
+
+
+def _llama(num_layers: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(("name", "attr"), [("attn_swap", "self_attn"), ("layer_swap", None)])
+def test_generic_rules_wrap_the_classes_the_model_declares(name: str, attr: str | None) -> None:
+    from transformers.models.llama import modeling_llama
+
+    model = _llama()
+    declared = get_rule(name).resolve_targets(model)
+    assert declared == (
+        (modeling_llama.LlamaAttention,) if attr else (modeling_llama.LlamaDecoderLayer,)
+    )
+    report = rewrite(model, rules=[name])
+    suffix = f".{attr}" if attr else ""
+    assert report.rules[0].fqns == (f"model.layers.0{suffix}", f"model.layers.1{suffix}")
+    assert report.rules[0].links == ((f"model.layers.0{suffix}", f"model.layers.1{suffix}"),)
+    assert get_rule(name).must_run_before == get_rule("qwen3_attn_swap").must_run_before
+    assert get_rule(name).excludes == get_rule("qwen3_attn_swap").excludes
+
+
+def test_a_layer_whose_attention_is_not_the_declared_class_is_refused_and_the_model_kept() -> None:
+    from transformers.models.llama import modeling_llama
+
+    model = _llama()
+
+    class MyAttention(modeling_llama.LlamaAttention):
+        pass
+
+    model.model.layers[1].self_attn.__class__ = MyAttention
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(HierarchyError) as info:
+        rewrite(model, rules=["attn_swap"])
+    message = str(info.value)
+    assert "'model.layers.1.self_attn' must be exactly" in message
+    assert "modeling_llama.LlamaAttention" in message and "MyAttention" in message
+    assert [type(m) for m in model.modules()] == before
+    assert not any(is_swap_wrapped(m) for m in model.modules())
+
+
+def test_every_attention_subclassed_matches_nothing_and_names_the_subclass() -> None:
+    from transformers.models.llama import modeling_llama
+
+    model = _llama()
+
+    class MyAttention(modeling_llama.LlamaAttention):
+        pass
+
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = MyAttention
+    with pytest.raises(NoMatchError) as info:
+        rewrite(model, rules=["attn_swap"])
+    assert "exact type transformers.models.llama.modeling_llama.LlamaAttention" in str(info.value)
+    assert "MyAttention at 'model.layers.0.self_attn' (+1 more): a subclass" in str(info.value)
+
+
+def test_a_model_without_decoder_attention_lists_the_module_types_found() -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    for name in ("attn_swap", "layer_swap"):
+        with pytest.raises(NoMatchError) as info:
+            rewrite(model, rules=[name])
+        message = str(info.value)
+        assert message.startswith(f"rule {name!r} found no decoder attention to match")
+        assert (
+            "module types found: torch.nn.modules.container.Sequential,"
+            " torch.nn.modules.sparse.Embedding, torch.nn.modules.linear.Linear" in message
+        )
+
+
+def test_a_stack_with_layers_but_no_declared_classes_lists_what_it_holds() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(4, 4)])
+    with pytest.raises(NoMatchError, match="declares no decoder layer and attention classes"):
+        rewrite(model, rules=["attn_swap"])
+
+
+def test_a_hybrid_stack_refuses_attn_swap_by_name_and_takes_layer_swap() -> None:
+    """Qwen3-Next mixes linear-attention layers with full attention: attention swap
+    would leave holes in the prefetch chain, whole layers are all one declared class."""
+    pytest.importorskip("transformers.models.qwen3_next")
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=2,
+        num_experts_per_tok=1,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    model = Qwen3NextForCausalLM(config)
+    with pytest.raises(HierarchyError) as info:
+        rewrite(model, rules=["attn_swap"])
+    message = str(info.value)
+    assert "'model.layers.0' has no self_attn (it holds linear_attn (Qwen3NextGatedDeltaNet)" in (
+        message
+    )
+    assert message.endswith("use layer_swap, which wraps every layer whatever it holds")
+    assert len(rewrite(model, rules=["layer_swap"]).rules[0].fqns) == 2
+
+
+def test_a_rule_takes_targets_or_targets_from_not_both() -> None:
+    with pytest.raises(ValueError, match="give either targets"):
+        make_rule(targets_from=get_rule("attn_swap").targets_from)
+    with pytest.raises(RewriteError, match="takes its targets from the model: pass the model"):
+        get_rule("attn_swap").resolve_targets()
+
+
+def test_with_policy_keeps_the_rule_but_its_policy_and_refuses_a_rule_without_one() -> None:
+    from graphswap.policy import size_threshold_policy
+    from graphswap.rules import with_policy
+
+    policy = size_threshold_policy(1 << 10, name="one_kib")
+    rule = with_policy("attn_swap", policy)
+    model = _llama()
+    report = rewrite(model, rules=[rule])
+    assert report.rules[0].rule == "attn_swap"
+    assert {group.policy for group in report.manager.groups()} == {"one_kib"}
+    with pytest.raises(RewriteError, match="does not wrap with a swap policy") as info:
+        with_policy(make_rule(), policy)
+    assert "swap rules: attn_swap, layer_swap, qwen3_attn_swap, qwen3_moe_layer_swap" in str(
+        info.value
+    )
+
+
+def test_a_stack_of_two_declared_layer_classes_is_swapped_per_class(one_thread: None) -> None:
+    """Jamba alternates Mamba and attention layers, two classes it declares: layer_swap
+    wraps and links every layer by its own exact class and changes no number;
+    attn_swap refuses the Mamba layers, which hold no attention."""
+    pytest.importorskip("transformers.models.jamba")
+    import torch
+    from transformers import JambaConfig, JambaForCausalLM
+
+    from graphswap.policy import size_threshold_policy
+    from graphswap.rules import with_policy
+
+    config = JambaConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        num_experts=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=4,
+    )
+    torch.manual_seed(0)
+    model = JambaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+    plain_loss, plain_grads = step()
+    report = rewrite(model, rules=[with_policy("layer_swap", size_threshold_policy(4 << 10))])
+    kinds = [change.old_type.rpartition(".")[2] for change in report.rules[0].changes]
+    assert kinds == ["JambaMambaDecoderLayer", "JambaAttentionDecoderLayer"] * 2
+    assert len(report.rules[0].links) == 3
+    loss, grads = step()
+    stats = report.manager.stats
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    assert stats.offloaded_bytes == stats.reloaded_bytes > 0 and stats.prefetch_misses == 0
+    report.undo()
+    with pytest.raises(HierarchyError, match=r"'model\.layers\.0' has no self_attn \(it holds"):
+        rewrite(model, rules=["attn_swap"])

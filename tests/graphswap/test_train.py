@@ -5,7 +5,7 @@ import torch
 
 from graphswap.config import ConfigError, TrainerConfig
 from graphswap.hf import CheckpointError, build_model
-from graphswap.preflight import check_world
+from graphswap.preflight import check_model, check_world
 from graphswap.presets import qwen3_moe_config
 from graphswap.train import (
     TrainResult,
@@ -72,9 +72,15 @@ def test_missing_or_short_data_is_a_clear_error(tmp_path) -> None:
         next(token_batches(TrainerConfig(data=str(short), seq_len=16), 512, "cpu"))
 
 
-def test_model_path_trains_from_the_checkpoint_weights(tmp_path) -> None:
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama", "tiny-mixtral"])
+def test_model_path_trains_from_the_checkpoint_weights(
+    tmp_path, preset: str, family_config, one_thread
+) -> None:
+    """The family is the one config.json names (Qwen3-MoE, a dense and a MoE other)."""
     torch.manual_seed(123)  # not the trainer's seed: a random init cannot match
-    checkpoint = build_model(qwen3_moe_config("tiny", num_hidden_layers=2))
+    hf_config = family_config(preset, "sdpa")
+    hf_config.num_hidden_layers = 2
+    checkpoint = build_model(hf_config)
     checkpoint.save_pretrained(tmp_path)
     config = TrainerConfig(model_path=str(tmp_path), seq_len=64, steps=1)
     ids = next(token_batches(config, checkpoint.config.vocab_size, "cpu"))
@@ -87,6 +93,12 @@ def test_model_path_with_more_layers_than_saved_is_refused(tmp_path) -> None:
     config = TrainerConfig(model_path=str(tmp_path), num_layers=2, seq_len=64, steps=1)
     with pytest.raises(CheckpointError, match=r"does not hold model\.layers\.1\."):
         train(config, progress=False)
+
+
+def test_sdpa_on_a_family_that_runs_eager_only_is_refused_by_key() -> None:
+    pytest.importorskip("transformers.models.gpt_oss")
+    with pytest.raises(ConfigError, match=r"^attn_implementation: sdpa: GptOssForCausalLM runs"):
+        check_model(TrainerConfig(model="tiny-gpt-oss", attn_implementation="sdpa"))
 
 
 def test_several_ranks_need_a_pass_that_keeps_them_one_model() -> None:

@@ -86,9 +86,11 @@ def replica_first_loss(config: TrainerConfig, dp_rank: int) -> float:
     return model(input_ids=ids, labels=ids, use_cache=False).loss.item()
 
 
-def test_tp_and_fsdp_on_two_ranks_train_like_one_replica(tmp_path: Path) -> None:
-    (run,) = torchrun(2, {"tp_size": 2, "fsdp": "true", "steps": 2}, tmp_path)
-    reference = train(TrainerConfig(**SETTINGS, steps=2), progress=False)
+@pytest.mark.parametrize("model", ["tiny", "tiny-mixtral"])
+def test_tp_and_fsdp_on_two_ranks_train_like_one_replica(tmp_path: Path, model: str) -> None:
+    """Qwen3-MoE shards per-head q/k norms with its heads; Mixtral has none to shard."""
+    (run,) = torchrun(2, {"tp_size": 2, "fsdp": "true", "steps": 2, "model": model}, tmp_path)
+    reference = train(TrainerConfig(**SETTINGS, steps=2, model=model), progress=False)
     assert run["applied_passes"] == ["swap", "tensor_parallel", "fsdp"]
     assert run["swap"]["offloaded_bytes"] > 0
     assert run["losses"] == pytest.approx(reference.losses, rel=LOSS_RTOL)

@@ -291,7 +291,7 @@ def test_forced_wrong_order_fails_in_the_swap_pass(tiny_model: Model, world: Non
     with pytest.raises(
         AlreadyTransformedError,
         match=r"^parameter 'model\.layers\.0\.self_attn\.q_proj\.weight' is a DTensor: .*"
-        r"'qwen3_attn_swap' must run before tensor/expert/context parallel",
+        r"'attn_swap' must run before tensor/expert/context parallel",
     ):
         apply_swap(model)
 
