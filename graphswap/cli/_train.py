@@ -21,9 +21,11 @@ EMBEDDED_DEFAULT: dict[str, Any] = {
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="train a Qwen3-MoE with the configured infrastructure and print what swap saved",
-        description="Train a Qwen3-MoE built through the pass plan. Without --config it runs "
-        "an embedded default (tiny model, activation_swap: attention).",
+        help="train a Hugging Face decoder with the configured infrastructure and print what"
+        " swap saved",
+        description="Train the decoder family a preset or a local config.json names (its"
+        " model_type), built through the pass plan. Without --config it runs an embedded"
+        " default (the tiny Qwen3-MoE, activation_swap: attention).",
     )
     parser.add_argument("--config", help="a YAML file of TrainerConfig keys")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override a setting")
