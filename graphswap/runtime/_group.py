@@ -140,8 +140,11 @@ class _GroupOps:
         forwards back are fenced (their producing stream waits for the newest of them,
         which ends all before it) and their sources dropped; finished ones too."""
         engines = self._engines.values()
-        self._capturing = any([engine.capturing() for engine in engines])
-        if self._capturing:
+        capturing = False
+        for engine in engines:
+            capturing = engine.capturing() or capturing
+        self._capturing = capturing
+        if capturing:
             return
         for engine in engines:
             engine.tick()
@@ -172,10 +175,7 @@ class _GroupOps:
         if entry.released:
             return
         entry.released = True
-        held = entry.offload.release_source()
-        if held is not None:
-            entry.held = held
-            self._held.add(entry)
+        entry.held = entry.offload.release_source()
 
     def _settle_held(self, entry: _Entry) -> None:
         """The reload of ``entry`` is issued or its graph died: if another reference kept

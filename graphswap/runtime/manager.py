@@ -146,9 +146,6 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         self._capturing = False
         """What the capture query of the last module boundary answered: every call
         until the next boundary goes by it (one query per boundary, not per tensor)."""
-        self._held: weakref.WeakSet[_Entry] = weakref.WeakSet()
-        """Entries whose source another reference kept on device when it was dropped,
-        until ``_settle_held`` counts them."""
         self._warned_not_freed = False  # the copied-but-not-freed warning was given
         self._seq = 0  # forwards run so far under the hooks: the last group's ``seq``
         self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
@@ -284,10 +281,6 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
                 host_in_use_bytes=self._pool.in_use_bytes,
                 per_group={k: dataclasses.replace(v) for k, v in self._stats.items()},
             )
-            for entry in list(self._held):
-                held = entry.held
-                if held is not None and not held.expired():
-                    snapshot.per_group[entry.name].offloaded_not_freed_bytes += entry.nbytes
         for group_stats in snapshot.per_group.values():
             snapshot.add(group_stats)
         return snapshot

@@ -21,8 +21,7 @@ class GroupStats:
     device, and the rewrite report's ``check()`` raises. ``offloaded_not_freed_bytes``
     counts offloaded bytes that another reference kept on device from their release
     until their reload was issued (or their graph died): copied, and freed nothing
-    (a returned key/value cache, autocast's weight cache, a tensor the caller keeps);
-    a snapshot also counts those still held at that moment."""
+    (a returned key/value cache, autocast's weight cache, a tensor the caller keeps)."""
 
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
