@@ -125,6 +125,38 @@ class _Mark:
         self.free.append(self.event)
 
 
+class _Progress:
+    """What the host knows of one copy stream without asking the device: the marks
+    recorded on it, and the newest one it saw completed (which ends every earlier one)."""
+
+    __slots__ = ("done", "marks")
+
+    def __init__(self) -> None:
+        self.marks = 0
+        """Marks recorded on the stream so far: the ``seq`` of the newest."""
+        self.done = 0
+        """The newest mark the host saw completed."""
+
+    def mark(self, event: Event, free: list[Event]) -> _Mark:
+        self.marks += 1
+        return _Mark(event, free, self.marks)
+
+    def finished(self, mark: _Mark) -> bool:
+        """Whether the copies before ``mark`` completed; asks the device only when the
+        host does not know yet."""
+        if self.done >= mark.seq:
+            return True
+        if not mark.event.query():
+            return False
+        self.done = mark.seq
+        return True
+
+    def synchronize(self, mark: _Mark) -> None:
+        if self.done < mark.seq:
+            mark.event.synchronize()
+            self.done = mark.seq
+
+
 class _Lane:
     """One device as the engine drives it: its interface, the engine's two streams, their
     event pools, and what the host knows of their order without asking the device.
@@ -137,17 +169,15 @@ class _Lane:
         "batch",
         "d2h",
         "d2h_after_h2d",
-        "d2h_done",
-        "d2h_marks",
         "device",
         "fenced",
         "h2d",
         "h2d_after_d2h",
-        "h2d_done",
-        "h2d_marks",
         "loaded",
         "offload_events",
+        "offloads",
         "reload_events",
+        "reloads",
     )
 
     def __init__(self, device: Device) -> None:
@@ -163,14 +193,10 @@ class _Lane:
         """Idle events for the reload side: the allocation waits and the reload marks."""
         self.batch: _Batch | None = None
         """Offloads issued since the last module boundary, not yet marked."""
-        self.d2h_marks = 0
-        """Marks recorded on ``d2h`` so far."""
-        self.h2d_marks = 0
-        """Marks recorded on ``h2d`` so far."""
-        self.d2h_done = 0
-        """The newest ``d2h`` mark the host saw completed."""
-        self.h2d_done = 0
-        """The newest ``h2d`` mark the host saw completed."""
+        self.offloads = _Progress()
+        """What the host knows of ``d2h``."""
+        self.reloads = _Progress()
+        """What the host knows of ``h2d``."""
         self.fenced: dict[Stream, int] = {}
         """Per compute stream, the newest ``d2h`` mark it waited for (an offload fence)."""
         self.loaded: dict[Stream, int] = {}
@@ -197,8 +223,7 @@ class _Lane:
         if batch is not None:
             event = self.device.record(self.d2h, self.event(self.offload_events, "offload"))
             self.batch = None
-            self.d2h_marks += 1
-            batch.mark = _Mark(event, self.offload_events, self.d2h_marks)
+            batch.mark = self.offloads.mark(event, self.offload_events)
 
 
 class _Batch:
@@ -220,26 +245,15 @@ class _Batch:
         return self.mark
 
     def done(self) -> bool:
-        mark = self.sealed()
-        lane = self.lane
-        if lane.d2h_done >= mark.seq:
-            return True
-        if not mark.event.query():
-            return False
-        lane.d2h_done = mark.seq
-        return True
+        return self.lane.offloads.finished(self.sealed())
 
     def synchronize(self) -> None:
-        mark = self.sealed()
-        lane = self.lane
-        if lane.d2h_done < mark.seq:
-            mark.event.synchronize()
-            lane.d2h_done = mark.seq
+        self.lane.offloads.synchronize(self.sealed())
 
     def fence(self, stream: Stream) -> None:
         mark = self.sealed()
         lane = self.lane
-        if lane.fenced.get(stream, 0) < mark.seq and lane.d2h_done < mark.seq:
+        if lane.fenced.get(stream, 0) < mark.seq and lane.offloads.done < mark.seq:
             stream.wait_event(mark.event)
             lane.fenced[stream] = mark.seq
 
@@ -297,19 +311,10 @@ class _Load(Copy):
         """The destination, allocated on the stream current at issue."""
 
     def done(self) -> bool:
-        lane, mark = self._lane, self._mark
-        if lane.h2d_done >= mark.seq:
-            return True
-        if not mark.event.query():
-            return False
-        lane.h2d_done = mark.seq
-        return True
+        return self._lane.reloads.finished(self._mark)
 
     def synchronize(self) -> None:
-        lane, mark = self._lane, self._mark
-        if lane.h2d_done < mark.seq:
-            mark.event.synchronize()
-            lane.h2d_done = mark.seq
+        self._lane.reloads.synchronize(self._mark)
 
     def fence(self) -> None:
         lane, mark = self._lane, self._mark
@@ -399,9 +404,8 @@ class AcceleratorCopyEngine(CopyEngine):
                         h2d.wait_event(mark.event)
                         lane.h2d_after_d2h = mark.seq
             interface.to_device(h2d, host, dst)
-            lane.h2d_marks += 1
             event = interface.record(h2d, lane.event(lane.reload_events, "reload"))
-            copies.append(_Load(lane, _Mark(event, lane.reload_events, lane.h2d_marks), dst))
+            copies.append(_Load(lane, lane.reloads.mark(event, lane.reload_events), dst))
         return copies
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
