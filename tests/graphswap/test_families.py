@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from graphswap import rewrite
 from graphswap.auto_swap import AutoSwap
@@ -90,7 +90,11 @@ def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int: 
 
 
 def _cpu_flash_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:  # type: ignore[no-untyped-def]
-    return sdpa_flop_count(q_shape, k_shape, v_shape)
+    """torch's sdpa formula (two batched matmuls per query head), written out: before
+    torch 2.13 its ``sdpa_flop_count`` refuses fewer key/value heads than query heads."""
+    batch, heads, q_len, head_dim = q_shape
+    k_len, v_dim = k_shape[-2], v_shape[-1]
+    return 2 * batch * heads * q_len * k_len * (head_dim + v_dim)
 
 
 def _forward_flops(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
