@@ -106,9 +106,11 @@ def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas(tmp_path: Path) -> No
 
 
 def test_two_ranks_without_a_distributed_pass_are_refused(tmp_path: Path) -> None:
+    """Each rank refuses on its own; torchrun stops the other rank as soon as the first
+    exits, which can be before that rank has written anything."""
     assert launch(2, {"steps": 1}, tmp_path).returncode != 0
-    errors = rank_stderr(tmp_path)
-    assert len(errors) == 2
+    errors = [err for err in rank_stderr(tmp_path) if err]
+    assert errors
     for err in errors:
         assert err.startswith("graphswap train: tp_size: 1 and fsdp: false on a world of 2 ranks")
         assert "set fsdp: true" in err and "Traceback" not in err
