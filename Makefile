@@ -16,10 +16,10 @@ FLOOR_PACKAGES := torch==2.9.0 transformers==5.4.0 networkx==3.0 pyyaml==6.0 tqd
 	pytest hypothesis pydot matplotlib accelerate import-linter
 # In the GPU image's package set (no pydot), the tests of the runtime and of everything that
 # runs Hugging Face model code.
-COMPAT_TESTS := tests/graphswap/runtime tests/graphswap/test_models.py tests/graphswap/test_hf.py \
-	tests/graphswap/test_transforms.py tests/graphswap/test_rewrite.py \
-	tests/graphswap/test_rules.py tests/graphswap/test_planner.py tests/graphswap/test_measure.py \
-	tests/graphswap/test_families.py \
+COMPAT_TESTS := tests/graphswap/runtime tests/graphswap/train/test_build.py tests/graphswap/hf/test_checkpoints.py \
+	tests/graphswap/rewriting/test_transforms.py tests/graphswap/rewriting/test_apply.py \
+	tests/graphswap/rewriting/test_rules.py tests/graphswap/planning/test_planner.py tests/graphswap/planning/test_measure.py \
+	tests/graphswap/hf/test_families.py \
 	tests/passes/test_infrastructure.py
 # No network for the dry run where this machine allows a private network namespace.
 NO_NETWORK := $(shell unshare -n true 2>/dev/null && echo unshare -n)
@@ -70,7 +70,7 @@ device-dry-run: $(DEVICE_VENV)/.installed
 		tools/device_check.sh out/device-dry-run --dry-run
 
 # COMPAT_TESTS on the GPU image's torch and transformers; on the oldest versions claimed,
-# the whole suite but tests/cli and tests/tools, which run the same library in subprocesses
+# the whole suite but tests/graphswap/train/cli and tests/tools, which run the same library in subprocesses
 # (each imports a CUDA build of torch: four minutes together, for no other code).
 compat: $(DEVICE_VENV)/.installed $(FLOOR_VENV)/.installed
 	$(DEVICE_VENV)/bin/python -c "import torch, transformers; \
@@ -80,6 +80,6 @@ compat: $(DEVICE_VENV)/.installed $(FLOOR_VENV)/.installed
 		print('$(FLOOR_VENV): torch', torch.__version__, 'transformers', transformers.__version__, \
 		'networkx', networkx.__version__)"
 	PYTHONPATH=$(CURDIR) $(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		--ignore=tests/cli --ignore=tests/tools
+		--ignore=tests/graphswap/train/cli --ignore=tests/tools
 
 ci: test device-dry-run compat

@@ -6,8 +6,7 @@ platform, or import transformers model code. The application layer (``config``,
 imported by name.
 """
 
-from graphswap.policy import MIN_SWAP_TENSOR_BYTES, CheckpointPolicy, qwen3_attention_swap_policy
-from graphswap.rewrite import (
+from graphswap.rewriting.apply import (
     AlreadyTransformedError,
     NoMatchError,
     RewriteError,
@@ -16,7 +15,7 @@ from graphswap.rewrite import (
     rewrite_report,
     unrewrite,
 )
-from graphswap.rules import Rule, available_rules, get_rule, register_rule
+from graphswap.rewriting.rules import Rule, available_rules, get_rule, register_rule
 from graphswap.runtime import (
     SwapExclusionError,
     SwapIntegrityError,
@@ -24,6 +23,11 @@ from graphswap.runtime import (
     SwapStats,
     swap_wrapper,
     unwrap_swap,
+)
+from graphswap.runtime.policy import (
+    MIN_SWAP_TENSOR_BYTES,
+    CheckpointPolicy,
+    qwen3_attention_swap_policy,
 )
 
 __all__ = [

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from graphswap.hf import decoder_layers
-from graphswap.transforms import Transform
+from graphswap.hf.checkpoints import decoder_layers
+from graphswap.rewriting.transforms import Transform
 from passes.postconditions import require_every_layer
 
 

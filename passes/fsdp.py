@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from graphswap.hf import decoder_layers
-from graphswap.transforms import Transform, shown_by
+from graphswap.hf.checkpoints import decoder_layers
+from graphswap.rewriting.transforms import Transform, shown_by
 from passes.errors import PassPostconditionError
 from passes.postconditions import layers_without
 

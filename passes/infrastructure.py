@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from graphswap.errors import AlreadyTransformedError
-from graphswap.transforms import find_transforms
+from graphswap.rewriting.transforms import find_transforms
 from passes.activation_checkpointing import apply_activation_checkpointing
 from passes.compile import apply_compile
 from passes.errors import PassNotImplementedError
@@ -30,8 +30,8 @@ from passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from graphswap.auto_swap import AutoSwap
-    from graphswap.rewrite import RewriteReport
+    from graphswap.planning.auto_swap import AutoSwap
+    from graphswap.rewriting.apply import RewriteReport
     from passes.settings import PassSettings
 
 

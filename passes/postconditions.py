@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from graphswap.hf import decoder_layers
-from graphswap.transforms import Transform, shown_by
+from graphswap.hf.checkpoints import decoder_layers
+from graphswap.rewriting.transforms import Transform, shown_by
 from passes.errors import PassPostconditionError
 
 

@@ -2,7 +2,7 @@
 
 Ordering and exclusions live here, not in code paths, so that a plan can be checked
 before anything touches the model. The swap pass takes its constraints from the
-rewrite rule's own metadata (``graphswap.rules``): one source of truth.
+rewrite rule's own metadata (``graphswap.rewriting.rules``): one source of truth.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphswap.rules import Rule, get_rule
-from graphswap.transforms import Transform
+from graphswap.rewriting.rules import Rule, get_rule
+from graphswap.rewriting.transforms import Transform
 from passes.errors import PlanError
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ SWAP_RULES: Mapping[str, str] = {
     "auto": "layer_swap",
 }
 """The registered rule behind each ``activation_swap`` mode (``auto`` runs the layer
-rule with a planned policy per layer, see ``graphswap.auto_swap``)."""
+rule with a planned policy per layer, see ``graphswap.planning.auto_swap``)."""
 
 CANONICAL_ORDER: tuple[str, ...] = (
     "pipeline_parallel",
@@ -67,7 +67,7 @@ class PassSpec:
     requires: tuple[str, ...] = ()
     implemented: bool = True
     leaves: Transform | None = None
-    """What the pass leaves on a model (``graphswap.transforms``): a model that shows it
+    """What the pass leaves on a model (``graphswap.rewriting.transforms``): a model that shows it
     before the plan runs had the pass applied outside the plan."""
 
     def enabled_by(self, config: PassSettings) -> bool:

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from graphswap.attention_kernels import PlanSettingError
-from graphswap.auto_swap import AutoSwap, measure_copy_bandwidth
-from graphswap.hf import decoder_layers
-from graphswap.planner import DEFAULT_PROFILE, plan_memory
-from graphswap.rewrite import rewrite
+from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.hf.checkpoints import decoder_layers
+from graphswap.planning import DEFAULT_PROFILE, plan_memory
+from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
+from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
     CopyEngine,
     SimulatedAccelerator,
@@ -26,7 +26,7 @@ from passes.errors import PassPostconditionError, PassSettingError
 from passes.specs import SWAP_RULES
 
 if TYPE_CHECKING:
-    from graphswap.rewrite import RewriteReport
+    from graphswap.rewriting.apply import RewriteReport
     from passes.settings import PassSettings
 
 _PLAN_KEYS = {

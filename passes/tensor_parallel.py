@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from graphswap.decoder import HEAD_NORMS, HEAD_PROJECTIONS, head_sharding_problem
-from graphswap.hf import build_model, decoder_layers
+from graphswap.hf.checkpoints import build_model, decoder_layers
+from graphswap.hf.decoder import HEAD_NORMS, HEAD_PROJECTIONS, head_sharding_problem
 from passes.errors import PassPostconditionError, PassRequirementError
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def tiny_model() -> Callable[..., torch.nn.Module]:
     """Factory: a seeded fp32 ``Qwen3MoeForCausalLM`` from the ``tiny`` preset."""
-    from graphswap.hf import build_model
-    from graphswap.presets import qwen3_moe_config
+    from graphswap.hf.checkpoints import build_model
+    from graphswap.hf.presets import qwen3_moe_config
 
     def make(seed: int = 0, device: str = "cpu", **overrides: Any) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -43,7 +43,7 @@ def family_config() -> Callable[[str, str], Any]:
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from graphswap.presets import PRESETS, preset_config
+    from graphswap.hf.presets import PRESETS, preset_config
 
     def make(preset: str, attn: str) -> Any:
         model_type = PRESETS[preset].model_type

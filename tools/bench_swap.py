@@ -40,7 +40,7 @@ from bench_report import targets, to_markdown
 from swap_modes import ATTENTION, AUTO, LAYER, MODES, NONE, Mode
 from swap_overhead import OverheadConfig, calls_line, measure_overhead, target_line
 
-from graphswap.measure import ResidentActivationTracker, output_tensors
+from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 
 SDPA_BACKENDS = {
     "flash": "FLASH_ATTENTION",
@@ -163,7 +163,7 @@ def _plan_memory(
 ) -> Any:
     """The planner's prediction for this run's shape and the kernel this device runs (CPU
     flash on CPU); ``swap``: the swap mode and its link model, when not attention."""
-    from graphswap.planner import plan_memory
+    from graphswap.planning import plan_memory
 
     return plan_memory(
         config,
@@ -199,9 +199,9 @@ def _predictions(
     this shape: zero-grad, forward and backward, no optimizer (``optimizer=False``), on the
     profile the auto mode plans on (h200 with --swap-bandwidth and --swap-tflops). One
     trace, asked both the attention and the layer policy, serves every mode."""
-    from graphswap.planner import SwapChoice, plan_step, replay, trace_step
-    from graphswap.planner._plan import DEFAULT_PROFILE, default_policy, resolve_profile
-    from graphswap.saved_tensors import build_meta_model
+    from graphswap.planning import SwapChoice, plan_step, replay, trace_step
+    from graphswap.planning._plan import DEFAULT_PROFILE, default_policy, resolve_profile
+    from graphswap.planning.saved_tensors import build_meta_model
 
     modes = [name for name in args.modes if name in PLANNED_MODES]
     if not modes:
@@ -281,7 +281,7 @@ class PeakByLabel:
 def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
     """Untimed, CUDA only: one plain step under :class:`PeakByLabel`; its peak allocated and
     the label it falls in."""
-    from graphswap.hf import decoder_layers
+    from graphswap.hf.checkpoints import decoder_layers
     from graphswap.runtime.tape import step_labels
 
     model, device = mode.model, mode.device
@@ -307,7 +307,7 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
 
 def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> Any:
     """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
-    from graphswap.auto_swap import AutoSwap
+    from graphswap.planning.auto_swap import AutoSwap
 
     plan = _plan_memory(
         args,
@@ -346,7 +346,7 @@ def run_seq(
     modes = [Mode(name, model, device, auto if name == AUTO else None) for name in args.modes]
     _untimed_steps(modes, ids, run, files, predictions)
     if auto is not None:
-        from graphswap.cli._memory import auto_verdict
+        from graphswap.train.cli._memory import auto_verdict
 
         offloaded = run["modes"][AUTO]["verify"]["counters"]["offloaded_bytes"]
         run["auto_plan"] = {
@@ -605,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead:
         return _main_overhead(args, device, stem, date)
     _prepare(device)
-    from graphswap.hf import build_model
-    from graphswap.presets import qwen3_moe_config
+    from graphswap.hf.checkpoints import build_model
+    from graphswap.hf.presets import qwen3_moe_config
 
     config = qwen3_moe_config(
         args.preset, attn_implementation=args.attn, num_hidden_layers=args.layers

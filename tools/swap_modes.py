@@ -83,7 +83,7 @@ class Mode:
             yield
             return
         if self.auto is not None:
-            from graphswap.rewrite import rewrite, unrewrite
+            from graphswap.rewriting.apply import rewrite, unrewrite
 
             rewrite(self.model, [self.auto.rule()], manager=self.manager)
             try:

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from graphswap.policy import CheckpointPolicy, SwapPolicy, is_parameter_like
 from graphswap.runtime import SimulatedAccelerator, SwapManager, swap_wrapper, unwrap_swap
+from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, is_parameter_like
 
 TARGET_US_PER_TENSOR = 20.0
 TARGET_CALLS_PER_TENSOR = 3.0

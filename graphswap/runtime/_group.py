@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from graphswap.policy import CheckpointPolicy, is_parameter_like, local_tensor
 from graphswap.runtime._handles import Layout, _Entry, _Kept, _Swapped
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime.engines import (
@@ -25,6 +24,7 @@ from graphswap.runtime.engines import (
     CopyEngine,
     SimulatedAccelerator,
 )
+from graphswap.runtime.policy import CheckpointPolicy, is_parameter_like, local_tensor
 from graphswap.runtime.pool import HostBuffer, Refusal
 from graphswap.runtime.stats import GroupStats
 

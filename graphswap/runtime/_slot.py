@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphswap.policy import CheckpointPolicy, SwapPolicy, policy_name
+from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, policy_name
 
 if TYPE_CHECKING:
     from graphswap.runtime._group import _Group

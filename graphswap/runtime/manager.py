@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from graphswap.policy import SwapPolicy, policy_name
 from graphswap.runtime._group import _Group, _GroupOps
 from graphswap.runtime._handles import (
     Layout,
@@ -52,6 +51,7 @@ from graphswap.runtime._slot import (
     _SlotHooks,
 )
 from graphswap.runtime.engines import Copy, CopyEngine
+from graphswap.runtime.policy import SwapPolicy, policy_name
 from graphswap.runtime.pool import HostPool, check_host_bytes, host_budget
 from graphswap.runtime.stats import GroupStats, SwapStats
 

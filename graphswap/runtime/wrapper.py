@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from graphswap.policy import SwapPolicy, swap_large_activations
 from graphswap.runtime.manager import SwapManager
+from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 
 _STATE_ATTR = "_graphswap_swap_state"
 _CLASS_CACHE: dict[type, type] = {}

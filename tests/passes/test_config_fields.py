@@ -3,7 +3,7 @@ argument on the way to the builder, which silently skipped the module replacemen
 
 Each field has one test that changes it and observes the difference from outside,
 through the public entry points only: the plan (``passes.plan``), the built model
-(``graphswap.models.build``), the training run (``graphswap.train.train``: losses,
+(``graphswap.train.build.build``), the training run (``graphswap.train.trainer.train``: losses,
 measured activations, applied passes, swap statistics), the files ``graphswap train``
 writes, or an error that names the field. ``test_every_field_has_a_behaviour_case``
 fails when a field is added without one.
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import passes
-from graphswap.config import ConfigError, TrainerConfig
-from graphswap.models import build
 from graphswap.runtime import SimulatedAccelerator
-from graphswap.train import TrainResult, train
+from graphswap.train.build import build
+from graphswap.train.config import ConfigError, TrainerConfig
+from graphswap.train.trainer import TrainResult, train
 
 CASES: dict[str, str] = {}
 """Field -> the test that shows it changes what runs."""
@@ -273,7 +273,7 @@ def test_a_simulated_device_clocks_every_step_on_its_profile(base: TrainerConfig
 def test_output_dir_receives_the_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from graphswap.cli import main
+    from graphswap.train.cli import main
 
     target = tmp_path / "runs" / "first"
     argv = ["train", "--no-progress", "activation_swap=none", "num_layers=1", "seq_len=16"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from graphswap.config import TrainerConfig
+from graphswap.train.config import TrainerConfig
 
 WORLD = 2
 STEPS = 3
@@ -39,8 +39,8 @@ def batches() -> list[torch.Tensor]:
 
 
 def build() -> nn.Module:
-    from graphswap.hf import build_model
-    from graphswap.presets import qwen3_moe_config
+    from graphswap.hf.checkpoints import build_model
+    from graphswap.hf.presets import qwen3_moe_config
 
     torch.manual_seed(0)
     return build_model(qwen3_moe_config("tiny", attn_implementation="eager", use_cache=False))

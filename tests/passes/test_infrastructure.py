@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import passes
-from graphswap.config import TrainerConfig
 from graphswap.errors import AlreadyTransformedError
+from graphswap.train.config import TrainerConfig
 from passes import (
     PassConflictError,
     PassNotImplementedError,

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import passes
-from graphswap.config import TrainerConfig
+from graphswap.train.config import TrainerConfig
 from passes import (
     PassConflictError,
     PassOrderError,
@@ -132,8 +132,8 @@ def test_a_swap_rule_naming_an_unknown_pass_is_refused(
 ) -> None:
     """The pass names live in passes/ only; a rule's constraints are checked where the
     plan reads them, so a misspelt pass is an error, never an ignored constraint."""
-    from graphswap import rules
-    from graphswap.rules import Rule
+    from graphswap.rewriting import rules
+    from graphswap.rewriting.rules import Rule
     from passes import specs
 
     base = rules.get_rule("qwen3_attn_swap")
@@ -160,7 +160,7 @@ def test_a_swap_rule_naming_an_unknown_pass_is_refused(
 
 @pytest.mark.parametrize("mode", ["attention", "layer", "auto"])
 def test_swap_constraints_come_from_the_rule(mode: str) -> None:
-    from graphswap.rules import get_rule
+    from graphswap.rewriting.rules import get_rule
 
     rule = get_rule(passes.SWAP_RULES[mode])
     spec = passes.get_spec("swap")

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from graphswap.config import TrainerConfig
-from graphswap.hf import build_model
-from graphswap.planner import PlanSettingError, plan_memory
-from graphswap.preflight import check_model
+from graphswap.hf.checkpoints import build_model
+from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.train.config import TrainerConfig
+from graphswap.train.preflight import check_model
 from passes import PassRequirementError
 from passes.tensor_parallel import apply_tensor_parallel, check_head_layout
 

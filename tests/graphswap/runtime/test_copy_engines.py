@@ -15,6 +15,8 @@ def load_one(engine: SimulatedAccelerator, host: torch.Tensor, after: tuple) -> 
     """A batch of one reload."""
     (load,) = engine.loads(CPU, [(host, after)])
     return load
+
+
 UNPINNED = SimulatedAccelerator()
 """An engine whose host buffers are pageable."""
 

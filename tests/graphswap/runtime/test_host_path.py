@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
-from graphswap.measure import ResidentActivationTracker
+from graphswap.planning.measure import ResidentActivationTracker
 from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime import pool as pool_module
 
@@ -37,8 +37,7 @@ def chain(manager: SwapManager) -> torch.nn.Sequential:
         )
     )
     blocks = [
-        swap_wrapper(b, manager=manager, policy=swap_all, name=f"b{i}")
-        for i, b in enumerate(model)
+        swap_wrapper(b, manager=manager, policy=swap_all, name=f"b{i}") for i, b in enumerate(model)
     ]
     for prev, nxt in itertools.pairwise(blocks):
         manager.set_forward_prefetch_layer(prev, nxt)

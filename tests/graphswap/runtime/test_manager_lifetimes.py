@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from graphswap import SwapExclusionError, SwapIntegrityError, SwapManager, swap_wrapper
-from graphswap.hf import build_model
-from graphswap.policy import SwapPolicy, qwen3_attention_swap_policy, size_threshold_policy
-from graphswap.presets import qwen3_moe_config
+from graphswap.hf.checkpoints import build_model
+from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime.manager import _Entry
+from graphswap.runtime.policy import SwapPolicy, qwen3_attention_swap_policy, size_threshold_policy
 
 VOCAB = 512
 

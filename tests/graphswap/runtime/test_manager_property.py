@@ -30,10 +30,10 @@ from hypothesis.stateful import (
 )
 
 from graphswap import SwapIntegrityError, SwapManager, swap_wrapper
-from graphswap.hf import build_model
-from graphswap.policy import size_threshold_policy
-from graphswap.presets import qwen3_moe_config
+from graphswap.hf.checkpoints import build_model
+from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator
+from graphswap.runtime.policy import size_threshold_policy
 
 LAYERS = 2
 swap_above_1k = size_threshold_policy(1024)

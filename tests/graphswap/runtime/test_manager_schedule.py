@@ -10,11 +10,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
-from graphswap.hf import build_model
-from graphswap.policy import qwen3_attention_swap_policy, size_threshold_policy
-from graphswap.presets import qwen3_moe_config
+from graphswap.hf.checkpoints import build_model
+from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import HazardError, SimulatedAccelerator
 from graphswap.runtime.engines import _Offload
+from graphswap.runtime.policy import qwen3_attention_swap_policy, size_threshold_policy
 
 LAYERS = 6
 

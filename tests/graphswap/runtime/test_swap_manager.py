@@ -11,7 +11,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapIntegrityError, SwapManager, swap_wrapper
-from graphswap.policy import qwen3_attention_swap_policy, size_threshold_policy
+from graphswap.runtime.policy import qwen3_attention_swap_policy, size_threshold_policy
 
 VOCAB = 512
 swap_everything = size_threshold_policy(0)

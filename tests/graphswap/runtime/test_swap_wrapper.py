@@ -88,7 +88,7 @@ def test_duplicate_names_are_refused(tiny_model) -> None:
 
 def test_the_default_policy_is_generic_and_swaps_large_activations() -> None:
     """A wrapper of any module, not only a Qwen3 one, swaps what the 1 MiB test picks."""
-    from graphswap.policy import MIN_SWAP_TENSOR_BYTES
+    from graphswap.runtime.policy import MIN_SWAP_TENSOR_BYTES
 
     manager = SwapManager(keep_last=False)
     block = swap_wrapper(

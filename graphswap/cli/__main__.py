@@ -1,5 +1,0 @@
-import sys
-
-from graphswap.cli import main
-
-sys.exit(main())

@@ -1,0 +1,67 @@
+"""Predict one training step with activation swap, without a GPU, and plan ``auto``.
+
+One steady-state step (forward, backward, AdamW) is traced on the meta device
+(:mod:`graphswap.planning._trace`): attention runs the kernel the training device
+runs, under tensor parallelism the model is one rank's share, and every operator is
+timed on a device profile (:mod:`graphswap.runtime.profile`). The step is then
+replayed under the clock contract the simulated device implements
+(:mod:`graphswap.planning._replay`): compute, the device-to-host queue fenced
+``offload_lag`` modules later, the kept last layer, reloads ``prefetch_depth``
+modules ahead, first-needed first, and device memory over the whole step. Each mode
+(``none``, ``attention``, ``layer``, ``auto``) gives a
+:class:`~graphswap.runtime.tape.StepTimeline`, the same figures a clocked run of the
+real runtime reports.
+
+``auto`` swaps, per layer, the tensors whose copies still hide in both windows
+(:mod:`graphswap.planning._auto`); the plan is data (per layer, which saves by their
+index in the layer's forward), which :mod:`graphswap.planning.auto_swap` carries out at run
+time. :func:`fit_sequence` finds the longest sequence each mode fits in a device's
+memory (:mod:`graphswap.planning._fit`).
+"""
+
+from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.planning._auto import SwapCandidate, layer_candidates, swap_choice
+from graphswap.planning._fit import DEFAULT_SEQ_STEP, FitResult, ModeFit, fit_sequence
+from graphswap.planning._plan import (
+    DEFAULT_HIDE_MARGIN,
+    DEFAULT_PROFILE,
+    SWAP_MODES,
+    LayerPlan,
+    MemoryPlan,
+    SwapMode,
+    plan_memory,
+    plan_step,
+)
+from graphswap.planning._replay import GroupReplay, Replay, SwapChoice, replay
+from graphswap.planning._trace import StepTrace, trace_step
+from graphswap.planning._windows import GroupWindow, StepTimes, step_times
+from graphswap.runtime.profile import ProfileError
+
+__all__ = [
+    "DEFAULT_HIDE_MARGIN",
+    "DEFAULT_PROFILE",
+    "DEFAULT_SEQ_STEP",
+    "SWAP_MODES",
+    "FitResult",
+    "GroupReplay",
+    "GroupWindow",
+    "LayerPlan",
+    "MemoryPlan",
+    "ModeFit",
+    "PlanSettingError",
+    "ProfileError",
+    "Replay",
+    "StepTimes",
+    "StepTrace",
+    "SwapCandidate",
+    "SwapChoice",
+    "SwapMode",
+    "fit_sequence",
+    "layer_candidates",
+    "plan_memory",
+    "plan_step",
+    "replay",
+    "step_times",
+    "swap_choice",
+    "trace_step",
+]

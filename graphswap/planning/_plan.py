@@ -1,0 +1,654 @@
+"""The plan of one training step: per decoder layer what is saved, swapped and copied,
+the copies against both of their windows, and the step's predicted timeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
+from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
+from graphswap.planning._replay import Replay, SwapChoice, replay
+from graphswap.planning._trace import StepTrace, trace_step
+from graphswap.planning._windows import StepTimes, group_of, step_times
+from graphswap.planning.saved_tensors import (
+    ATTENTION_SCOPE,
+    EMBED,
+    HEAD,
+    LAYER_SCOPE,
+    SavedTensor,
+    build_meta_model,
+)
+from graphswap.rewriting.rules import layer_swap_policy
+from graphswap.runtime.policy import SwapPolicy, attention_swap_policy
+from graphswap.runtime.profile import DeviceProfile, device_profile
+from graphswap.runtime.tape import StepTimeline
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+DEFAULT_PROFILE = "h200"
+"""The device a plan is made for unless told: an H200 on PCIe Gen5."""
+
+DEFAULT_HIDE_MARGIN = 0.1
+"""``auto`` fills at most 90% of each copy's window: kernel-time estimates and link
+contention are not exact."""
+
+SwapMode = Literal["none", "attention", "layer", "auto"]
+SWAP_MODES: tuple[str, ...] = ("none", "attention", "layer", "auto")
+
+_SCOPES = {"none": None, "attention": ATTENTION_SCOPE, "layer": LAYER_SCOPE, "auto": LAYER_SCOPE}
+"""Which modules each mode wraps."""
+
+_ASSUMPTIONS = (
+    "one steady-state training step: forward, loss.backward(), AdamW step (foreach on cuda, "
+    "per tensor on cpu) with its state made beforehand, zero_grad(set_to_none=True)",
+    "time: every operator the step runs costs max(FLOPs / TFLOP/s, bytes / HBM GB/s) on the "
+    "compute stream (graphswap.runtime.profile); attention counts every score (no causal "
+    "skipping); no launch latency, no contention between copies and compute",
+    "MoE experts: every token is routed to top_k experts; the grouped_mm experts path saves "
+    "tokens*top_k rows whatever the routing, so saved bytes do not depend on it; expert FLOPs "
+    "assume uniform routing (no dropped tokens)",
+    "device memory: storage bytes of every tensor the step makes (activations, logits and "
+    "loss, gradients, reloads in flight, optimizer temporaries) on top of parameters, "
+    "buffers and AdamW state (2 x the parameters, in their dtype); no allocator rounding or "
+    "fragmentation",
+    "saved bytes are storage bytes, deduplicated by storage; parameters and their views "
+    "are not activations and are left out",
+)
+
+_NO_OPTIMIZER_ASSUMPTIONS = (
+    "one steady-state step without optimizer: zero_grad(set_to_none=True), forward, "
+    "loss.backward(), as a benchmark that never updates runs it",
+    *_ASSUMPTIONS[1:3],
+    "device memory: storage bytes of every tensor the step makes (activations, logits and "
+    "loss, gradients, reloads in flight) on top of parameters and buffers (no optimizer "
+    "state); no allocator rounding or fragmentation",
+    *_ASSUMPTIONS[4:],
+)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer: what it saves, what swap moves, and whether its copies hide."""
+
+    name: str
+    """The decoder layer's module path (``model.layers.<i>``)."""
+    index: int
+    """Its position in forward order."""
+    saved_bytes: int
+    """Saved-activation bytes the layer owns (a storage counts in the scope that saves it
+    first)."""
+    swappable_bytes: int
+    """What the swap takes off the device for the step: storages every save of which is
+    swapped (the kept last layer: what it would swap)."""
+    offloaded_bytes: int
+    """What the runtime copies to host in the layer's forward (a storage that another
+    save keeps is copied, yet stays)."""
+    forward_seconds: float
+    """Compute of the whole layer's forward."""
+    copy_seconds: float
+    """The offloads' time on the device-to-host link."""
+    reload_seconds: float
+    """The reloads' time on the host-to-device link."""
+    forward_window: float
+    """From the start of the wrapped module's forward to the fence of its offloads
+    (``offload_lag`` modules later), compute only."""
+    backward_window: float
+    """From its prefetch (``prefetch_depth`` modules later in backward) to the start of
+    its backward, compute only."""
+    forward_stall: float
+    """Compute waiting for its offloads in the replayed step."""
+    backward_stall: float
+    """Compute waiting for its reloads in the replayed step."""
+    kept: bool
+    """Last layer in forward order: stays on device, nothing is copied."""
+    saved_tensors: tuple[SavedTensor, ...] = field(default=(), repr=False, compare=False)
+    """Every save of the layer's forward, in saving order (see
+    ``graphswap.planning.saved_tensors``)."""
+    swapped_saves: tuple[SavedTensor, ...] = field(default=(), repr=False, compare=False)
+    """``layer`` and ``auto``: the saves the swap moves (every save of each chosen
+    storage), in saving order; their ``index`` is what the runtime policy is told."""
+
+    @property
+    def hides(self) -> bool:
+        """Both windows hide the layer's copies: the replay shows no stall for them."""
+        return self.kept or (self.forward_stall == 0 and self.backward_stall == 0)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Saved bytes that stay on device through the step."""
+        return self.saved_bytes if self.kept else self.saved_bytes - self.swappable_bytes
+
+    def verdict(self) -> str:
+        """``kept on device``, ``none swapped``, ``hides`` or ``STALLS``."""
+        if self.kept:
+            return "kept on device"
+        if not self.offloaded_bytes:
+            return "none swapped"
+        return "hides" if self.hides else "STALLS"
+
+
+_LAYER_SUMMARY_FIELDS = tuple(
+    f for f in dataclasses.fields(LayerPlan) if f.name not in ("saved_tensors", "swapped_saves")
+)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's predicted training step with a swap mode, beside the step without it."""
+
+    config: dict[str, Any]
+    """The model's shape (layers, widths, heads, experts, vocabulary)."""
+    seq: int
+    """Tokens per sequence."""
+    batch: int
+    """Sequences per batch."""
+    dtype: str
+    """The training dtype."""
+    attn_implementation: str
+    """Hugging Face attention: ``sdpa`` or ``eager``."""
+    device: str
+    """The device training runs on (``cuda`` or ``cpu``): it chose kernel and optimizer."""
+    attn_kernel: str | None
+    """The sdpa kernel traced; ``None`` for eager attention."""
+    tp: int
+    """Tensor-parallel ranks: the bytes and FLOPs are one rank's."""
+    swap: str
+    """What is swapped: ``none``, ``attention``, ``layer`` or ``auto``."""
+    policy: str
+    """The swap policy's name (``none`` for no swap)."""
+    profile: DeviceProfile
+    """The device the step was timed on."""
+    offload_lag: int
+    """The ``SwapManager``'s: offloads are fenced that many modules later."""
+    prefetch_depth: int
+    """The ``SwapManager``'s: reloads are issued that many modules ahead."""
+    state_shards: int
+    """Ranks the parameters, gradients and optimizer state are sharded over."""
+    layers: tuple[LayerPlan, ...]
+    """Per decoder layer, in forward order."""
+    embed_saved_bytes: int
+    """Saved by the embedding, before the first layer."""
+    head_saved_bytes: int
+    """Saved after the last layer: final norm, lm_head and loss."""
+    timeline: StepTimeline
+    """The step with this swap, replayed under the clock contract."""
+    baseline: StepTimeline
+    """The same step without swap."""
+    assumptions: tuple[str, ...]
+    """What the prediction takes for granted, in words."""
+    hide_margin: float | None = None
+    """``auto``: the share of each copy's window left free."""
+    layer_swappable_bytes: int = 0
+    """``auto``: what ``layer`` would swap (every layer's but the kept one)."""
+    smallest_swappable: tuple[str, int] | None = None
+    """``auto``: the layer and bytes of the smallest tensor ``layer`` would swap, for the
+    message when nothing is chosen."""
+    auto_dropped: int = 0
+    """``auto``: tensors the verifying replays took back from the simulated choice."""
+
+    @property
+    def total_saved_bytes(self) -> int:
+        return self.embed_saved_bytes + self.head_saved_bytes + self.layer_saved_bytes
+
+    @property
+    def layer_saved_bytes(self) -> int:
+        return sum(layer.saved_bytes for layer in self.layers)
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Bytes that leave the device during forward: every layer's but the kept one."""
+        return sum(layer.swappable_bytes for layer in self.layers if not layer.kept)
+
+    @property
+    def end_of_forward_with_swap_bytes(self) -> int:
+        """Device-resident saved bytes once forward is done and every offload finished."""
+        return self.total_saved_bytes - self.swapped_bytes
+
+    @property
+    def step_ratio(self) -> float:
+        """Step time with swap over step time without."""
+        return self.timeline.step_seconds / self.baseline.step_seconds
+
+    @property
+    def all_hide(self) -> bool:
+        """Every layer's copies hide in both windows."""
+        return all(layer.hides for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "seq": self.seq,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "attn_implementation": self.attn_implementation,
+            "device": self.device,
+            "attn_kernel": self.attn_kernel,
+            "tp": self.tp,
+            "swap": self.swap,
+            "policy": self.policy,
+            "profile": dataclasses.asdict(self.profile),
+            "offload_lag": self.offload_lag,
+            "prefetch_depth": self.prefetch_depth,
+            "state_shards": self.state_shards,
+            "layers": self.layer_dicts(),
+            "embed_saved_bytes": self.embed_saved_bytes,
+            "head_saved_bytes": self.head_saved_bytes,
+            "total_saved_bytes": self.total_saved_bytes,
+            "swapped_bytes": self.swapped_bytes,
+            "end_of_forward_with_swap_bytes": self.end_of_forward_with_swap_bytes,
+            "timeline": self.timeline.to_dict(),
+            "baseline": self.baseline.to_dict(),
+            "step_ratio": self.step_ratio,
+            "all_hide": self.all_hide,
+            "assumptions": list(self.assumptions),
+            **(
+                {
+                    "hide_margin": self.hide_margin,
+                    "layer_swappable_bytes": self.layer_swappable_bytes,
+                    "smallest_swappable": None
+                    if self.smallest_swappable is None
+                    else {
+                        "layer": self.smallest_swappable[0],
+                        "nbytes": self.smallest_swappable[1],
+                    },
+                    "auto_dropped": self.auto_dropped,
+                }
+                if self.swap == "auto"
+                else {}
+            ),
+        }
+
+    def layer_dicts(self) -> list[dict[str, Any]]:
+        return [
+            {
+                **{f.name: getattr(layer, f.name) for f in _LAYER_SUMMARY_FIELDS},
+                "kept_bytes": layer.kept_bytes,
+                "hides": layer.hides,
+                "verdict": layer.verdict(),
+                **(
+                    {"swapped_saves": [_save_dict(save) for save in layer.swapped_saves]}
+                    if self.swap in ("layer", "auto")
+                    else {}
+                ),
+            }
+            for layer in self.layers
+        ]
+
+
+def _save_dict(save: SavedTensor) -> dict[str, Any]:
+    return {
+        "index": save.index,
+        "shape": list(save.shape),
+        "dtype": str(save.dtype).removeprefix("torch."),
+        "nbytes": save.nbytes,
+        "storage": save.storage,
+    }
+
+
+def _swapped_saves(chosen: Sequence[SwapCandidate]) -> tuple[SavedTensor, ...]:
+    return tuple(sorted((save for c in chosen for save in c.saves), key=lambda s: s.index))
+
+
+def _check_int(name: str, value: object, minimum: int, detail: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlanSettingError(name, value, f"must be an integer >= {minimum}; {detail}")
+
+
+def check_settings(
+    *,
+    swap: str,
+    hide_margin: float,
+    offload_lag: int,
+    prefetch_depth: int,
+    state_shards: int,
+) -> None:
+    """Raise :class:`PlanSettingError` for a setting no plan can be made with."""
+    if swap not in SWAP_MODES:
+        raise PlanSettingError("swap", swap, f"must be one of {', '.join(SWAP_MODES)}")
+    if not 0 <= hide_margin < 1:
+        raise PlanSettingError(
+            "hide_margin", hide_margin, "must be in [0, 1): the share of each window left free"
+        )
+    _check_int("offload_lag", offload_lag, 0, "as SwapManager takes it")
+    _check_int("prefetch_depth", prefetch_depth, 1, "as SwapManager takes it")
+    _check_int("state_shards", state_shards, 1, "1 keeps all the state on one device")
+
+
+def resolve_profile(
+    profile: str | DeviceProfile,
+    *,
+    bandwidth_gbps: float | None = None,
+    tflops: float | None = None,
+) -> DeviceProfile:
+    """``profile`` (a preset name or spec, see :func:`device_profile`) with the link
+    (both directions) or the compute replaced. A bad override raises
+    :class:`PlanSettingError`, a bad profile :class:`ProfileError`."""
+    overrides: dict[str, float] = {}
+    for name, key, value in (
+        ("bandwidth_gbps", "link_gbps", bandwidth_gbps),
+        ("tflops", "tflops", tflops),
+    ):
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise PlanSettingError(name, value, "must be a finite number > 0")
+        overrides[key] = float(value)
+    resolved = device_profile(profile)
+    return resolved.with_figures(**overrides) if overrides else resolved
+
+
+def default_policy(swap: str) -> SwapPolicy:
+    """The policy the mode's rule runs (``none``: the attention rule's, for the figures
+    of what the attention would swap)."""
+    return layer_swap_policy if swap in ("layer", "auto") else attention_swap_policy
+
+
+def plan_memory(
+    config: PretrainedConfig,
+    *,
+    seq: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str = "sdpa",
+    device: str = "cuda",
+    attn_kernel: str | None = None,
+    tp: int = 1,
+    policy: SwapPolicy | None = None,
+    swap: SwapMode = "attention",
+    hide_margin: float = DEFAULT_HIDE_MARGIN,
+    profile: str | DeviceProfile = DEFAULT_PROFILE,
+    bandwidth_gbps: float | None = None,
+    tflops: float | None = None,
+    offload_lag: int = 1,
+    prefetch_depth: int = 1,
+    state_shards: int = 1,
+    optimizer: bool = True,
+) -> MemoryPlan:
+    """Trace one training step of ``config`` on meta and predict it for one rank, with
+    ``swap`` and without.
+
+    ``device``, ``attn_kernel`` and ``tp`` are those of
+    :func:`~graphswap.planning.saved_tensors.build_meta_model`. ``profile``: the device (a
+    :data:`~graphswap.runtime.profile.PRESETS` name, a spec such as
+    ``h200,link_gbps=25``, or a :class:`DeviceProfile`); ``bandwidth_gbps`` (both link
+    directions) and ``tflops`` override its figures. ``offload_lag`` and
+    ``prefetch_depth`` are the ``SwapManager``'s. ``policy`` defaults to the one the
+    mode's rule runs. ``hide_margin``: ``auto`` fills at most ``1 - hide_margin`` of
+    each copy's window. ``state_shards``: parameters, gradients and AdamW state sharded
+    FSDP-style over that many ranks (an approximation, see the assumptions).
+    ``optimizer=False``: the step without AdamW (forward and backward after
+    ``zero_grad``; no optimizer state on the device). A bad setting raises
+    :class:`PlanSettingError` or :class:`ProfileError` before any model is built.
+    """
+    check_settings(
+        swap=swap,
+        hide_margin=hide_margin,
+        offload_lag=offload_lag,
+        prefetch_depth=prefetch_depth,
+        state_shards=state_shards,
+    )
+    resolved = resolve_profile(profile, bandwidth_gbps=bandwidth_gbps, tflops=tflops)
+    meta = build_meta_model(
+        config,
+        seq=seq,
+        batch=batch,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        device=device,
+        attn_kernel=attn_kernel,
+        tp=tp,
+    )
+    chosen_policy = default_policy(swap) if policy is None else policy
+    trace = trace_step(meta, resolved, (chosen_policy,), optimizer=optimizer)
+    return plan_step(
+        config,
+        trace,
+        swap=swap,
+        hide_margin=hide_margin,
+        offload_lag=offload_lag,
+        prefetch_depth=prefetch_depth,
+        state_shards=state_shards,
+    )
+
+
+def plan_step(
+    config: PretrainedConfig,
+    trace: StepTrace,
+    *,
+    swap: str,
+    policy: int = 0,
+    hide_margin: float = DEFAULT_HIDE_MARGIN,
+    offload_lag: int = 1,
+    prefetch_depth: int = 1,
+    state_shards: int = 1,
+    baseline: Replay | None = None,
+) -> MemoryPlan:
+    """The plan of ``swap`` on a traced step, with the trace's policy number ``policy``;
+    ``baseline``: the step replayed without swap, when already at hand. The other
+    settings are :func:`plan_memory`'s."""
+    check_settings(
+        swap=swap,
+        hide_margin=hide_margin,
+        offload_lag=offload_lag,
+        prefetch_depth=prefetch_depth,
+        state_shards=state_shards,
+    )
+    saved = trace.saved_with(policy)
+    scope = _SCOPES[swap]
+    if baseline is None:
+        baseline = replay(
+            trace,
+            SwapChoice(None, frozenset()),
+            offload_lag=offload_lag,
+            prefetch_depth=prefetch_depth,
+            state_shards=state_shards,
+        )
+    candidates = layer_candidates(saved)
+    per_layer = [candidates[layer.name] for layer in saved.layers]
+    auto_fields: dict[str, Any] = {}
+    if swap == "auto":
+        auto = plan_auto(
+            trace,
+            per_layer,
+            offload_lag=offload_lag,
+            prefetch_depth=prefetch_depth,
+            hide_margin=hide_margin,
+            state_shards=state_shards,
+        )
+        chosen: list[Sequence[SwapCandidate]] = list(auto.chosen)
+        replayed = auto.replay
+        auto_fields = {
+            "hide_margin": float(hide_margin),
+            "auto_dropped": auto.dropped,
+            **_auto_fields(per_layer, saved.layers),
+        }
+    elif scope is None:
+        chosen = [[] for _ in per_layer]
+        replayed = baseline
+    else:
+        chosen = per_layer
+        swaps = frozenset(
+            i
+            for i, s in enumerate(trace.saves)
+            if s.answers[policy] and group_of(s, scope) is not None
+        )
+        replayed = replay(
+            trace,
+            SwapChoice(scope, swaps),
+            offload_lag=offload_lag,
+            prefetch_depth=prefetch_depth,
+            state_shards=state_shards,
+        )
+    windows = None
+    if scope is not None:
+        windows = step_times(
+            trace, scope, offload_lag=offload_lag, prefetch_depth=prefetch_depth
+        ).groups
+    whole = step_times(trace, LAYER_SCOPE, offload_lag=offload_lag, prefetch_depth=prefetch_depth)
+    by_scope = saved.bytes_by_scope()
+    profile = trace.profile
+    layers = []
+    for i, layer in enumerate(saved.layers):
+        kept = i == len(saved.layers) - 1
+        saved_bytes, swappable = by_scope.get(layer.name, (0, 0))
+        moved: tuple[SavedTensor, ...] = ()
+        if swap in ("layer", "auto"):
+            swappable = sum(c.nbytes for c in chosen[i])
+            moved = () if kept else _swapped_saves(chosen[i])
+        elif scope is None:
+            swappable = 0
+        group = replayed.groups[i]
+        window = None if windows is None else windows[i]
+        layers.append(
+            LayerPlan(
+                name=layer.name,
+                index=i,
+                saved_bytes=saved_bytes,
+                swappable_bytes=swappable,
+                offloaded_bytes=group.offloaded_bytes,
+                forward_seconds=_forward_seconds(whole, i),
+                copy_seconds=group.offloaded_bytes / (profile.d2h_gbps * 1e9),
+                reload_seconds=group.reloaded_bytes / (profile.h2d_gbps * 1e9),
+                forward_window=0.0 if window is None else window.forward_window,
+                backward_window=0.0 if window is None else window.backward_window,
+                forward_stall=group.forward_stall,
+                backward_stall=group.backward_stall,
+                kept=kept,
+                saved_tensors=layer.saves,
+                swapped_saves=moved,
+            )
+        )
+    return MemoryPlan(
+        config=_config_summary(config),
+        seq=trace.seq,
+        batch=trace.batch,
+        dtype=str(trace.dtype).removeprefix("torch."),
+        attn_implementation=trace.attn_implementation,
+        device=trace.device,
+        attn_kernel=None if saved.kernel is None else saved.kernel.name,
+        tp=saved.tp,
+        swap=swap,
+        policy="none" if scope is None else trace.policies[policy],
+        profile=profile,
+        offload_lag=offload_lag,
+        prefetch_depth=prefetch_depth,
+        state_shards=state_shards,
+        layers=tuple(layers),
+        embed_saved_bytes=by_scope.get(EMBED, (0, 0))[0],
+        head_saved_bytes=by_scope.get(HEAD, (0, 0))[0],
+        timeline=replayed.timeline,
+        baseline=baseline.timeline,
+        assumptions=(_ASSUMPTIONS if trace.optimizer else _NO_OPTIMIZER_ASSUMPTIONS)
+        + _trace_assumptions(trace, config)
+        + _swap_assumptions(swap, offload_lag, prefetch_depth)
+        + _shard_assumptions(state_shards),
+        **auto_fields,
+    )
+
+
+def _forward_seconds(times: StepTimes, layer: int) -> float:
+    window = times.groups[layer]
+    return window.exit_seconds - window.enter_seconds
+
+
+def _auto_fields(
+    candidates: Sequence[Sequence[SwapCandidate]], layers: Sequence[Any]
+) -> dict[str, Any]:
+    """What ``layer`` would have swapped, for the report of what ``auto`` chose."""
+    swapped = [
+        (c.nbytes, layer.name)
+        for layer, cs in zip(layers[:-1], candidates[:-1], strict=True)
+        for c in cs
+    ]
+    smallest = min(swapped, default=None)
+    return {
+        "layer_swappable_bytes": sum(nbytes for nbytes, _ in swapped),
+        "smallest_swappable": None if smallest is None else (smallest[1], smallest[0]),
+    }
+
+
+def _swap_assumptions(swap: str, offload_lag: int, prefetch_depth: int) -> tuple[str, ...]:
+    if swap == "none":
+        return ()
+    copies = (
+        f"copies: a module's offloads run on one device-to-host queue after the compute that "
+        f"made them and must be done when the forward {offload_lag} module(s) later begins "
+        f"(offload_lag {offload_lag}; compute waits there); its reloads are issued, "
+        f"first-needed first, when backward reaches the module {prefetch_depth} link(s) later "
+        f"(prefetch_depth {prefetch_depth}) and run on one host-to-device queue, both "
+        "directions at once; the last module in forward order keeps its tensors",
+    )
+    if swap == "attention":
+        return copies
+    whole = (
+        "layer and auto: the swapped bytes count a storage only when every save of it is in "
+        "one layer and the policy swaps the first (later saves share its copy, as in the "
+        "runtime; the rotary cos/sin, saved by every layer, stay)",
+    )
+    if swap == "layer":
+        return copies + whole
+    return (
+        copies
+        + whole
+        + (
+            "auto: per layer, largest first, the tensors whose offload meets its fence and whose "
+            "reload meets its unpack, both queues simulated at (1 - margin) of the link; then "
+            "replayed at the full link, dropping a stalling layer's smallest until none stalls",
+        )
+    )
+
+
+def _shard_assumptions(state_shards: int) -> tuple[str, ...]:
+    if state_shards == 1:
+        return ()
+    return (
+        f"state sharded FSDP-style over {state_shards} ranks (an approximation): one rank holds "
+        f"1/{state_shards} of the parameters, gradients and AdamW state and runs 1/"
+        f"{state_shards} of the optimizer step; the all-gathered parameters of the layer being "
+        "computed, the gradients before their reduce-scatter and the communication are not "
+        "modelled",
+    )
+
+
+def _trace_assumptions(trace: StepTrace, config: PretrainedConfig) -> tuple[str, ...]:
+    saved = trace.saved
+    attention = EAGER_ASSUMPTION if saved.kernel is None else saved.kernel.describe()
+    if saved.tp == 1:
+        return (attention,)
+    rank = saved.rank_config
+    return (
+        attention,
+        f"tensor parallel over {saved.tp} ranks: bytes and FLOPs are one rank's; its "
+        f"attention holds {rank.num_attention_heads} of {config.num_attention_heads} query "
+        f"heads and {rank.num_key_value_heads} of {config.num_key_value_heads} key/value heads "
+        "(q/k/v column-parallel, o row-parallel, as passes/tensor_parallel.py shards them); "
+        "the embedding, norms, router, experts, lm_head and loss are replicated and saved "
+        "in full on every rank",
+    )
+
+
+def _config_summary(config: PretrainedConfig) -> dict[str, Any]:
+    keys = (
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "vocab_size",
+    )
+    return {key: getattr(config, key, None) for key in keys}

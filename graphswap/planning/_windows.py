@@ -1,0 +1,110 @@
+"""When each wrapped module's copies must run, on the traced step without stalls.
+
+A module's offloads are issued as its forward saves them and fenced where the
+runtime's ``offload_lag`` puts the fence: at the start of the forward ``offload_lag``
+modules later (at the end of its own forward for a lag of 0; past the last module, at
+the first backward boundary). Its reloads are issued when backward reaches the module
+``prefetch_depth`` links later and are needed from its own first unpack. These times
+are the compute stream's alone (no stall), so they are the same for every swap
+choice of one scope: what ``auto`` budgets, and the windows ``plan-memory`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from graphswap.planning._trace import Event, StepTrace, TracedSave
+from graphswap.planning.saved_tensors import ATTENTION_SCOPE, LAYER_SCOPE
+
+
+def group_of(save: TracedSave, scope: str) -> int | None:
+    """The wrapped module (by decoder layer) whose forward made ``save`` under ``scope``
+    (``attention`` or ``layer``); ``None`` when no wrapped module did."""
+    if scope == ATTENTION_SCOPE:
+        return save.layer if save.save.in_attention else None
+    if scope == LAYER_SCOPE:
+        return save.layer
+    raise ValueError(f"unknown swap scope {scope!r}; scopes: {ATTENTION_SCOPE}, {LAYER_SCOPE}")
+
+
+@dataclass(frozen=True)
+class GroupWindow:
+    """One wrapped module's copy windows, in seconds of compute from the step's start."""
+
+    enter_seconds: float
+    """Its forward begins."""
+    exit_seconds: float
+    """Its forward ends."""
+    fence_seconds: float
+    """Compute waits for its offloads here."""
+    trigger_seconds: float | None
+    """Its reloads are issued here; ``None``: nothing prefetches it (the last module)."""
+    backward_seconds: float
+    """Its backward begins (its first unpack): its first reload is needed from here."""
+
+    @property
+    def forward_window(self) -> float:
+        """From the start of its forward to the fence of its offloads."""
+        return self.fence_seconds - self.enter_seconds
+
+    @property
+    def backward_window(self) -> float:
+        """From the prefetch of its saves to the start of its backward."""
+        if self.trigger_seconds is None:
+            return 0.0
+        return self.backward_seconds - self.trigger_seconds
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Compute-only times of one scope's events in a traced step."""
+
+    scope: str
+    """The modules the windows are of: ``attention`` or ``layer``."""
+    pack_seconds: tuple[float, ...]
+    """Per traced save, when it was packed."""
+    unpack_seconds: tuple[float, ...]
+    """Per traced save, when backward first read it (``inf``: never)."""
+    groups: tuple[GroupWindow, ...]
+    """Per decoder layer, its wrapped module's windows."""
+
+
+def step_times(trace: StepTrace, scope: str, *, offload_lag: int, prefetch_depth: int) -> StepTimes:
+    """The windows of ``scope``'s modules in ``trace`` at ``offload_lag`` and
+    ``prefetch_depth`` (as ``SwapManager`` takes them)."""
+    layers = trace.num_layers
+    groups = [group_of(save, scope) for save in trace.saves]
+    pack = [0.0] * len(trace.saves)
+    unpack = [math.inf] * len(trace.saves)
+    enter = [0.0] * layers
+    leave = [0.0] * layers
+    begins = [math.inf] * layers
+    t = 0.0
+    for event, payload in trace.events:
+        if event is Event.COMPUTE:
+            t += payload
+        elif event is Event.PACK:
+            pack[payload] = t
+        elif event is Event.UNPACK:
+            if unpack[payload] == math.inf:
+                unpack[payload] = t
+            group = groups[payload]
+            if group is not None and begins[group] == math.inf:
+                begins[group] = t
+        elif event is Event.ENTER or event is Event.EXIT:
+            where, layer = payload
+            if where == scope:
+                (enter if event is Event.ENTER else leave)[layer] = t
+    first_backward = min(begins, default=0.0)
+    windows = []
+    for g in range(layers):
+        if offload_lag == 0:
+            fence = leave[g]
+        elif g + offload_lag < layers:
+            fence = enter[g + offload_lag]
+        else:
+            fence = first_backward
+        trigger = None if g == layers - 1 else begins[min(g + prefetch_depth, layers - 1)]
+        windows.append(GroupWindow(enter[g], leave[g], fence, trigger, begins[g]))
+    return StepTimes(scope, tuple(pack), tuple(unpack), tuple(windows))

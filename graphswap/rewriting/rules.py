@@ -1,0 +1,387 @@
+"""Declarative rewrite rules, their registry, and the built-ins: ``attn_swap`` and
+``layer_swap`` for any Hugging Face decoder, ``qwen3_attn_swap`` and
+``qwen3_moe_layer_swap`` for Qwen3-MoE alone.
+
+A rule is data: which exact types it replaces (named by import path, or taken from the
+model being rewritten; resolved only when a rewrite runs, so that importing graphswap
+never imports model code), where in the tree, with what, how the replacements join
+the prefetch graph, and the ordering facts that ``passes/`` checks at plan time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import functools
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch.fx
+from torch import nn
+
+from graphswap.errors import HierarchyError, RewriteError, UnknownRuleError
+from graphswap.hf.checkpoints import decoder_layers
+from graphswap.hf.decoder import decoder_classes
+from graphswap.runtime import swap_wrapper, unwrap_swap
+from graphswap.runtime.policy import (
+    MIN_SWAP_TENSOR_BYTES,
+    SwapPolicy,
+    attention_swap_policy,
+    qwen3_attention_swap_policy,
+    size_threshold_policy,
+)
+
+if TYPE_CHECKING:
+    from graphswap.runtime import SwapManager
+
+LINK_KINDS: tuple[str, ...] = ("sequential", "none")
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a factory needs to build one replacement."""
+
+    rule: Rule
+    fqn: str
+    index: int
+    """Position of this match among the rule's matches, in forward order."""
+    manager: SwapManager
+
+
+Factory = Callable[[nn.Module, RuleContext], nn.Module]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A declarative module replacement.
+
+    ``factory`` may change the module in place (and return it) or return a new one;
+    an in-place factory needs ``restore`` so that the rewrite can be undone.
+    ``link="sequential"`` links consecutive replacements, in forward order, into the
+    prefetch graph: when the backward of match ``i`` begins, match ``i - 1`` comes back.
+    """
+
+    name: str
+    description: str
+    targets: tuple[str, ...]
+    """Import paths of the replaced classes: ``"pkg.mod:Class"`` or ``"pkg.mod.Class"``;
+    empty when ``targets_from`` takes them from the model."""
+    factory: Factory
+    restore: Callable[[nn.Module], nn.Module] | None = None
+    fqn_pattern: str | None = None
+    """``fnmatch`` pattern over dotted FQNs (``*`` spans dots), e.g. ``*layers.*.self_attn``."""
+    match_subclasses: bool = False
+    link: Literal["sequential", "none"] = "sequential"
+    validate: Callable[[nn.Module], None] | None = None
+    """Checks the layout around the matches; raises ``HierarchyError`` naming the FQN."""
+    must_run_before: tuple[str, ...] = ()
+    """Passes (by their name in ``passes/``) that must come after this rewrite; the pass
+    plan checks them when it runs the rule."""
+    excludes: tuple[str, ...] = ()
+    """Passes that cannot run on a model this rule rewrote."""
+    node_attributes: Callable[[RuleContext], Mapping[str, Any]] | None = None
+    """Extra prefetch-graph attributes of one match's node (what a planned policy
+    swaps there), added to the DOT and JSON exports."""
+    check: Callable[[], None] | None = None
+    """Raises when the rewritten model ran otherwise than the rule was set up for (an
+    ``auto`` plan: saves of another shape); ``RewriteReport.check()`` calls it."""
+    targets_from: Callable[[nn.Module], tuple[type, ...]] | None = None
+    """The replaced classes, as the model being rewritten declares them (instead of
+    ``targets``): one rule then serves every model family. Raises ``NoMatchError``
+    naming what the model holds when it declares none."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.isidentifier():
+            raise ValueError(f"rule name must be an identifier, got {self.name!r}")
+        if isinstance(self.targets, str) or (not self.targets) == (self.targets_from is None):
+            raise ValueError(
+                f"rule {self.name!r}: give either targets, a non-empty tuple of import paths,"
+                f" or targets_from, a function of the model; got targets={self.targets!r}"
+                f" and targets_from={self.targets_from!r}"
+            )
+        if self.link not in LINK_KINDS:
+            raise ValueError(
+                f"rule {self.name!r}: link must be one of {LINK_KINDS}, got {self.link!r}"
+            )
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(_normalize_path(p) for p in self.targets)
+
+    def resolve_targets(self, model: nn.Module | None = None) -> tuple[type, ...]:
+        """Import the target classes, or take them from ``model`` (``targets_from``); a
+        wrong path or a model without them fails here, not as a silent no-match."""
+        if self.targets_from is not None:
+            if model is None:
+                raise RewriteError(
+                    f"rule {self.name!r} takes its targets from the model: pass the model"
+                )
+            return self.targets_from(model)
+        return tuple(_import_class(self.name, p) for p in self.targets)
+
+    def matches(self, fqn: str, module: nn.Module, targets: tuple[type, ...]) -> bool:
+        if self.fqn_pattern is not None and not fnmatch.fnmatchcase(fqn, self.fqn_pattern):
+            return False
+        if self.match_subclasses:
+            return isinstance(module, targets)
+        return type(module) in targets
+
+
+def _normalize_path(path: str) -> str:
+    return path.replace(":", ".")
+
+
+def _import_class(rule_name: str, path: str) -> type:
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise RewriteError(
+            f"rule {rule_name!r}: cannot import target {path!r} ({exc}); "
+            "write targets as 'package.module:Class'"
+        ) from exc
+    if not isinstance(cls, type):
+        raise RewriteError(f"rule {rule_name!r}: target {path!r} is not a class: {cls!r}")
+    return cls
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_REGISTRY: dict[str, Rule] = {}
+
+
+def register_rule(rule: Rule) -> Rule:
+    """Add ``rule`` to the registry; names are unique, a second one is rejected."""
+    if rule.name in _REGISTRY:
+        raise ValueError(
+            f"a rule named {rule.name!r} is already registered "
+            f"({_REGISTRY[rule.name].description}); choose another name"
+        )
+    _REGISTRY[rule.name] = rule
+    return rule
+
+
+def available_rules() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_rule(name: str) -> Rule:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UnknownRuleError(
+            f"unknown rule {name!r}{hint}; available rules: {', '.join(available_rules())}"
+        ) from None
+
+
+_QWEN3_MOE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
+
+_SWAP_MUST_RUN_BEFORE = (
+    "tensor_parallel",
+    "context_parallel",
+    "expert_parallel",
+    "compile",
+    "fsdp",
+)
+"""The swap rules wrap exact, unsharded types, and their hooks must see eager autograd."""
+
+_SWAP_EXCLUDES = ("compile", "activation_checkpointing", "pipeline_parallel")
+"""Compile traces the hooks away, checkpointing recomputes what was swapped, and pipeline
+stages reorder the backward the prefetch chain follows."""
+
+qwen3_layer_swap_policy: SwapPolicy = size_threshold_policy(
+    MIN_SWAP_TENSOR_BYTES, name="qwen3_layer_swap_policy"
+)
+"""What ``qwen3_moe_layer_swap`` moves: the attention policy's test, applied to every
+save of the layer (attention, router, experts, norms)."""
+
+layer_swap_policy: SwapPolicy = size_threshold_policy(
+    MIN_SWAP_TENSOR_BYTES, name="layer_swap_policy"
+)
+"""What ``layer_swap`` moves: the same test, named for the rule in graphs and reports."""
+
+
+@dataclass(frozen=True)
+class _HierarchyValidator:
+    """A check that every decoder layer has a module of exact type ``class_name`` (the
+    layer itself when ``attr`` is ``None``, else its ``attr`` child): one layer without
+    it would leave a hole in the prefetch chain. An object, not a closure, so a
+    rewritten model (whose report keeps its rules) can be pickled.
+
+    The stack is found by structure (:func:`graphswap.hf.checkpoints.decoder_layers`), wherever a
+    head class keeps it.
+    """
+
+    rule_name: str
+    class_name: str
+    attr: str | None
+
+    @property
+    def __name__(self) -> str:
+        return f"validate_{self.rule_name}_hierarchy"
+
+    def __call__(self, root: nn.Module) -> None:
+        module = importlib.import_module(_QWEN3_MOE)
+        expected = getattr(module, self.class_name)
+        if not isinstance(root, (module.Qwen3MoePreTrainedModel, torch.fx.GraphModule)):
+            raise HierarchyError(
+                f"{self.rule_name} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class"
+                " such as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the"
+                f" root module ('') is {qualified_name(type(root))}; pass the Hugging Face"
+                " model itself"
+            )
+        layers_fqn, layers = decoder_layers(root)
+        what = "layer" if self.attr is None else f"layer's {self.attr}"
+        for name, layer in layers.named_children():
+            fqn = (
+                f"{layers_fqn}.{name}" if self.attr is None else f"{layers_fqn}.{name}.{self.attr}"
+            )
+            found = layer if self.attr is None else getattr(layer, self.attr, None)
+            if type(found) is not expected:
+                found_name = "nothing" if found is None else qualified_name(type(found))
+                raise HierarchyError(
+                    f"{self.rule_name}: {fqn!r} must be exactly {_QWEN3_MOE}.{self.class_name}, "
+                    f"found {found_name}; every {what} is swapped or none is"
+                )
+
+
+def _swap(policy: SwapPolicy, module: nn.Module, ctx: RuleContext) -> nn.Module:
+    return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
+
+
+def with_policy(rule: str | Rule, policy: SwapPolicy) -> Rule:
+    """A built-in swap rule (by name or object) that wraps with ``policy`` instead of its
+    own, e.g. ``size_threshold_policy(64 << 10)`` for a small model whose saves all stay
+    under the default 1 MiB; everything else about the rule is kept."""
+    base = get_rule(rule) if isinstance(rule, str) else rule
+    if not _is_swap(base):
+        raise RewriteError(
+            f"rule {base.name!r} does not wrap with a swap policy, so it cannot take one;"
+            f" swap rules: {', '.join(n for n in available_rules() if _is_swap(get_rule(n)))}"
+        )
+    return dataclasses.replace(base, factory=functools.partial(_swap, policy))
+
+
+def _is_swap(rule: Rule) -> bool:
+    factory = rule.factory
+    return isinstance(factory, functools.partial) and factory.func is _swap
+
+
+def _register_qwen3_swap(
+    name: str, what: str, class_name: str, attr: str | None, policy: SwapPolicy
+) -> Rule:
+    """A built-in swap rule: every decoder layer's ``attr`` child (the layer itself when
+    ``None``) of exact type ``class_name``, wrapped with ``policy`` and linked layer to
+    layer."""
+    return register_rule(
+        Rule(
+            name=name,
+            description=f"swap the saved activations of every Qwen3-MoE {what} to host memory",
+            targets=(f"{_QWEN3_MOE}:{class_name}",),
+            factory=functools.partial(_swap, policy),
+            restore=unwrap_swap,
+            fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
+            link="sequential",
+            validate=_HierarchyValidator(name, class_name, attr),
+            must_run_before=_SWAP_MUST_RUN_BEFORE,
+            excludes=_SWAP_EXCLUDES,
+        )
+    )
+
+
+QWEN3_ATTN_SWAP = _register_qwen3_swap(
+    "qwen3_attn_swap", "attention", "Qwen3MoeAttention", "self_attn", qwen3_attention_swap_policy
+)
+QWEN3_MOE_LAYER_SWAP = _register_qwen3_swap(
+    "qwen3_moe_layer_swap", "decoder layer", "Qwen3MoeDecoderLayer", None, qwen3_layer_swap_policy
+)
+
+
+@dataclass(frozen=True)
+class _DeclaredClasses:
+    """The decoder classes the model being rewritten declares: its layers (``attr``
+    ``None``) or its attentions. An object, not a closure, so that a rewritten model
+    can be pickled."""
+
+    rule_name: str
+    attr: str | None
+
+    def __call__(self, root: nn.Module) -> tuple[type, ...]:
+        classes = decoder_classes(root, rule=self.rule_name)
+        return classes.layers if self.attr is None else classes.attention
+
+
+@dataclass(frozen=True)
+class _StackValidator:
+    """Every decoder layer (``attr`` ``None``) or every layer's ``attr`` child is
+    exactly one of the classes the model declares: one that is not (a subclass, a
+    wrapper, a layer with another token mixer) would leave a hole in the prefetch
+    chain."""
+
+    rule_name: str
+    attr: str | None
+
+    @property
+    def __name__(self) -> str:
+        return f"validate_{self.rule_name}_hierarchy"
+
+    def __call__(self, root: nn.Module) -> None:
+        classes = decoder_classes(root, rule=self.rule_name)
+        expected = classes.layers if self.attr is None else classes.attention
+        wanted = " or ".join(qualified_name(cls) for cls in expected)
+        layers_fqn, layers = decoder_layers(root)
+        what = "layer" if self.attr is None else f"layer's {self.attr}"
+        for name, layer in layers.named_children():
+            fqn = f"{layers_fqn}.{name}"
+            found = layer if self.attr is None else getattr(layer, self.attr, None)
+            if type(found) in expected:
+                continue
+            if found is None:
+                children = ", ".join(
+                    f"{child} ({type(module).__name__})" for child, module in layer.named_children()
+                )
+                raise HierarchyError(
+                    f"{self.rule_name}: {fqn!r} has no {self.attr} (it holds {children}), so"
+                    f" its attention cannot be swapped and the prefetch chain would skip it;"
+                    f" this stack mixes attention with other layers: use layer_swap, which"
+                    f" wraps every layer whatever it holds"
+                )
+            raise HierarchyError(
+                f"{self.rule_name}: {fqn + ('.' + self.attr if self.attr else '')!r} must be"
+                f" exactly {wanted} (the class {qualified_name(type(root))} declares), found"
+                f" {qualified_name(type(found))}; every {what} is swapped or none is: rewrite"
+                " the model as Hugging Face builds it, before any subclass or wrapper"
+            )
+
+
+def _register_decoder_swap(name: str, what: str, attr: str | None, policy: SwapPolicy) -> Rule:
+    """A built-in swap rule for any Hugging Face decoder: the classes come from the model
+    (:func:`graphswap.hf.decoder.decoder_classes`), matched by exact type."""
+    return register_rule(
+        Rule(
+            name=name,
+            description=f"swap the saved activations of every decoder {what} to host memory",
+            targets=(),
+            targets_from=_DeclaredClasses(name, attr),
+            factory=functools.partial(_swap, policy),
+            restore=unwrap_swap,
+            fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
+            link="sequential",
+            validate=_StackValidator(name, attr),
+            must_run_before=_SWAP_MUST_RUN_BEFORE,
+            excludes=_SWAP_EXCLUDES,
+        )
+    )
+
+
+ATTN_SWAP = _register_decoder_swap("attn_swap", "attention", "self_attn", attention_swap_policy)
+LAYER_SWAP = _register_decoder_swap("layer_swap", "layer", None, layer_swap_policy)

@@ -1,0 +1,5 @@
+import sys
+
+from graphswap.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,579 @@
+"""``graphswap plan-memory``: one training step with activation swap, predicted without a GPU.
+
+The model is built and traced on the meta device (see ``graphswap.planning``), so a
+235B-parameter config costs neither memory nor a download. The planner returns data;
+this module renders it, from the same dictionaries ``--format json`` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from graphswap.train.cli._args import positive_float, positive_int
+
+if TYPE_CHECKING:
+    from graphswap.planning import MemoryPlan
+
+DTYPES = ("bfloat16", "float16", "float32")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DEVICES = ("cuda", "cpu")
+KERNELS = ("flash", "efficient", "cudnn", "math")
+POLICIES = ("none", "attention", "layer", "auto")
+"""Literal here so that ``--help`` imports no torch; the planner checks the same names."""
+
+_FLAGS = {
+    "seq": "--seq",
+    "batch": "--batch",
+    "bandwidth_gbps": "--bandwidth",
+    "tflops": "--tflops",
+    "attn_implementation": "--attn-implementation",
+    "device": "--device",
+    "attn_kernel": "--attn-kernel",
+    "tp": "--tp",
+    "swap": "--policy",
+    "hide_margin": "--hide-margin",
+    "offload_lag": "--offload-lag",
+    "prefetch_depth": "--prefetch-depth",
+    "state_shards": "--state-shards",
+    "memory_bytes": "--fit",
+    "seq_step": "--seq-step",
+}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def memory_size(text: str) -> int:
+    """``141GiB``, ``80GB``, ``8e10`` (bytes): a device memory, for ``--fit``."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 141GiB, 80GB or 8e10 (bytes), got {text!r}; units: "
+            "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
+    from graphswap.hf.presets import preset_names
+
+    parser = subparsers.add_parser(
+        "plan-memory",
+        help="predict one training step with activation swap: time, stalls, memory (no GPU)",
+        description=(
+            "Trace one training step (forward, backward, AdamW) of a Hugging Face decoder (any "
+            "family a preset or --model DIR's config.json names) on the "
+            "meta device, time every operator on a device profile, and replay the step as the "
+            "swap runtime runs it: per decoder layer what is saved and swapped, the copy time "
+            "against both windows (forward, fenced --offload-lag modules later; backward, "
+            "prefetched --prefetch-depth modules ahead) and both stalls, the predicted step "
+            "time and its ratio to the step without swap, and the device-memory peak with "
+            "and without swap and where it falls. Attention runs the kernel the training "
+            "device runs; with --tp the prediction is one rank's. --policy auto shows what "
+            "activation_swap: auto would swap: per layer the saved tensors whose copies hide "
+            "in both windows. --fit finds the longest sequence each mode fits in a device's "
+            "memory."
+        ),
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--model", metavar="DIR", help="local Hugging Face checkpoint folder (config.json only)"
+    )
+    source.add_argument("--preset", choices=preset_names(), help="embedded model shape")
+    parser.add_argument(
+        "--seq", type=positive_int, metavar="N", help="tokens (required unless --fit)"
+    )
+    parser.add_argument("--batch", type=positive_int, default=1, metavar="B")
+    parser.add_argument(
+        "--layers", type=positive_int, metavar="N", help="override the number of decoder layers"
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="NAME",
+        help="device profile: h200 (default) or h100, figures may follow "
+        "(h200,link_gbps=25,tflops=300,hbm_gbps=3000,memory_bytes=8e10)",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=positive_float,
+        default=None,
+        metavar="GBPS",
+        help="host link bandwidth per direction in GB/s (default: the profile's, 50)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=positive_float,
+        default=None,
+        metavar="T",
+        help="sustained compute in TFLOP/s (default: the profile's, 400)",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument(
+        "--attn-implementation",
+        choices=ATTN_IMPLEMENTATIONS,
+        default="sdpa",
+        help="Hugging Face attention: sdpa (default, fused kernels) or eager (saves the "
+        "seq x seq probabilities)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="device the training runs on, which decides the sdpa kernel and the optimizer "
+        "(default cuda)",
+    )
+    parser.add_argument(
+        "--attn-kernel",
+        choices=KERNELS,
+        default=None,
+        help="sdpa kernel to trace; on cuda: flash (default for bfloat16/float16), efficient "
+        "(default for float32, which flash and cudnn cannot run), cudnn, math; on cpu: flash "
+        "(default) or math",
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks (attention heads sharded as graphswap train tp_size=N "
+        "shards them): predict one rank's bytes (default 1)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="what is swapped: attention (default), layer (every tensor of the decoder layer "
+        "the size policy swaps), auto (per layer, largest first, the tensors whose copies "
+        "hide in both windows, less --hide-margin) or none",
+    )
+    parser.add_argument(
+        "--hide-margin",
+        type=float,
+        default=None,
+        metavar="M",
+        help="auto: share of each copy's window left free, in [0, 1) (default 0.1)",
+    )
+    parser.add_argument(
+        "--offload-lag",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the SwapManager's offload_lag: a module's copies to host are fenced when the "
+        "forward N modules later begins (default 1)",
+    )
+    parser.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the SwapManager's prefetch_depth: a module's tensors come back when backward "
+        "reaches the module N later (default 1)",
+    )
+    parser.add_argument(
+        "--state-shards",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard parameters, gradients and AdamW state FSDP-style over N ranks (an "
+        "approximation: gathers and communication are not modelled; default 1)",
+    )
+    parser.add_argument(
+        "--fit",
+        type=memory_size,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="MEMORY",
+        help="instead of one plan: the longest sequence each mode (none, attention, layer, "
+        "auto) fits in MEMORY (141GiB, 80GB; alone: the profile's memory), and its step ratio",
+    )
+    parser.add_argument(
+        "--seq-step",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="--fit: answer in multiples of N tokens (default 512)",
+    )
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw device memory over the step (needs matplotlib)",
+    )
+    parser.set_defaults(run=run)
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """A combination of flags that would change nothing, or lacks what it needs."""
+    policy = args.policy or "attention"
+    if args.hide_margin is not None and policy != "auto" and args.fit is None:
+        return (
+            f"--hide-margin {args.hide_margin} applies to --policy auto only (it would change "
+            f"nothing for --policy {policy}); add --policy auto or drop it"
+        )
+    if args.fit is None:
+        if args.seq is None:
+            return "--seq N is required (or --fit, which searches the sequence length)"
+        if args.seq_step is not None:
+            return f"--seq-step {args.seq_step} applies to --fit only; add --fit or drop it"
+        return None
+    for flag, value in (("--seq", args.seq), ("--policy", args.policy), ("--plot", args.plot)):
+        if value is not None:
+            return (
+                f"{flag} {value} with --fit: the fit searches the sequence for every mode (none, "
+                f"attention, layer, auto); drop {flag}"
+            )
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
+    import torch
+
+    from graphswap.hf.checkpoints import CheckpointError, model_config
+    from graphswap.planning import (
+        DEFAULT_HIDE_MARGIN,
+        DEFAULT_PROFILE,
+        DEFAULT_SEQ_STEP,
+        PlanSettingError,
+        ProfileError,
+        fit_sequence,
+        plan_memory,
+    )
+
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    try:
+        config = model_config(
+            args.preset,
+            args.model,
+            attn_implementation=args.attn_implementation,
+            num_layers=args.layers,
+        )
+    except CheckpointError as error:
+        print(f"graphswap plan-memory: error: --model {args.model}: {error}", file=sys.stderr)
+        return 2
+    settings: dict[str, Any] = {
+        "batch": args.batch,
+        "dtype": getattr(torch, args.dtype),
+        "attn_implementation": args.attn_implementation,
+        "device": args.device,
+        "attn_kernel": args.attn_kernel,
+        "tp": args.tp,
+        "hide_margin": DEFAULT_HIDE_MARGIN if args.hide_margin is None else args.hide_margin,
+        "profile": args.profile or DEFAULT_PROFILE,
+        "bandwidth_gbps": args.bandwidth,
+        "tflops": args.tflops,
+        "offload_lag": args.offload_lag,
+        "prefetch_depth": args.prefetch_depth,
+        "state_shards": args.state_shards,
+    }
+    try:
+        if args.fit is not None:
+            fit = fit_sequence(
+                config,
+                memory_bytes=args.fit or None,
+                seq_step=args.seq_step or DEFAULT_SEQ_STEP,
+                **settings,
+            )
+            data = fit.to_dict()
+            print(json.dumps(data, indent=2) if args.format == "json" else format_fit(data))
+            return 0
+        plan = plan_memory(config, seq=args.seq, swap=args.policy or "attention", **settings)
+    except PlanSettingError as error:
+        flag = _FLAGS.get(error.setting, error.setting)
+        print(f"error: {flag} {error.value}: {error.detail}", file=sys.stderr)
+        return 2
+    except ProfileError as error:
+        print(f"error: --profile {args.profile or DEFAULT_PROFILE}: {error}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            plot_timeline(plan, Path(args.plot))
+        except ModuleNotFoundError as error:
+            if error.name != "matplotlib":
+                raise
+            print(
+                f"error: --plot {args.plot} needs matplotlib, which is not installed; "
+                "install it with: pip install graphswap[plot]",
+                file=sys.stderr,
+            )
+            return 2
+    if args.format == "json":
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan.to_dict()))
+        if args.plot:
+            print(f"timeline written to {args.plot}")
+    return 0
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _link(profile: Mapping[str, Any]) -> str:
+    d2h, h2d = profile["d2h_gbps"], profile["h2d_gbps"]
+    return f"link={d2h:g} GB/s" if d2h == h2d else f"link={d2h:g}/{h2d:g} GB/s (d2h/h2d)"
+
+
+def settings_line(plan: Mapping[str, Any]) -> str:
+    profile = plan["profile"]
+    margin = "" if plan.get("hide_margin") is None else f" margin={plan['hide_margin']:g}"
+    kernel = "" if plan["attn_kernel"] is None else f" kernel={plan['attn_kernel']}"
+    shards = "" if plan["state_shards"] == 1 else f" state_shards={plan['state_shards']}"
+    return (
+        f"seq={plan['seq']} batch={plan['batch']} dtype={plan['dtype']} device={plan['device']} "
+        f"attn={plan['attn_implementation']}{kernel} tp={plan['tp']} swap={plan['swap']} "
+        f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
+        f"compute={profile['tflops']:g} TFLOP/s hbm={profile['hbm_gbps']:g} GB/s "
+        f"offload_lag={plan['offload_lag']} prefetch_depth={plan['prefetch_depth']}"
+        f"{shards}{margin}"
+    )
+
+
+def format_layers(plan: Mapping[str, Any]) -> list[str]:
+    """The settings and the per-layer table: bytes, each copy against its window and the
+    stall it causes, the verdict; for ``layer`` and ``auto`` also which saves (by index
+    in the layer's forward) move. For ``auto``, what it chose, in one line."""
+    swap = plan["swap"]
+    moved = "swapped" if swap == "auto" else "swappable"
+    saves = swap in ("layer", "auto")
+    header = (
+        f"{'layer':<22} {'saved':>11} {moved:>11} {'kept':>11} {'copy ms':>8} "
+        f"{'fwd win':>8} {'fwd stall':>9} {'reload ms':>9} {'bwd win':>8} {'bwd stall':>9}  "
+        + ("verdict         swapped saves (#)" if saves else "verdict")
+    )
+    lines = [settings_line(plan), header, "-" * len(header)]
+    for layer in plan["layers"]:
+        indices = ",".join(str(s["index"]) for s in layer.get("swapped_saves", ())) or "-"
+        verdict = layer["verdict"]
+        lines.append(
+            f"{layer['name']:<22} {format_bytes(layer['saved_bytes']):>11} "
+            f"{format_bytes(layer['swappable_bytes']):>11} "
+            f"{format_bytes(layer['kept_bytes']):>11} {_ms(layer['copy_seconds']):>8} "
+            f"{_ms(layer['forward_window']):>8} {_ms(layer['forward_stall']):>9} "
+            f"{_ms(layer['reload_seconds']):>9} {_ms(layer['backward_window']):>8} "
+            f"{_ms(layer['backward_stall']):>9}  "
+            + (f"{verdict:<14}  {indices}" if saves else verdict)
+        )
+    lines.append("-" * len(header))
+    if swap == "auto":
+        lines.append(auto_verdict(plan))
+    return lines
+
+
+def auto_verdict(plan: Mapping[str, Any]) -> str:
+    """One line on what ``auto`` chose; says so, and why, when it swaps nothing."""
+    margin = plan.get("hide_margin") or 0.0
+    profile = plan["profile"]
+    if plan["swapped_bytes"] == 0:
+        smallest = plan.get("smallest_swappable")
+        if smallest is None:
+            return "auto swaps nothing: no layer saves a tensor the swap could move"
+        layer = next(x for x in plan["layers"] if x["name"] == smallest["layer"])
+        copy = smallest["nbytes"] / (profile["d2h_gbps"] * 1e9)
+        return (
+            f"auto swaps nothing: the smallest swappable tensor "
+            f"({format_bytes(smallest['nbytes'])}, {smallest['layer']}) copies in "
+            f"{_ms(copy)} ms at {profile['d2h_gbps']:g} GB/s, more than {1 - margin:.0%} of "
+            f"its windows (forward {_ms(layer['forward_window'])} ms, backward "
+            f"{_ms(layer['backward_window'])} ms at {profile['tflops']:g} TFLOP/s), and so "
+            "does every other: every tensor stays on device; a faster link "
+            "(swap_bandwidth_gbps) or slower compute (swap_tflops) would let copies hide, "
+            "activation_swap: layer swaps regardless"
+        )
+    return (
+        f"auto swaps {format_bytes(plan['swapped_bytes'])} of the "
+        f"{format_bytes(plan['layer_swappable_bytes'])} that layer swap would move; no copy "
+        f"fills more than {1 - margin:.0%} of its window, forward or backward, and the "
+        "replayed step stalls nowhere"
+    )
+
+
+def _phase_stalls(plan: Mapping[str, Any]) -> tuple[float, float]:
+    layers = plan["layers"]
+    return (
+        sum(layer["forward_stall"] for layer in layers),
+        sum(layer["backward_stall"] for layer in layers),
+    )
+
+
+def _peak(timeline: Mapping[str, Any]) -> str:
+    return (
+        f"{format_bytes(timeline['peak_bytes'])} (at {timeline['peak_label']}, "
+        f"{timeline['peak_seconds'] * 1e3:.1f} ms into the step)"
+    )
+
+
+def step_lines(plan: Mapping[str, Any]) -> list[str]:
+    """The predicted step and its peak, with swap and without."""
+    timeline, baseline = plan["timeline"], plan["baseline"]
+    forward, backward = _phase_stalls(plan)
+    swap = plan["swap"]
+    return [
+        f"step: {timeline['step_seconds'] * 1e3:.2f} ms with {swap} swap, "
+        f"{baseline['step_seconds'] * 1e3:.2f} ms without: ratio {plan['step_ratio']:.4f} "
+        f"(stalls {timeline['stall_seconds'] * 1e3:.3f} ms: forward {forward * 1e3:.3f}, "
+        f"backward {backward * 1e3:.3f}; compute {timeline['compute_seconds'] * 1e3:.2f} ms)",
+        f"device peak with {swap} swap: {_peak(timeline)}",
+        f"device peak without swap: {_peak(baseline)}",
+        f"held before the step (parameters, buffers, AdamW state): "
+        f"{format_bytes(timeline['base_bytes'])}",
+    ]
+
+
+def format_plan(plan: Mapping[str, Any]) -> str:
+    """``plan-memory``'s text: the table, the step, the saved activations, the assumptions."""
+    hide = "yes" if plan["all_hide"] else "NO"
+    lines = [
+        *format_layers(plan),
+        *step_lines(plan),
+        f"saved activations: {format_bytes(plan['total_saved_bytes'])}, of which swap takes "
+        f"{format_bytes(plan['swapped_bytes'])} off the device (end of forward "
+        f"{format_bytes(plan['end_of_forward_with_swap_bytes'])}); outside the layers: "
+        f"embedding {format_bytes(plan['embed_saved_bytes'])}, head (final norm, lm_head, "
+        f"loss) {format_bytes(plan['head_saved_bytes'])}; every copy hides: {hide}",
+        "assumptions:",
+        *(f"  - {text}" for text in plan["assumptions"]),
+    ]
+    return "\n".join(lines)
+
+
+def format_auto_report(auto: Mapping[str, Any]) -> str:
+    """What ``graphswap train`` prints for ``activation_swap: auto``: the settings the plan
+    was made for, the link when measured, and the per-layer choice."""
+    lines = [f"activation_swap: auto, planned for {auto['made_for']}"]
+    measured = auto.get("measured_bandwidth")
+    if measured is not None:
+        lines.append(
+            f"swap_bandwidth_gbps: measure: device->host {measured['device_to_host_gbps']:.1f} "
+            f"GB/s, host->device {measured['host_to_device_gbps']:.1f} GB/s; planned with the "
+            "slower"
+        )
+    return "\n".join([*lines, *format_layers(auto["plan"])])
+
+
+def format_fit(fit: Mapping[str, Any]) -> str:
+    """``plan-memory --fit``: the state on one rank, then per mode the longest sequence."""
+    memory = fit["memory_bytes"]
+    shards = fit["state_shards"]
+    lines = [
+        f"fit in {format_bytes(memory)} ({fit['profile']['name']}), batch {fit['batch']}, "
+        f"sequences in steps of {fit['seq_step']} up to {fit['max_seq']}, state_shards {shards}",
+        f"per rank before activations: parameters {format_bytes(fit['parameter_bytes'])} + "
+        f"gradients {format_bytes(fit['gradient_bytes'])} + AdamW state "
+        f"{format_bytes(fit['optimizer_state_bytes'])} + buffers "
+        f"{format_bytes(fit['buffer_bytes'])} = {format_bytes(fit['state_bytes'])}",
+    ]
+    if not fit["state_fits"]:
+        needed = fit["shards_needed"]
+        fix = (
+            f"shard them: --state-shards {needed} or more (FSDP-style over that many ranks; "
+            "state_shards in the planner)"
+            if needed
+            else "no sharding helps: the buffers alone fill it"
+        )
+        lines.append(
+            f"parameters, gradients and AdamW state alone do not fit in "
+            f"{format_bytes(memory)}: no sequence fits; {fix}"
+        )
+        return "\n".join(lines)
+    header = (
+        f"{'mode':<10} {'longest seq':>12} {'step ratio':>10} {'peak':>11}  {'peak at':<10}"
+        f"{'stalls ms':>10}"
+    )
+    lines += [header, "-" * len(header)]
+    for mode in fit["modes"]:
+        plan = mode["plan"]
+        if plan is None:
+            lines.append(f"{mode['swap']:<10} {'none fits':>12}  (not even {fit['seq_step']})")
+            continue
+        timeline = plan["timeline"]
+        seq = f">= {mode['seq']}" if mode["capped"] else str(mode["seq"])
+        lines.append(
+            f"{mode['swap']:<10} {seq:>12} {plan['step_ratio']:>10.4f} "
+            f"{format_bytes(timeline['peak_bytes']):>11}  {timeline['peak_label']:<10}"
+            f"{timeline['stall_seconds'] * 1e3:>10.3f}"
+        )
+    lines.append(
+        f"traced {len(fit['traced'])} sequence lengths: {', '.join(map(str, fit['traced']))}"
+        + (
+            "; >= N: fits even at the model's max_position_embeddings"
+            if any(m["capped"] for m in fit["modes"])
+            else ""
+        )
+    )
+    return "\n".join(lines)
+
+
+def plot_timeline(plan: MemoryPlan, path: Path) -> None:
+    """Device memory through one step, with and without swap."""
+    import matplotlib  # optional (the plot extra): needed only for --plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = float(1 << 30)
+    fig, ax = plt.subplots(figsize=(10.0, 4.5))
+    for timeline, label in ((plan.baseline, "without swap"), (plan.timeline, f"{plan.swap} swap")):
+        xs, ys = _steps(timeline.memory)
+        ax.plot([x * 1e3 for x in xs], [y / gib for y in ys], label=label)
+    ax.set_xlabel("time in the step [ms]")
+    ax.set_ylabel("device memory [GiB]")
+    kernel = "" if plan.attn_kernel is None else f" ({plan.device} {plan.attn_kernel})"
+    ax.set_title(
+        f"seq={plan.seq} batch={plan.batch} {plan.dtype} {plan.attn_implementation}{kernel} "
+        f"tp={plan.tp} on {plan.profile.name}"
+    )
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _steps(memory: Sequence[tuple[float, int]]) -> tuple[list[float], list[int]]:
+    """A step plot's points: each level held until the next change."""
+    xs: list[float] = []
+    ys: list[int] = []
+    for seconds, nbytes in memory:
+        if ys:
+            xs.append(seconds)
+            ys.append(ys[-1])
+        xs.append(seconds)
+        ys.append(nbytes)
+    return xs, ys

@@ -1,0 +1,81 @@
+"""``graphswap plan``: show the pass plan a training config asks for, and check it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+FORMATS = ("text", "dot", "json")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show and check the model-infrastructure passes a training config asks for",
+        description=(
+            "Resolve a training config, list its passes (swap, tensor parallel, activation"
+            " checkpointing, compile, FSDP, ...) in the order they run (canonical, or the"
+            " config's pass_order, or --order), and check their order and exclusions, and"
+            " check the model it names (its config.json and weights,"
+            " heads divisible by tp_size). Exits 1 with the reason on stderr when graphswap"
+            " train would refuse the config. The world size is not known here: the ranks"
+            " the plan needs are printed to stderr."
+        ),
+    )
+    parser.add_argument("--config", metavar="FILE", help="training YAML (default: all defaults)")
+    parser.add_argument(
+        "--format", choices=FORMATS, default="text", help="output format (default: text)"
+    )
+    parser.add_argument(
+        "--order",
+        metavar="PASS,...",
+        help="run the passes in this order, checked as given (the config's pass_order), e.g."
+        " swap,tensor_parallel,fsdp",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="settings that override the file"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
+    import passes
+    from graphswap.train.config import ConfigError, parse_names, resolve_config
+    from graphswap.train.preflight import check_model
+
+    try:
+        config = resolve_config(args.config, args.overrides)
+        if args.order is not None:
+            config = dataclasses.replace(config, pass_order=parse_names(args.order))
+        plan = passes.plan(config).check()
+        check_model(config)
+    except (ConfigError, passes.PlanError) as error:
+        print(f"graphswap plan: {error}", file=sys.stderr)
+        return 1
+    render = {"text": plan.to_text, "dot": plan.to_dot, "json": plan.to_json}[args.format]
+    sys.stdout.write(render())
+    world = world_requirement(config.tp_size, config.fsdp)
+    if world:
+        print(f"graphswap plan: {world}", file=sys.stderr)
+    return 0
+
+
+def world_requirement(tp_size: int, fsdp: bool) -> str | None:
+    """What the world size must be, which the plan cannot see (torchrun sets it)."""
+    unknown = "the world size is not known here (torchrun sets it)"
+    if tp_size > 1 and fsdp:
+        return (
+            f"{unknown}: tp_size: {tp_size} with fsdp: true needs a multiple of {tp_size}"
+            f" ranks, {tp_size} per replica"
+        )
+    if tp_size > 1:
+        return (
+            f"{unknown}: tp_size: {tp_size} without fsdp needs exactly {tp_size} ranks;"
+            " set fsdp: true for more"
+        )
+    if fsdp:
+        return f"{unknown}: fsdp: true shards over every rank started"
+    return None

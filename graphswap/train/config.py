@@ -1,0 +1,402 @@
+"""The trainer's settings and the strict YAML resolver that fills them.
+
+Every setting is a typed field of :class:`TrainerConfig`; the resolver refuses what it
+does not understand (unknown keys, wrong types, values outside a ``Literal``) instead
+of dropping it, because a dropped setting is how the origin silently lost its module
+replacement (P1). Every error message starts with the key path, so the user knows which
+line to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from graphswap.hf.presets import preset_names
+from graphswap.runtime.profile import ProfileError, simulated_profile
+
+ActivationSwap = Literal["none", "attention", "layer", "auto"]
+SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
+AttnImplementation = Literal["eager", "sdpa"]
+DType = Literal["float32", "bfloat16"]
+
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+"""PyYAML follows YAML 1.1, which reads ``1e-3`` (no dot) as a string; such text is
+accepted for float settings because it is unambiguously a number."""
+
+
+DEFAULT_SWAP_HIDE_MARGIN = 0.1
+
+AUTO_ONLY_SETTINGS = {
+    "swap_bandwidth_gbps": None,
+    "swap_tflops": None,
+    "swap_hide_margin": DEFAULT_SWAP_HIDE_MARGIN,
+}
+"""Settings that only ``activation_swap: auto`` reads, with their defaults."""
+
+
+SWAP_ONLY_SETTINGS = {"swap_prefetch_depth": 1, "swap_offload_lag": 1}
+"""Settings of the swap runtime that ``activation_swap: none`` must leave at their defaults."""
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A setting the trainer cannot accept; ``key`` names it, the message starts with it."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        self.detail = detail
+        super().__init__(f"{key}: {detail}")
+
+
+_DEFAULT_MODEL = "tiny"
+"""``model`` at this value is left out when ``model_path`` is set: the example YAML
+lists every key with its default, and it must stay usable with a ``model_path``."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything ``graphswap train`` reads; ``examples/train.yaml`` lists every key."""
+
+    activation_swap: ActivationSwap = "none"
+    model: str = _DEFAULT_MODEL
+    model_path: str | None = None
+    num_layers: int | None = None
+    attn_implementation: AttnImplementation = "sdpa"
+    seq_len: int = 512
+    batch_size: int = 2
+    steps: int = 10
+    lr: float = 1e-3
+    dtype: DType = "float32"
+    device: str = "auto"
+    """``auto`` (CUDA when visible, else CPU), ``cpu``, ``cuda``, or ``sim:<profile>``: CPU
+    tensors on a clocked simulated accelerator (``sim:h200``, ``sim:h100``, figures may
+    follow: ``sim:h200,link_gbps=25``) that predicts the step time, stalls and peak the
+    profile's GPU would see."""
+    seed: int = 0
+    compile: bool = False
+    activation_checkpointing: bool = False
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    fsdp: bool = False
+    swap_prefetch_depth: int = 1
+    swap_offload_lag: int = 1
+    """A layer's swapped tensors leave the device no later than when the forward of the
+    wrapped module this many forwards later begins (``SwapManager(offload_lag=)``)."""
+    swap_bandwidth_gbps: SwapBandwidth | None = None
+    """``auto``: the host link in GB/s per direction, or ``measure`` (timed on the training
+    device); None: the device profile's (``device: sim:<profile>``'s, else h200's)."""
+    swap_tflops: float | None = None
+    """``auto``: sustained TFLOP/s; None: the device profile's."""
+    swap_hide_margin: float = DEFAULT_SWAP_HIDE_MARGIN
+    data: str | None = None
+    output_dir: str = "out"
+    pass_order: tuple[str, ...] | None = None
+    """The passes in the order to run them, checked as given by ``passes.plan``;
+    ``None``: the canonical order of the passes the other settings enable."""
+
+    def __post_init__(self) -> None:
+        hints = _field_types()
+        for field in dataclasses.fields(self):
+            value = _checked(field.name, getattr(self, field.name), hints[field.name])
+            object.__setattr__(self, field.name, value)
+        for key in ("seq_len", "batch_size", "steps", "tp_size", "cp_size", "ep_size", "pp_size"):
+            _check_at_least(key, getattr(self, key), 1)
+        _check_at_least("swap_prefetch_depth", self.swap_prefetch_depth, 1)
+        _check_at_least("swap_offload_lag", self.swap_offload_lag, 0)
+        for key, default in SWAP_ONLY_SETTINGS.items():
+            value = getattr(self, key)
+            if value != default and self.activation_swap == "none":
+                raise ConfigError(
+                    key,
+                    f"is {value} but activation_swap: none, so it would change nothing; set"
+                    f" activation_swap: attention, layer or auto, or leave {key} at {default}",
+                )
+        _check_device(self.device)
+        self._check_auto_settings()
+        _check_at_least("seed", self.seed, 0)
+        if self.num_layers is not None:
+            _check_at_least("num_layers", self.num_layers, 1)
+        check_finite_positive("lr", self.lr)
+        if self.model not in preset_names():
+            raise ConfigError(
+                "model",
+                f"unknown preset {self.model!r}; allowed values: {', '.join(preset_names())}",
+            )
+        for key in ("model_path", "data", "output_dir"):
+            if getattr(self, key) == "":
+                raise ConfigError(key, "must not be empty; leave it out or give a path")
+        if self.model_path is not None and self.model != _DEFAULT_MODEL:
+            raise ConfigError(
+                "model_path",
+                f"is set, so the preset model: {self.model} would be ignored; set one of them"
+                f" (model_path for a local checkpoint, model for a preset)",
+            )
+
+    def _check_auto_settings(self) -> None:
+        if self.swap_bandwidth_gbps not in ("measure", None):
+            check_finite_positive(
+                "swap_bandwidth_gbps", self.swap_bandwidth_gbps, "GB/s", " or measure"
+            )
+        if self.swap_tflops is not None:
+            check_finite_positive("swap_tflops", self.swap_tflops, "TFLOP/s")
+        margin = self.swap_hide_margin
+        if not 0 <= margin < 1:
+            raise ConfigError(
+                "swap_hide_margin",
+                f"must be in [0, 1) (the share of each layer's backward left free of copies),"
+                f" got {margin!r}",
+            )
+        if self.activation_swap == "auto":
+            return
+        for key, default in AUTO_ONLY_SETTINGS.items():
+            value = getattr(self, key)
+            if value != default:
+                raise ConfigError(
+                    key,
+                    f"is {value} but activation_swap: {self.activation_swap}, so it would change"
+                    f" nothing (only auto reads it); set activation_swap: auto or leave {key}"
+                    f" at {default}",
+                )
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+
+def resolve_config(
+    source: str | Path | Mapping[str, Any] | None = None, overrides: Iterable[str] = ()
+) -> TrainerConfig:
+    """Build a :class:`TrainerConfig` from a YAML file (or a mapping) plus ``key=value``
+    overrides, each value read with ``yaml.safe_load``; raises :class:`ConfigError`."""
+    values = dict(_load(source))
+    for override in overrides:
+        key, value = _parse_override(override)
+        values[key] = value
+    known = TrainerConfig.keys()
+    for key in values:
+        _check_known_key(key, known)
+    hints = _field_types()
+    return TrainerConfig(**{key: _coerce(value, hints[key]) for key, value in values.items()})
+
+
+def _load(source: str | Path | Mapping[str, Any] | None) -> Mapping[Any, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        path = Path(source)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                "<file>",
+                f"{str(path)!r} is not a UTF-8 text file ({error.reason} at byte"
+                f" {error.start}); pass a YAML file of settings",
+            ) from error
+        except OSError as error:
+            raise ConfigError("<file>", f"cannot read {str(path)!r}: {error}") from error
+        try:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
+        except _DuplicateKeyError as error:
+            raise ConfigError(
+                error.key,
+                f"given twice in {str(path)!r} (lines {error.first} and {error.second});"
+                " keep one of them",
+            ) from error
+        except yaml.YAMLError as error:
+            raise ConfigError("<file>", f"{str(path)!r} is not valid YAML: {error}") from error
+        if data is None:
+            return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("<root>", f"expected a mapping of settings, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(repr(key), "setting names must be strings")
+    return data
+
+
+class _DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: str, first: int, second: int) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first, self.second = key, first, second
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice: PyYAML keeps the last value
+    silently, so the earlier line would be a setting dropped without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                continue
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKeyError(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(key or override, f"override {override!r} must look like key=value")
+    if not text.strip():
+        # YAML reads an empty text as null, which for pass_order means the canonical order:
+        # a value left out by mistake would change the run without a word.
+        _check_known_key(key, TrainerConfig.keys())
+        optional = type(None) in typing.get_args(_field_types()[key])
+        unset = f", or {key}=null to leave it at its default" if optional else ""
+        raise ConfigError(key, f"override {override!r} has no value; give one{unset}")
+    try:
+        return key, yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(key, f"cannot read override value {text!r}: {error}") from error
+
+
+def _check_known_key(key: str, known: tuple[str, ...]) -> None:
+    if key in known:
+        return
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(key, f"unknown key; {hint}valid keys: {', '.join(known)}")
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """Resolved once: every config (and every ``dataclasses.replace``) checks its fields."""
+    return typing.get_type_hints(TrainerConfig)
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """``"swap,fsdp"`` -> ``("swap", "fsdp")``: the comma-separated form of a list
+    setting, as an override or ``graphswap plan --order`` takes it."""
+    return tuple(name.strip() for name in text.split(","))
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    """Turn YAML 1.1 float text (``1e-3``) into a float where a float is expected, and
+    comma-separated text into a list where a list is expected (an override
+    ``pass_order=swap,fsdp`` is YAML text); everything else is passed on unchanged and
+    type-checked by ``TrainerConfig``."""
+    options = (annotation, *typing.get_args(annotation))
+    floats = float in options
+    if floats and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
+        return float(value)
+    lists = any(typing.get_origin(option) is tuple for option in options)
+    if lists and isinstance(value, str):
+        return parse_names(value)
+    return value
+
+
+def _check_device(device: str) -> None:
+    if device in DEVICES:
+        return
+    try:
+        if simulated_profile(device) is not None:
+            return
+    except ProfileError as error:
+        raise ConfigError("device", str(error)) from None
+    raise ConfigError(
+        "device",
+        f"got {device!r}; allowed values: {', '.join(DEVICES)}, or sim:<profile> for the"
+        f" clocked simulated accelerator (sim:h200, sim:h100, sim:h200,link_gbps=25)",
+    )
+
+
+def _checked(key: str, value: Any, annotation: Any) -> Any:
+    """``value`` if it has the field's type (an int is widened to float), else raise."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed or type(value) is not type(allowed[0]):
+            shown = "null" if value is None else repr(value)
+            hint = ""
+            if value is None and "none" in allowed:
+                hint = " (YAML null means no value; write none to turn it off)"
+            raise ConfigError(
+                key, f"got {shown}; allowed values: {', '.join(repr(a) for a in allowed)}{hint}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return value
+        options = tuple(option for option in options if option is not type(None))
+        if len(options) > 1:
+            return _checked_union(key, value, options)
+        (annotation,) = options
+    if typing.get_origin(annotation) is tuple:
+        return _checked_list(key, value)
+    if annotation is float and type(value) is int:
+        return float(value)
+    if type(value) is not annotation:
+        raise ConfigError(
+            key,
+            f"expected {_type_name(annotation)}, got {type(value).__name__} {value!r}",
+        )
+    return value
+
+
+def _checked_union(key: str, value: Any, options: tuple[Any, ...]) -> Any:
+    """``value`` checked against the first option it fits (a number or a keyword)."""
+    for option in options:
+        try:
+            return _checked(key, value, option)
+        except ConfigError:
+            continue
+    expected = " or ".join(_type_name(option) for option in options)
+    raise ConfigError(key, f"expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def _checked_list(key: str, value: Any) -> tuple[str, ...]:
+    """A YAML list of strings, kept as a tuple so that the config stays immutable."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(
+            key,
+            f"expected a list of names (YAML [a, b] or a,b), got {type(value).__name__} {value!r}",
+        )
+    return tuple(value)
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(annotation))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        annotation, str(annotation)
+    )
+
+
+def check_finite_positive(key: str, value: float, unit: str = "", alternative: str = "") -> float:
+    """The one rule for a rate every command reads (a link's GB/s, compute in TFLOP/s, a
+    learning rate): a number above zero and finite, since a plan or a step made with
+    ``inf`` or ``nan`` is meaningless. Returns ``value``; raises :class:`ConfigError`
+    naming ``key`` (a config key or a command-line flag), ``unit`` and the
+    ``alternative`` spelled out (``" or measure"``)."""
+    if not (value > 0 and math.isfinite(value)):
+        of_unit = f" of {unit}" if unit else ""
+        raise ConfigError(key, f"must be a finite number{of_unit} > 0{alternative}, got {value!r}")
+    return value
+
+
+def _check_at_least(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {value}")

@@ -1,0 +1,146 @@
+"""Checks of a training config against what it names (the checkpoint, the data file,
+the output folder, the device, the world) before any model is built.
+
+A wrong path or an impossible setting must cost the user a second and one clear
+line, not a model build, a training run, or a traceback; ``graphswap train`` runs
+every check here first and ``graphswap plan`` runs the ones about the model.
+Every error is a :class:`~graphswap.train.config.ConfigError` (message starts with the
+key) or, for a distributed layout, a ``passes`` plan error naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+import passes
+from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.hf.checkpoints import CheckpointError, weight_files
+from graphswap.planning.auto_swap import check_measurable
+from graphswap.train.build import trainer_hf_config
+from graphswap.train.config import ConfigError, TrainerConfig
+from passes import PassRequirementError
+from passes.tensor_parallel import check_head_layout, check_heads_divisible
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> PretrainedConfig:
+    """Every check ``graphswap train`` needs; returns the Hugging Face config to build."""
+    passes.plan(config).check()
+    hf_config = check_model(config)
+    check_swap_bandwidth(config, resolve_device(config))
+    check_data(config)
+    check_output_dir(config)
+    check_world(config, world_size)
+    return hf_config
+
+
+def check_model(config: TrainerConfig) -> PretrainedConfig:
+    """The model's config (preset, or ``model_path``'s config.json and weights), and
+    that ``tp_size`` divides its head counts of a family whose heads it can shard."""
+    try:
+        hf_config = trainer_hf_config(config)
+        if config.model_path is not None:
+            weight_files(config.model_path)
+    except CheckpointError as error:
+        raise ConfigError("model_path", str(error)) from error
+    check_attention(config, hf_config)
+    if config.tp_size > 1:
+        check_heads_divisible(hf_config, config.tp_size)
+        check_head_layout(hf_config, config.tp_size)
+    return hf_config
+
+
+def check_attention(config: TrainerConfig, hf_config: PretrainedConfig) -> None:
+    """``attn_implementation: sdpa`` on a family whose model runs eager attention only
+    (gpt-oss: its attention sinks) is refused before the build, naming the key."""
+    from transformers import AutoModelForCausalLM  # loaded with the config already
+
+    model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    if config.attn_implementation == "sdpa" and not model_class._supports_sdpa:
+        raise ConfigError(
+            "attn_implementation",
+            f"sdpa: {model_class.__name__} runs eager attention only in this transformers;"
+            " set attn_implementation: eager",
+        )
+
+
+def resolve_device(config: TrainerConfig) -> torch.device:
+    """The device ``config.device`` names; under torchrun, this rank's CUDA device."""
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "device",
+                "cuda was asked for but no CUDA device is visible; set device: cpu"
+                " (or auto, which picks cuda when there is one)",
+            )
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def check_swap_bandwidth(config: TrainerConfig, device: torch.device) -> None:
+    """``swap_bandwidth_gbps: measure`` times the host link of the training device."""
+    if config.swap_bandwidth_gbps == "measure":
+        try:
+            check_measurable(device)
+        except PlanSettingError as error:
+            raise ConfigError(error.setting, f"{error.value} {error.detail}") from error
+
+
+def check_data(config: TrainerConfig) -> int:
+    """Bytes in ``config.data`` (0 without a file); it must hold more than one window."""
+    if config.data is None:
+        return 0
+    path = Path(config.data)
+    if path.is_dir():
+        raise ConfigError("data", f"{config.data!r} is a folder; give a local text file")
+    if not path.is_file():
+        raise ConfigError(
+            "data", f"no file at {config.data!r}; give a local text file (or data: null)"
+        )
+    size = path.stat().st_size
+    if size <= config.seq_len:
+        raise ConfigError(
+            "data",
+            f"{config.data!r} has {size} bytes, but one window needs more than"
+            f" seq_len={config.seq_len}; give a longer file or a smaller seq_len",
+        )
+    return size
+
+
+def check_output_dir(config: TrainerConfig) -> Path:
+    """Create ``config.output_dir`` and prove it writable now, rather than after the
+    run when the summary would be lost."""
+    path = Path(config.output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            "output_dir", f"{config.output_dir!r} is a file, not a folder; choose another"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            "output_dir",
+            f"cannot write to {config.output_dir!r} ({error.strerror or error});"
+            " choose a writable folder",
+        ) from error
+    return path
+
+
+def check_world(config: TrainerConfig, world_size: int) -> None:
+    """Several ranks need a pass that keeps them one model: without one, each rank
+    would train its own unsynchronised copy."""
+    if world_size > 1 and config.tp_size == 1 and not config.fsdp:
+        raise PassRequirementError(
+            f"tp_size: 1 and fsdp: false on a world of {world_size} ranks would train"
+            f" {world_size} unsynchronised copies; set fsdp: true (data parallel, dp_shard ="
+            f" {world_size}) or tp_size: {world_size}, or run one process"
+        )

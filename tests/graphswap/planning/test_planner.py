@@ -1,0 +1,302 @@
+"""The planner on real models: saved bytes against a real run, keep-last, the copies' time
+against both windows, what each mode swaps, and the errors for bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphswap import rewrite
+from graphswap.hf.checkpoints import build_model
+from graphswap.hf.presets import qwen3_moe_config
+from graphswap.planning import (
+    LayerPlan,
+    MemoryPlan,
+    PlanSettingError,
+    ProfileError,
+    layer_candidates,
+    plan_memory,
+)
+from graphswap.planning.measure import ResidentActivationTracker, output_tensors
+from graphswap.planning.saved_tensors import trace_saved_tensors
+from graphswap.train.cli._memory import auto_verdict, format_plan
+
+SEQ, BATCH = 512, 2
+"""sdpa's query and output are exactly 1 MiB per layer here: the swap threshold."""
+
+
+def _measure_resident(model: torch.nn.Module, ids: torch.Tensor, manager: object = None) -> int:
+    tracker = ResidentActivationTracker("cpu")
+    with tracker.track():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+    if manager is not None:
+        manager.synchronize()  # type: ignore[attr-defined]
+    return tracker.resident_bytes(output_tensors(out))
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> MemoryPlan:
+    return plan_memory(
+        qwen3_moe_config("tiny"), seq=SEQ, batch=BATCH, dtype=torch.float32, device="cpu"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seq", [512, 2048])
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_cpu_prediction_matches_the_independent_tracker(
+    attn_implementation: str, seq: int, dtype: torch.dtype
+) -> None:
+    """Two layers (one swapped, the last kept), batch 1: the attention tensors fall on both
+    sides of the 1 MiB threshold across these shapes, and sdpa runs the CPU flash kernel."""
+    config = qwen3_moe_config("tiny", attn_implementation=attn_implementation, num_hidden_layers=2)
+    plan = plan_memory(
+        config, seq=seq, dtype=dtype, attn_implementation=attn_implementation, device="cpu"
+    )
+    torch.manual_seed(0)
+    model = build_model(config, dtype=dtype).train()
+    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(0))
+    without_swap = _measure_resident(model, ids)
+    manager = rewrite(model, rules=["qwen3_attn_swap"]).manager
+    with_swap = _measure_resident(model, ids, manager)
+    assert without_swap == pytest.approx(plan.total_saved_bytes, rel=0.05)
+    assert without_swap - with_swap == pytest.approx(plan.swapped_bytes, rel=0.05)
+    assert manager.stats.offloaded_bytes == plan.swapped_bytes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn", "math"])
+def test_cuda_prediction_matches_the_tracker_for_each_kernel(kernel: str) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[kernel]
+    seq, dtype = 2048, torch.bfloat16
+    config = qwen3_moe_config("tiny", attn_implementation="sdpa", num_hidden_layers=2)
+    plan = plan_memory(config, seq=seq, dtype=dtype, device="cuda", attn_kernel=kernel)
+    torch.manual_seed(0)
+    model = build_model(config, device="cuda", dtype=dtype).train()
+    ids = torch.randint(0, 512, (1, seq), device="cuda")
+    tracker = ResidentActivationTracker("cuda")
+    try:
+        with sdpa_kernel(backend), tracker.track():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+    except RuntimeError as error:  # a kernel this build or GPU does not have (cuDNN)
+        pytest.skip(f"{kernel} does not run here: {error}")
+    assert tracker.resident_bytes(output_tensors(out)) == pytest.approx(
+        plan.total_saved_bytes, rel=0.05
+    )
+
+
+def test_sdpa_saves_less_than_eager_and_only_sdpa_names_a_kernel() -> None:
+    config = qwen3_moe_config("tiny")
+    sdpa = plan_memory(config, seq=SEQ, device="cpu")
+    eager = plan_memory(config, seq=SEQ, device="cpu", attn_implementation="eager")
+    assert sdpa.attn_kernel == "flash" and eager.attn_kernel is None
+    assert sdpa.total_saved_bytes < eager.total_saved_bytes
+    assert any("_scaled_dot_product_flash_attention_for_cpu" in a for a in sdpa.assumptions)
+    assert any("probabilities" in a for a in eager.assumptions)
+
+
+def test_every_layer_is_attributed_and_alike(tiny_plan) -> None:  # type: ignore[no-untyped-def]
+    layers = tiny_plan.layers
+    assert [layer.name for layer in layers] == [f"model.layers.{i}" for i in range(4)]
+    assert all(layer.swappable_bytes == layers[0].swappable_bytes > 0 for layer in layers)
+    assert all(0 < layer.swappable_bytes < layer.saved_bytes for layer in layers)
+    assert [layer.kept for layer in layers] == [False, False, False, True]
+    assert tiny_plan.head_saved_bytes > 0
+
+
+def _storages(layer: LayerPlan) -> dict[int, int]:
+    return {s.storage: s.storage_nbytes for s in layer.saved_tensors if not s.parameter}
+
+
+def test_layer_bytes_are_the_sum_of_its_saved_tensors(tiny_plan) -> None:  # type: ignore[no-untyped-def]
+    first, second = tiny_plan.layers[0], tiny_plan.layers[1]
+    owned = _storages(first)
+    assert first.saved_bytes == sum(owned.values())
+    kept = {s.storage for s in first.saved_tensors if not (s.in_attention and s.policy_swaps)}
+    assert first.swappable_bytes == sum(n for k, n in owned.items() if k not in kept)
+    # The rotary cos/sin are computed once and saved by every layer: the first one owns them.
+    shared = _storages(second).keys() & owned.keys()
+    assert shared
+    assert second.saved_bytes == sum(n for k, n in _storages(second).items() if k not in shared)
+
+
+def test_keep_last_accounting(tiny_plan: MemoryPlan) -> None:
+    last = tiny_plan.layers[-1]
+    assert last.kept and last.swappable_bytes > 0  # what it would swap: it keeps it
+    assert (
+        last.offloaded_bytes == 0 and last.copy_seconds == 0 and last.verdict() == "kept on device"
+    )
+    assert tiny_plan.swapped_bytes == sum(layer.swappable_bytes for layer in tiny_plan.layers[:-1])
+    assert tiny_plan.end_of_forward_with_swap_bytes == (
+        tiny_plan.total_saved_bytes - tiny_plan.swapped_bytes
+    )
+    assert last.kept_bytes == last.saved_bytes
+
+
+def test_copy_time_is_at_the_link_and_stalls_decide_hiding() -> None:
+    config = qwen3_moe_config("tiny")
+    slow = plan_memory(config, seq=SEQ, batch=BATCH, bandwidth_gbps=0.001, tflops=1.0)
+    fast = plan_memory(config, seq=SEQ, batch=BATCH, bandwidth_gbps=1e6, tflops=1.0)
+    first_slow, first_fast = slow.layers[0], fast.layers[0]
+    assert first_slow.offloaded_bytes == first_slow.swappable_bytes > 0
+    assert first_slow.copy_seconds == pytest.approx(first_slow.offloaded_bytes / 1e6)
+    assert first_slow.copy_seconds == pytest.approx(first_fast.copy_seconds * 1e9)
+    # The windows are compute: the same at any link.
+    assert first_slow.forward_window == pytest.approx(first_fast.forward_window)
+    assert first_slow.backward_window == pytest.approx(first_fast.backward_window)
+    assert first_slow.forward_stall > 0 and not first_slow.hides and not slow.all_hide
+    assert slow.step_ratio > 1
+    assert first_fast.hides and fast.all_hide and fast.step_ratio == pytest.approx(1.0)
+    assert slow.layers[-1].hides  # kept: nothing to copy
+
+
+def test_attention_time_grows_quadratically_in_the_sequence() -> None:
+    """Compute-bound (1 TFLOP/s), every operator but attention scales with the tokens;
+    the attention kernel counts 4 * heads * seq^2 * head_dim FLOPs."""
+    config = qwen3_moe_config("qwen3-30b-a3b", num_hidden_layers=2)
+    one, two = (
+        plan_memory(config, seq=seq, tflops=1.0, swap="none").layers[0].forward_seconds
+        for seq in (1024, 2048)
+    )
+    scores = 4 * config.num_attention_heads * config.head_dim
+    assert two - 2 * one == pytest.approx(scores * (2048**2 - 2 * 1024**2) / 1e12, rel=1e-3)
+
+
+def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-def]
+    data = tiny_plan.to_dict()
+    assert data["swapped_bytes"] == tiny_plan.swapped_bytes
+    assert len(data["layers"]) == 4 and "hides" in data["layers"][0]
+    assert {"forward_window", "backward_window", "forward_stall", "backward_stall"} <= set(
+        data["layers"][0]
+    )
+    assert data["timeline"]["peak_bytes"] == tiny_plan.timeline.peak_bytes
+    assert data["baseline"]["step_seconds"] == tiny_plan.baseline.step_seconds
+    assert data["step_ratio"] == tiny_plan.step_ratio
+    assert any("uniform routing" in text for text in data["assumptions"])
+    assert (data["device"], data["attn_kernel"], data["tp"]) == ("cpu", "flash", 1)
+    assert (data["offload_lag"], data["prefetch_depth"], data["profile"]["name"]) == (1, 1, "h200")
+    table = format_plan(data)
+    assert "model.layers.3" in table and "kept on device" in table
+    assert "device=cpu attn=sdpa kernel=flash tp=1" in table
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [
+        ({"seq": 0}, "seq"),
+        ({"seq": 8, "batch": -1}, "batch"),
+        ({"seq": 8, "bandwidth_gbps": 0}, "bandwidth_gbps"),
+        ({"seq": 8, "bandwidth_gbps": float("inf")}, "bandwidth_gbps"),
+        ({"seq": 8, "tflops": -1.0}, "tflops"),
+        ({"seq": 8, "offload_lag": -1}, "offload_lag"),
+        ({"seq": 8, "prefetch_depth": 0}, "prefetch_depth"),
+        ({"seq": 8, "state_shards": 0}, "state_shards"),
+        ({"seq": 8, "tp": 3}, "tp"),
+        ({"seq": 8, "attn_kernel": "flash", "dtype": torch.float32}, "attn_kernel"),
+        ({"seq": 8, "device": "xpu"}, "device"),
+        ({"seq": 8, "swap": "experts"}, "swap"),
+        ({"seq": 8, "swap": "auto", "hide_margin": 1.0}, "hide_margin"),
+        ({"seq": 8, "swap": "auto", "hide_margin": -0.5}, "hide_margin"),
+    ],
+)
+def test_bad_inputs_name_the_input(kwargs, word) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanSettingError, match=word) as caught:
+        plan_memory(qwen3_moe_config("tiny"), **kwargs)
+    assert caught.value.setting == word
+
+
+@pytest.mark.parametrize(
+    ("profile", "words"),
+    [
+        ("h300", ["unknown device profile 'h300'", "presets: h100, h200"]),
+        ("h200,hbm_gbps=0", ["hbm_gbps must be a finite number > 0, got 0.0"]),
+        ("h200,tflops=-3", ["tflops must be a finite number > 0, got -3.0"]),
+        ("h200,link_gbps=inf", ["d2h_gbps must be a finite number > 0, got inf"]),
+        ("h200,warp=9", ["unknown device profile figure 'warp'", "link_gbps, d2h_gbps"]),
+    ],
+)
+def test_bad_profiles_name_the_key_the_value_and_the_choices(
+    profile: str, words: list[str]
+) -> None:
+    with pytest.raises(ProfileError) as caught:
+        plan_memory(qwen3_moe_config("tiny"), seq=8, profile=profile)
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_eager_experts_are_refused_with_the_fix() -> None:
+    config = qwen3_moe_config("tiny", experts_implementation="eager")
+    with pytest.raises(PlanSettingError, match="grouped_mm"):
+        plan_memory(config, seq=8)
+
+
+def _cpu(swap: str, **kwargs: object) -> MemoryPlan:
+    return plan_memory(
+        qwen3_moe_config("tiny"),
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        device="cpu",
+        swap=swap,  # type: ignore[arg-type]
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def test_layer_candidates_leave_storages_other_layers_save() -> None:
+    trace = trace_saved_tensors(
+        qwen3_moe_config("tiny", num_hidden_layers=2),
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    first = layer_candidates(trace)["model.layers.0"]
+    storages = {c.saves[0].storage for c in first}
+    later = {s.storage for s in trace.layers[1].saves}
+    assert storages and not storages & later
+    assert all(s.policy_swaps for c in first for s in c.saves)
+
+
+def test_layer_swaps_every_tensor_of_the_layer_the_policy_would() -> None:
+    attention, layer = _cpu("attention"), _cpu("layer")
+    for a, w in zip(attention.layers, layer.layers, strict=True):
+        assert w.swappable_bytes > a.swappable_bytes
+        assert w.saved_bytes == a.saved_bytes
+    first = layer.layers[0]
+    assert sum(s.storage_nbytes for s in {s.storage: s for s in first.swapped_saves}.values()) == (
+        first.swappable_bytes
+    )
+    assert layer.layers[-1].swapped_saves == ()  # kept on device
+    data = layer.to_dict()
+    assert data["swap"] == "layer" and data["layers"][0]["swapped_saves"][0]["index"] == 8
+    assert [x.offloaded_bytes for x in layer.layers[:-1]] == [
+        x.swappable_bytes for x in layer.layers[:-1]
+    ]
+
+
+def test_auto_between_the_extremes() -> None:
+    layer = _cpu("layer")
+    fast = _cpu("auto", bandwidth_gbps=1e9, tflops=1.0)
+    slow = _cpu("auto", bandwidth_gbps=1e-3, tflops=1.0)
+    middle = _cpu("auto", bandwidth_gbps=2.0, tflops=1.0, hide_margin=0.1)
+    assert fast.swapped_bytes == fast.layer_swappable_bytes == layer.swapped_bytes
+    assert [x.swapped_saves for x in fast.layers] == [x.swapped_saves for x in layer.layers]
+    assert slow.swapped_bytes == 0 and auto_verdict(slow.to_dict()).startswith("auto swaps nothing")
+    assert 0 < middle.swapped_bytes < layer.swapped_bytes
+    for planned in middle.layers[:-1]:
+        assert planned.copy_seconds <= 0.9 * planned.forward_window
+        assert planned.forward_stall == planned.backward_stall == 0
+        assert planned.verdict() == "hides"
+    assert middle.timeline.stall_seconds == 0 and middle.step_ratio == pytest.approx(1.0)
+    no_margin = _cpu("auto", bandwidth_gbps=2.0, tflops=1.0, hide_margin=0.0)
+    assert no_margin.swapped_bytes >= middle.swapped_bytes
+    table = format_plan(middle.to_dict())
+    assert "swap=auto" in table and "margin=0.1" in table and "swapped saves (#)" in table
+    assert auto_verdict(middle.to_dict()) in table

@@ -1,0 +1,406 @@
+"""``graphswap plan-memory``: the console command end to end, and its plot option."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from graphswap import rewrite
+from graphswap.hf.checkpoints import build_model
+from graphswap.hf.presets import PRESETS
+from graphswap.planning.measure import ResidentActivationTracker, output_tensors
+from graphswap.train.cli import _memory
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "graphswap.train.cli", "plan-memory", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_json_output_parses_and_counts_every_layer() -> None:
+    done = _run(
+        "--preset", "tiny", "--seq", "1024", "--batch", "2", "--layers", "3", "--format", "json"
+    )
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert [layer["name"] for layer in plan["layers"]] == [f"model.layers.{i}" for i in range(3)]
+    assert plan["timeline"]["peak_bytes"] < plan["baseline"]["peak_bytes"]
+    assert plan["profile"]["d2h_gbps"] == 50.0 and plan["dtype"] == "bfloat16"
+    assert (plan["offload_lag"], plan["prefetch_depth"], plan["state_shards"]) == (1, 1, 1)
+    defaults = ("sdpa", "cuda", "flash", 1)
+    assert (
+        plan["attn_implementation"],
+        plan["device"],
+        plan["attn_kernel"],
+        plan["tp"],
+    ) == defaults
+    assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])
+
+
+def test_text_output_from_a_checkpoint_folder(tmp_path: Path, graphswap_cmd) -> None:
+    from graphswap.hf.presets import qwen3_moe_config
+
+    qwen3_moe_config("tiny").save_pretrained(tmp_path)
+    done = graphswap_cmd(
+        "plan-memory", "--model", str(tmp_path), "--seq", "64", "--bandwidth", "25",
+        "--tflops", "100",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "link=25 GB/s" in done.stdout and "kept on device" in done.stdout
+
+
+def test_a_model_source_is_required(graphswap_cmd) -> None:
+    done = graphswap_cmd("plan-memory", "--seq", "64")
+    assert done.returncode == 2
+    assert "--model" in done.stderr and "--preset" in done.stderr
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _memory.add_parser(parser.add_subparsers())
+    return parser.parse_args(["plan-memory", *argv])
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "timeline.png"
+    args = _args("--preset", "tiny", "--seq", "64", "--plot", str(target))
+    assert args.run(args) == 0
+    assert target.read_bytes()[:4] == b"\x89PNG"
+    assert "timeline written" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_names_the_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    args = _args("--preset", "tiny", "--seq", "64", "--plot", str(tmp_path / "t.png"))
+    assert args.run(args) == 2
+    assert "pip install graphswap[plot]" in capsys.readouterr().err
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    args = _args("--preset", "tiny", "--seq", "512", "--batch", "2", "--format", "json", *argv)
+    assert args.run(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_tp_predicts_one_rank_of_the_sharded_heads(capsys: pytest.CaptureFixture[str]) -> None:
+    whole = _plan(capsys, "--dtype", "float32")
+    rank = _plan(capsys, "--dtype", "float32", "--tp", "2")
+    assert rank["tp"] == 2 and rank["config"] == whole["config"]
+    assert 0 < rank["total_saved_bytes"] < whole["total_saved_bytes"]
+    assert rank["head_saved_bytes"] == whole["head_saved_bytes"]  # replicated
+    assert any("2 of 4 query heads" in text for text in rank["assumptions"])
+
+
+def test_the_kernel_decides_the_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    flash = _plan(capsys, "--attn-kernel", "flash")
+    math = _plan(capsys, "--attn-kernel", "math")
+    cpu = _plan(capsys, "--device", "cpu")
+    assert flash["total_saved_bytes"] < math["total_saved_bytes"]
+    assert (cpu["device"], cpu["attn_kernel"]) == ("cpu", "flash")
+    assert _plan(capsys, "--dtype", "float32")["attn_kernel"] == "efficient"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (
+            ["--attn-kernel", "flash", "--dtype", "float32"],
+            ["--attn-kernel flash:", "use one of efficient, math"],
+        ),
+        (["--tp", "3"], ["--tp 3:", "num_attention_heads (4)", "use one of 1, 2"]),
+        (["--device", "cpu", "--attn-kernel", "cudnn"], ["--attn-kernel cudnn:", "flash, math"]),
+        (["--attn-implementation", "eager", "--attn-kernel", "flash"], ["--attn-kernel flash:"]),
+        (["--policy", "auto", "--hide-margin", "1"], ["--hide-margin 1.0:", "[0, 1)"]),
+        (["--hide-margin", "0.2"], ["--hide-margin 0.2 applies to --policy auto only"]),
+        (["--offload-lag", "-1"], ["--offload-lag -1:", "integer >= 0"]),
+        (["--prefetch-depth", "0"], ["--prefetch-depth 0:", "integer >= 1"]),
+        (["--state-shards", "0"], ["--state-shards 0:", "integer >= 1"]),
+        (["--profile", "h300"], ["--profile h300:", "unknown device profile 'h300'", "h100, h200"]),
+        (
+            ["--profile", "h200,hbm_gbps=0"],
+            ["--profile h200,hbm_gbps=0:", "hbm_gbps must be a finite number > 0, got 0.0"],
+        ),
+        (["--seq-step", "256"], ["--seq-step 256 applies to --fit only"]),
+    ],
+)
+def test_bad_settings_name_the_flag_before_any_model_is_built(
+    argv: list[str],
+    words: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import graphswap.train.build
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was built for a plan that cannot run")
+
+    monkeypatch.setattr(graphswap.train.build, "build_model", refuse)
+    args = _args("--preset", "tiny", "--seq", "64", *argv)
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for word in words:
+        assert word in err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+@pytest.mark.parametrize("flag", ["--bandwidth", "--tflops"])
+def test_a_figure_that_is_not_a_finite_positive_number_is_a_usage_error(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _args("--preset", "tiny", "--seq", "64", flag, value)
+    assert caught.value.code == 2
+    assert f"argument {flag}: must be a finite number > 0, got {value}" in capsys.readouterr().err
+
+
+def test_an_unknown_kernel_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _args("--preset", "tiny", "--seq", "64", "--attn-kernel", "flash3")
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "--attn-kernel" in err and "flash3" in err and "efficient" in err
+
+
+def _auto_text(capsys: pytest.CaptureFixture[str], bandwidth: str) -> list[str]:
+    args = _args(
+        "--preset",
+        "tiny",
+        "--seq",
+        "512",
+        "--batch",
+        "2",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--policy",
+        "auto",
+        "--bandwidth",
+        bandwidth,
+        "--tflops",
+        "1",
+    )
+    assert args.run(args) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_policy_auto_shows_per_layer_what_hides(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _auto_text(capsys, "2")
+    header = next(line for line in lines if line.startswith("layer "))
+    for column in (
+        "saved",
+        "swapped",
+        "kept",
+        "copy ms",
+        "fwd win",
+        "fwd stall",
+        "reload ms",
+        "bwd win",
+        "bwd stall",
+        "swapped saves (#)",
+    ):
+        assert column in header
+    rows = [line for line in lines if line.startswith("model.layers.")]
+    assert len(rows) == 4
+    assert all("  hides  " in row for row in rows[:3]) and "kept on device" in rows[3]
+    assert any(line.startswith("auto swaps 3.00 MiB of the 18.00 MiB") for line in lines)
+    step = next(line for line in lines if line.startswith("step: "))
+    assert "ratio 1.0000" in step and "stalls 0.000 ms" in step
+
+
+def test_policy_auto_on_a_slow_link_says_it_swaps_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = _auto_text(capsys, "0.001")
+    rows = [line for line in lines if line.startswith("model.layers.")]
+    assert all("none swapped" in row for row in rows[:3])
+    assert any(line.startswith("auto swaps nothing: ") for line in lines)
+
+
+def test_policy_auto_json_lists_the_swapped_saves(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(
+        capsys,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--policy",
+        "auto",
+        "--bandwidth",
+        "2",
+        "--tflops",
+        "1",
+        "--hide-margin",
+        "0.2",
+    )
+    assert (plan["swap"], plan["hide_margin"]) == ("auto", 0.2)
+    first = plan["layers"][0]
+    storages = {s["storage"]: s["nbytes"] for s in first["swapped_saves"]}
+    assert len(storages) < len(first["swapped_saves"])  # q is saved twice, swapped once
+    assert first["swappable_bytes"] == sum(storages.values())
+    assert first["kept_bytes"] == first["saved_bytes"] - first["swappable_bytes"]
+    assert first["hides"] and first["forward_stall"] == first["backward_stall"] == 0
+    assert _memory.auto_verdict(plan).startswith("auto swaps ")
+
+
+def _text(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
+    args = _args(*argv)
+    assert args.run(args) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+QWEN3_30B = ("--preset", "qwen3-30b-a3b", "--seq", "8192", "--layers", "4")
+"""Qwen3-30B-A3B's layers at seq 8192 (bf16, flash, the H200 profile: 50 GB/s, 400
+TFLOP/s); four of its 48 layers, each the same, so the rows are the full model's."""
+
+
+def test_attention_swap_of_qwen3_30b_shows_the_forward_stall(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = _text(capsys, *QWEN3_30B, "--policy", "attention")
+    assert "link=50 GB/s compute=400 TFLOP/s" in lines[0]
+    rows = [line.split() for line in lines if line.startswith("model.layers.")]
+    for row in rows[:3]:
+        copy, forward_window, forward_stall = map(float, row[7:10])
+        assert copy == pytest.approx(8.242, abs=1e-3) and forward_window < copy
+        assert forward_stall > 1.0 and row[-1] == "STALLS"
+    assert not any(row[-1] == "hides" for row in rows)
+    assert any(line.endswith("every copy hides: NO") for line in lines)
+    step = next(line for line in lines if line.startswith("step: "))
+    assert float(step.split("ratio ")[1].split()[0]) > 1.01
+    assert any(line.startswith("device peak with attention swap: ") for line in lines)
+    assert any(line.startswith("device peak without swap: ") for line in lines)
+
+
+def test_auto_on_qwen3_30b_stalls_neither_window(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args(*QWEN3_30B, "--policy", "auto", "--format", "json")
+    assert args.run(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["step_ratio"] <= 1.01 and plan["timeline"]["stall_seconds"] == 0
+    for layer in plan["layers"][:-1]:
+        assert layer["forward_stall"] == layer["backward_stall"] == 0
+        assert layer["verdict"] == "hides" and layer["swappable_bytes"] > 0
+        # The forward binds: at most 90% of it is copies.
+        assert layer["copy_seconds"] <= 0.9 * min(layer["forward_window"], layer["backward_window"])
+    assert plan["all_hide"]
+
+
+def test_fit_says_the_state_of_qwen3_30b_does_not_fit_one_h200_and_names_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = _text(capsys, "--preset", "qwen3-30b-a3b", "--fit")
+    assert lines[0].startswith("fit in 131.32 GiB (h200)")
+    assert "AdamW state 113.74 GiB" in lines[1]
+    assert lines[2].startswith("parameters, gradients and AdamW state alone do not fit")
+    assert "--state-shards 2 or more" in lines[2]
+
+
+def test_fit_with_the_state_sharded_finds_auto_longer_than_none(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("--preset", "qwen3-30b-a3b", "--layers", "4", "--state-shards", "4")
+    args = _args(*argv, "--fit", "20GiB", "--format", "json")
+    assert args.run(args) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["memory_bytes"] == 20 << 30 and fit["state_fits"]
+    modes = {mode["swap"]: mode for mode in fit["modes"]}
+    assert list(modes) == ["none", "attention", "layer", "auto"]
+    assert modes["auto"]["seq"] > modes["none"]["seq"]
+    assert modes["auto"]["plan"]["step_ratio"] <= 1.01
+    lines = _memory.format_fit(fit).splitlines()
+    assert lines[2].split()[:3] == ["mode", "longest", "seq"]
+    rows = {line.split()[0]: line.split()[1:3] for line in lines[4:8]}
+    assert rows["auto"] == [str(modes["auto"]["seq"]), f"{modes['auto']['plan']['step_ratio']:.4f}"]
+    assert rows["none"] == [str(modes["none"]["seq"]), "1.0000"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        ([], ["--seq N is required (or --fit"]),
+        (["--fit", "--seq", "64"], ["--seq 64 with --fit: the fit searches the sequence"]),
+        (["--fit", "--policy", "auto"], ["--policy auto with --fit"]),
+    ],
+)
+def test_fit_and_seq_go_one_at_a_time(
+    argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _args("--preset", "tiny", *argv)
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and all(word in err for word in words)
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"), [("141GiB", 141 << 30), ("80GB", 80 * 10**9), ("8e10", 8 * 10**10)]
+)
+def test_fit_reads_a_memory_size(text: str, nbytes: int) -> None:
+    assert _memory.memory_size(text) == nbytes
+
+
+def test_a_memory_size_without_a_known_unit_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        _args("--preset", "tiny", "--fit", "141 parsecs")
+    assert "expected a size such as 141GiB" in capsys.readouterr().err
+
+
+FAMILY_PRESETS = ["tiny", *sorted(name for name in PRESETS if name.startswith("tiny-"))]
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_a_checkpoint_folder_of_each_family_plans_what_the_runtime_frees(
+    preset: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    family_config: Callable[[str, str], Any],
+    one_thread: None,
+) -> None:
+    """``--model DIR`` traces any family from its config.json; layer swap (eager, where
+    the probabilities pass the 1 MiB threshold at seq 256) then takes off the device what
+    the plan says, by the independent tracker, and copies what it says."""
+    config = family_config(preset, "eager")
+    config.save_pretrained(tmp_path)
+    seq, batch = 256, 2
+    args = _args(
+        "--model", str(tmp_path), "--seq", str(seq), "--batch", str(batch), "--policy", "layer",
+        "--dtype", "float32", "--device", "cpu", "--attn-implementation", "eager",
+        "--format", "json",
+    )  # fmt: skip
+    assert args.run(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    torch.manual_seed(0)
+    model = build_model(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator())
+    resident = []
+    for rules in ([], ["layer_swap"]):
+        report = rewrite(model, rules=rules) if rules else None
+        tracker = ResidentActivationTracker("cpu")
+        with tracker.track():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+        if report is not None:
+            report.manager.synchronize()
+        resident.append(tracker.resident_bytes(output_tensors(out)))
+        out.loss.backward()
+    assert report is not None
+    offloaded = sum(layer["offloaded_bytes"] for layer in plan["layers"])
+    assert report.manager.stats.offloaded_bytes == offloaded > 0
+    assert resident[0] - resident[1] == pytest.approx(plan["swapped_bytes"], rel=0.01)

@@ -1,0 +1,314 @@
+"""Every user error of the console commands: a non-zero exit, one message that starts
+by naming the input (and says the fix), no traceback, and no model built first.
+
+The commands run in process through ``graphswap.train.cli.main`` (what the console script
+calls), with model construction made to fail the test: an error raised after a model
+was built would show up as that failure. One subprocess run checks the console script
+itself ends without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphswap.hf.presets import qwen3_moe_config
+from graphswap.train.cli import main
+
+
+@pytest.fixture
+def no_model_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was built before the input was checked")
+
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoePreTrainedModel, "__init__", refuse)
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Exit code and stderr of ``graphswap ARGV`` (argparse errors exit through SystemExit)."""
+    try:
+        code = main(argv)
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def checkpoint_config(tmp_path: Path, text: str) -> str:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(text)
+    return str(folder)
+
+
+def qwen3_without_weights(tmp_path: Path) -> str:
+    folder = tmp_path / "ckpt"
+    qwen3_moe_config("tiny").save_pretrained(folder)
+    return str(folder)
+
+
+def data_file(content: bytes) -> Callable[[Path], str]:
+    def make(tmp_path: Path) -> str:
+        path = tmp_path / "corpus.txt"
+        path.write_bytes(content)
+        return str(path)
+
+    return make
+
+
+def binary_config(tmp_path: Path) -> str:
+    path = tmp_path / "train.yaml"
+    path.write_bytes(bytes([0x80, 0xFF, 0x00, 0xC3]) * 16)
+    return str(path)
+
+
+def read_only_dir(tmp_path: Path) -> str:
+    """A folder that refuses writes: chmod for a normal user; root ignores the mode
+    bits, so for root a path under sysfs, where no folder can be created."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    if not os.access(folder, os.W_OK):
+        return str(folder / "out")
+    if Path("/sys/kernel").is_dir():
+        return "/sys/graphswap-test-out"
+    pytest.skip("no folder refuses writes for this user")
+
+
+NOT_A_DECODER = '{"model_type": "vit", "hidden_size": 64}'
+
+# (id, argv built from tmp_path, exit code, first words of stderr)
+CASES: list[tuple[str, Callable[[Path], list[str]], int, str]] = [
+    (
+        "train-binary-config",
+        lambda p: ["train", "--config", binary_config(p)],
+        2,
+        "graphswap train: <file>: ",
+    ),
+    (
+        "train-data-missing",
+        lambda p: ["train", f"data={p / 'nope.txt'}"],
+        2,
+        "graphswap train: data: no file at",
+    ),
+    (
+        "train-data-empty",
+        lambda p: ["train", f"data={data_file(b'')(p)}"],
+        2,
+        "graphswap train: data: ",
+    ),
+    (
+        "train-data-short",
+        lambda p: ["train", "seq_len=16", f"data={data_file(b'abc')(p)}"],
+        2,
+        "graphswap train: data: ",
+    ),
+    ("train-data-dir", lambda p: ["train", f"data={p}"], 2, "graphswap train: data: "),
+    (
+        "train-model-path-missing",
+        lambda p: ["train", f"model_path={p / 'nope'}"],
+        2,
+        "graphswap train: model_path: ",
+    ),
+    (
+        "train-model-path-corrupt-config",
+        lambda p: ["train", f"model_path={checkpoint_config(p, '{oops')}"],
+        2,
+        "graphswap train: model_path: ",
+    ),
+    (
+        "train-model-path-not-a-decoder",
+        lambda p: ["train", f"model_path={checkpoint_config(p, NOT_A_DECODER)}"],
+        2,
+        "graphswap train: model_path: ",
+    ),
+    (
+        "train-model-path-no-model-type",
+        lambda p: ["train", f"model_path={checkpoint_config(p, '{}')}"],
+        2,
+        "graphswap train: model_path: ",
+    ),
+    (
+        "train-model-path-without-weights",
+        lambda p: ["train", f"model_path={qwen3_without_weights(p)}"],
+        2,
+        "graphswap train: model_path: ",
+    ),
+    (
+        "train-output-dir-is-a-file",
+        lambda p: ["train", f"output_dir={data_file(b'x')(p)}"],
+        2,
+        "graphswap train: output_dir: ",
+    ),
+    (
+        "train-output-dir-read-only",
+        lambda p: ["train", f"output_dir={read_only_dir(p)}"],
+        2,
+        "graphswap train: output_dir: cannot write to",
+    ),
+    ("train-lr-inf", lambda p: ["train", "lr=.inf"], 2, "graphswap train: lr: "),
+    (
+        "train-pass-order-empty",
+        lambda p: ["train", "pass_order="],
+        2,
+        "graphswap train: pass_order: override 'pass_order=' has no value",
+    ),
+    (
+        "train-heads-not-divisible",
+        lambda p: ["train", "tp_size=3"],
+        2,
+        "graphswap train: tp_size: 3 must divide",
+    ),
+    (
+        "graph-output-into-missing-dir",
+        lambda p: ["graph", "-o", str(p / "missing" / "graph.dot")],
+        1,
+        "graphswap graph: error: -o ",
+    ),
+    (
+        "graph-model-not-a-decoder",
+        lambda p: ["graph", "--model", checkpoint_config(p, NOT_A_DECODER)],
+        1,
+        "graphswap graph: error: --model ",
+    ),
+    (
+        "plan-memory-model-missing",
+        lambda p: ["plan-memory", "--seq", "8", "--model", str(p / "nope")],
+        2,
+        "graphswap plan-memory: error: --model ",
+    ),
+    (
+        "plan-memory-model-not-a-decoder",
+        lambda p: ["plan-memory", "--seq", "8", "--model", checkpoint_config(p, NOT_A_DECODER)],
+        2,
+        "graphswap plan-memory: error: --model ",
+    ),
+    (
+        "plan-memory-unknown-profile",
+        lambda p: ["plan-memory", "--preset", "tiny", "--seq", "8", "--profile", "a100"],
+        2,
+        "error: --profile a100: unknown device profile 'a100'; presets: h100, h200",
+    ),
+    (
+        "plan-memory-profile-without-hbm",
+        lambda p: [
+            "plan-memory",
+            "--preset",
+            "tiny",
+            "--seq",
+            "8",
+            "--profile",
+            "h100,hbm_gbps=-1",
+        ],
+        2,
+        "error: --profile h100,hbm_gbps=-1: device profile 'h100 (custom)': hbm_gbps must be",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "first_words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+@pytest.mark.usefixtures("no_model_built")
+def test_user_error_is_one_message_before_any_model(
+    argv: Callable[[Path], list[str]],
+    code: int,
+    first_words: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    got, err = run(argv(tmp_path), capsys)
+    assert got == code, err
+    assert err.startswith(first_words), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.usefixtures("no_model_built")
+def test_device_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    got, err = run(["train", "device=cuda"], capsys)
+    assert got == 2
+    assert err.startswith("graphswap train: device: cuda was asked for but no CUDA device")
+
+
+@pytest.mark.usefixtures("no_model_built")
+def test_unknown_attn_implementation_names_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan-memory", "--preset", "tiny", "--seq", "8", "--attn-implementation", "flash"]
+    code, err = run(argv, capsys)
+    assert code == 2 and "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith(
+        "graphswap plan-memory: error: argument --attn-implementation: invalid choice: 'flash'"
+    )
+    assert "eager" in last and "sdpa" in last
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-2"])
+@pytest.mark.parametrize("flag", ["--bandwidth", "--tflops"])
+@pytest.mark.usefixtures("no_model_built")
+def test_plan_memory_rates_follow_the_rule_train_applies(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rule (graphswap.train.config.check_finite_positive): train refuses
+    swap_bandwidth_gbps=.inf, so plan-memory refuses --bandwidth inf."""
+    argv = ["plan-memory", "--preset", "tiny", "--seq", "8", flag, value]
+    code, err = run(argv, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"graphswap plan-memory: error: argument {flag}: must be a finite number > 0,"
+        f" got {float(value)!r}"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["tp_size=3"], ["activation_swap=attention", "compile=true"], ["lr=.inf"]],
+    ids=["heads", "exclusion", "value"],
+)
+@pytest.mark.usefixtures("no_model_built")
+def test_plan_rejects_what_train_rejects(
+    overrides: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_code, plan_err = run(["plan", *overrides], capsys)
+    train_code, train_err = run(["train", *overrides], capsys)
+    assert (plan_code, train_code) == (1, 2)
+    reason = plan_err.removeprefix("graphswap plan: ")
+    assert reason != plan_err and train_err == f"graphswap train: {reason}"
+
+
+def test_plan_says_the_world_size_it_cannot_know(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(["plan", "tp_size=2"], capsys)
+    assert code == 0
+    assert err == (
+        "graphswap plan: the world size is not known here (torchrun sets it): tp_size: 2"
+        " without fsdp needs exactly 2 ranks; set fsdp: true for more\n"
+    )
+
+
+def test_options_may_follow_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "steps=1", "--no-progress", "num_layers=1", f"output_dir={tmp_path}"]
+    code, err = run(argv, capsys)
+    assert code == 0, err
+    assert (tmp_path / "summary.json").is_file()
+    assert err == ""
+
+
+def test_console_script_ends_without_traceback(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "graphswap.train.cli", "train", f"data={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("graphswap train: data: ") and "Traceback" not in done.stderr

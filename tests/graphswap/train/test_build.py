@@ -1,0 +1,66 @@
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+from graphswap.hf.presets import qwen3_moe_config
+from graphswap.runtime import is_swap_wrapped
+from graphswap.train.build import build, from_config, from_pretrained
+from graphswap.train.config import TrainerConfig
+
+
+def attention_types(model: torch.nn.Module) -> set[type]:
+    return {type(layer.self_attn) for layer in model.model.layers}
+
+
+def test_from_config_threads_activation_swap() -> None:
+    plain = from_config(qwen3_moe_config("tiny", num_hidden_layers=2))
+    swapped = from_config(
+        qwen3_moe_config("tiny", num_hidden_layers=2), activation_swap="attention"
+    )
+    assert attention_types(plain) == {Qwen3MoeAttention}
+    assert all(is_swap_wrapped(layer.self_attn) for layer in swapped.model.layers)
+
+
+@pytest.mark.parametrize("mode", ["layer", "auto"])
+def test_from_config_and_from_pretrained_swap_whole_layers(mode: str, tmp_path) -> None:
+    hf_config = qwen3_moe_config("tiny", num_hidden_layers=2)
+    swapped = from_config(hf_config, activation_swap=mode)  # type: ignore[arg-type]
+    assert all(is_swap_wrapped(layer) for layer in swapped.model.layers)
+    from_config(hf_config).save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, activation_swap=mode)  # type: ignore[arg-type]
+    assert all(is_swap_wrapped(layer) for layer in loaded.model.layers)
+
+
+def test_contradicting_swap_settings_are_an_error() -> None:
+    with pytest.raises(ValueError, match="contradicts"):
+        from_config(
+            qwen3_moe_config("tiny", num_hidden_layers=2),
+            activation_swap="none",
+            trainer_config=TrainerConfig(activation_swap="attention"),
+        )
+
+
+def test_from_pretrained_loads_local_weights_and_swaps(tmp_path) -> None:
+    torch.manual_seed(0)
+    source = from_config(qwen3_moe_config("tiny", num_hidden_layers=2))
+    source.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, activation_swap="attention")
+    assert all(is_swap_wrapped(layer.self_attn) for layer in loaded.model.layers)
+    for (name, p), (_, q) in zip(source.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_build_exposes_the_swap_manager() -> None:
+    built = build(TrainerConfig(activation_swap="attention", num_layers=3))
+    assert built.swap_manager is not None
+    assert len(built.swap_manager.links) == 2
+    assert build(TrainerConfig(num_layers=3)).swap_manager is None
+
+
+def test_build_refuses_a_plan_that_cannot_run_before_it_reads_the_model(tmp_path) -> None:
+    """The plan is checked first: a folder with no checkpoint in it is never opened."""
+    from passes import PassConflictError
+
+    config = TrainerConfig(activation_swap="attention", compile=True)
+    with pytest.raises(PassConflictError, match=r"^activation_swap: attention excludes compile"):
+        build(config, weights=tmp_path / "no-checkpoint-here")
