@@ -1,5 +1,5 @@
-"""The typed errors of a rewrite, at the bottom of the core so that every core module
-(the rules, the rewrite, the model layout) raises the same type for the same fact."""
+"""The typed errors graphswap raises, at the bottom of the core so that every module
+raises the same type for the same fact, and users import them from one place."""
 
 from __future__ import annotations
 
@@ -31,3 +31,11 @@ class UnknownRuleError(RewriteError, KeyError):
     def __str__(self) -> str:
         # KeyError would print the repr of the message, quotes included.
         return str(self.args[0])
+
+
+class SwapExclusionError(RuntimeError):
+    """A swap-wrapped module ran under a transform that activation swap excludes."""
+
+
+class SwapIntegrityError(RuntimeError):
+    """A tensor saved for backward changed after it was saved: its gradient would be wrong."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,11 +61,10 @@ class Plan:
         names: Iterable[str],
         config: PassSettings,
         *,
-        specs: Mapping[str, PassSpec] | None = None,
         order_from: str | None = None,
     ) -> Plan:
         """A plan in exactly the given order, so that any order can be expressed and checked."""
-        known = pass_specs() if specs is None else specs
+        known = pass_specs()
         chosen = []
         for name in names:
             if name not in known:

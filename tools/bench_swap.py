@@ -198,10 +198,11 @@ def _predictions(
     """Per planned mode in ``args.modes``, the planner's prediction of the bench's step at
     this shape: zero-grad, forward and backward, no optimizer (``optimizer=False``), on the
     profile the auto mode plans on (h200 with --swap-bandwidth and --swap-tflops). One
-    trace, asked both the attention and the layer policy, serves every mode."""
+    trace serves every mode."""
     from graphswap.planning import SwapChoice, plan_step, replay, trace_step
-    from graphswap.planning._plan import DEFAULT_PROFILE, default_policy, resolve_profile
+    from graphswap.planning._plan import DEFAULT_PROFILE, resolve_profile
     from graphswap.planning.saved_tensors import build_meta_model
+    from graphswap.runtime.policy import swap_large_activations
 
     modes = [name for name in args.modes if name in PLANNED_MODES]
     if not modes:
@@ -217,8 +218,7 @@ def _predictions(
     profile = resolve_profile(
         DEFAULT_PROFILE, bandwidth_gbps=args.swap_bandwidth, tflops=args.swap_tflops
     )
-    policies = (default_policy(ATTENTION), default_policy(LAYER))
-    trace = trace_step(meta, profile, policies, optimizer=False)
+    trace = trace_step(meta, profile, (swap_large_activations,), optimizer=False)
     baseline = replay(trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1)
     found = {}
     for name in modes:
@@ -226,7 +226,6 @@ def _predictions(
             config,
             trace,
             swap=name,
-            policy=0 if name in (NONE, ATTENTION) else 1,
             hide_margin=args.swap_hide_margin,
             baseline=baseline,
         )

@@ -98,7 +98,7 @@ class Mode:
             for name, module in targets:
                 swap_wrapper(module, manager=self.manager, name=name)
             for (_, prev), (_, nxt) in itertools.pairwise(targets):
-                self.manager.set_forward_prefetch_layer(prev, nxt)
+                self.manager.link(prev, nxt)
             try:
                 yield
             finally:

@@ -76,7 +76,7 @@ def swapped(
     for i, block in enumerate(blocks):
         swap_wrapper(block, manager=manager, policy=policy, name=f"block.{i}")
     for prev, nxt in itertools.pairwise(blocks):
-        manager.set_forward_prefetch_layer(prev, nxt)
+        manager.link(prev, nxt)
     try:
         yield
     finally:

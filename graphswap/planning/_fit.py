@@ -25,13 +25,13 @@ from graphswap.planning._plan import (
     SWAP_MODES,
     MemoryPlan,
     check_settings,
-    default_policy,
     plan_step,
     resolve_profile,
 )
 from graphswap.planning._replay import SwapChoice, replay
 from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
+from graphswap.runtime.policy import swap_large_activations
 from graphswap.runtime.profile import DeviceProfile
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ def fit_sequence(
         lambda steps: first if steps == 1 else meta_model(steps * seq_step),
         lambda meta: _plan_modes(
             config,
-            trace_step(meta, resolved, (default_policy("attention"), default_policy("layer"))),
+            trace_step(meta, resolved, (swap_large_activations,)),
             modes,
             hide_margin=hide_margin,
             offload_lag=offload_lag,
@@ -249,7 +249,7 @@ def _plan_modes(
     prefetch_depth: int,
     state_shards: int,
 ) -> dict[str, MemoryPlan]:
-    """Every mode's plan on one trace made with the attention (0) and layer (1) policies."""
+    """Every mode's plan on one trace (every rule runs ``swap_large_activations``)."""
     baseline = replay(
         trace,
         SwapChoice(None, frozenset()),
@@ -262,7 +262,6 @@ def _plan_modes(
             config,
             trace,
             swap=mode,
-            policy=0 if mode in ("none", "attention") else 1,
             hide_margin=hide_margin,
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,

@@ -24,8 +24,7 @@ from graphswap.planning.saved_tensors import (
     SavedTensor,
     build_meta_model,
 )
-from graphswap.rewriting.rules import layer_swap_policy
-from graphswap.runtime.policy import SwapPolicy, attention_swap_policy
+from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 from graphswap.runtime.profile import DeviceProfile, device_profile
 from graphswap.runtime.tape import StepTimeline
 
@@ -349,12 +348,6 @@ def resolve_profile(
     return resolved.with_figures(**overrides) if overrides else resolved
 
 
-def default_policy(swap: str) -> SwapPolicy:
-    """The policy the mode's rule runs (``none``: the attention rule's, for the figures
-    of what the attention would swap)."""
-    return layer_swap_policy if swap in ("layer", "auto") else attention_swap_policy
-
-
 def plan_memory(
     config: PretrainedConfig,
     *,
@@ -410,7 +403,7 @@ def plan_memory(
         attn_kernel=attn_kernel,
         tp=tp,
     )
-    chosen_policy = default_policy(swap) if policy is None else policy
+    chosen_policy = swap_large_activations if policy is None else policy
     trace = trace_step(meta, resolved, (chosen_policy,), optimizer=optimizer)
     return plan_step(
         config,

@@ -36,8 +36,8 @@ from graphswap.hf.decoder import head_sharding_problem
 from graphswap.runtime.policy import (
     CheckpointPolicy,
     SwapPolicy,
-    attention_swap_policy,
     is_parameter_like,
+    swap_large_activations,
     tensor_nbytes,
 )
 
@@ -184,7 +184,7 @@ class SavedTensorCollector:
     (``_storage_id``) and what a module boundary does (``_boundary``).
     """
 
-    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = attention_swap_policy):
+    def __init__(self, model: torch.nn.Module, policy: SwapPolicy = swap_large_activations):
         self.model = model
         self.policy = policy
         self.saves: dict[str, list[SavedTensor]] = {}
@@ -282,10 +282,6 @@ class SavedTensorCollector:
         self._boundary(ATTENTION_SCOPE, self._layer, False)
         self._in_attention -= 1
 
-    def bytes_by_scope(
-        self, swapped: Callable[[SavedTensor], bool] = attention_swap
-    ) -> dict[str, tuple[int, int]]:
-        return bytes_by_scope(self.saves, swapped)
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -440,7 +436,7 @@ def trace_saved_tensors(
     device: str = "cuda",
     attn_kernel: str | None = None,
     tp: int = 1,
-    policy: SwapPolicy = attention_swap_policy,
+    policy: SwapPolicy = swap_large_activations,
 ) -> SavedTensorTrace:
     """Trace one training forward of ``config`` on meta: one rank's saves, per scope.
 

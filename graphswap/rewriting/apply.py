@@ -364,7 +364,6 @@ def _collect(
 def _no_match_message(
     rule: Rule, targets: tuple[type, ...], modules: list[tuple[str, nn.Module]]
 ) -> str:
-    kind = "type (or subclass)" if rule.match_subclasses else "exact type"
     wanted = " or ".join(qualified_name(t) for t in targets)
     where = f" at FQNs matching {rule.fqn_pattern!r}" if rule.fqn_pattern else ""
     nearest = _nearest_types(rule, targets, modules)
@@ -375,7 +374,7 @@ def _no_match_message(
         f"{qualified_name(type(modules[0][1]))})"
     )
     return (
-        f"rule {rule.name!r} matched no module: it wants {kind} {wanted}{where}; {found}\n"
+        f"rule {rule.name!r} matched no module: it wants exact type {wanted}{where}; {found}\n"
         "fix: pass a model that contains that type, or strict=False to skip rules "
         "that match nothing"
     )
@@ -546,11 +545,9 @@ def _add_node_attributes(graph: nx.DiGraph, applied: Sequence[_Applied]) -> None
 
 
 def _link(rule: Rule, done: list[_Applied], manager: SwapManager) -> tuple[tuple[str, str], ...]:
-    if rule.link == "none":
-        return ()
     pairs = list(itertools.pairwise(done))
     for prev, nxt in pairs:
-        manager.set_forward_prefetch_layer(prev.replacement, nxt.replacement)
+        manager.link(prev.replacement, nxt.replacement)
     return tuple((prev.fqn, nxt.fqn) for prev, nxt in pairs)
 
 

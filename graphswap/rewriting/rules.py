@@ -17,7 +17,7 @@ import functools
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch.fx
 from torch import nn
@@ -27,17 +27,13 @@ from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
 from graphswap.runtime import swap_wrapper, unwrap_swap
 from graphswap.runtime.policy import (
-    MIN_SWAP_TENSOR_BYTES,
     SwapPolicy,
-    attention_swap_policy,
-    qwen3_attention_swap_policy,
-    size_threshold_policy,
+    swap_large_activations,
 )
 
 if TYPE_CHECKING:
     from graphswap.runtime import SwapManager
 
-LINK_KINDS: tuple[str, ...] = ("sequential", "none")
 
 
 @dataclass(frozen=True)
@@ -59,9 +55,10 @@ class Rule:
     """A declarative module replacement.
 
     ``factory`` may change the module in place (and return it) or return a new one;
-    an in-place factory needs ``restore`` so that the rewrite can be undone.
-    ``link="sequential"`` links consecutive replacements, in forward order, into the
-    prefetch graph: when the backward of match ``i`` begins, match ``i - 1`` comes back.
+    an in-place factory needs ``restore`` so that the rewrite can be undone. The
+    replacements are swap-wrapped modules of one manager, linked in forward order into
+    the prefetch graph: when the backward of match ``i`` begins, match ``i - 1`` comes
+    back. A module matches by its exact type only: a subclass may save other tensors.
     """
 
     name: str
@@ -73,8 +70,6 @@ class Rule:
     restore: Callable[[nn.Module], nn.Module] | None = None
     fqn_pattern: str | None = None
     """``fnmatch`` pattern over dotted FQNs (``*`` spans dots), e.g. ``*layers.*.self_attn``."""
-    match_subclasses: bool = False
-    link: Literal["sequential", "none"] = "sequential"
     validate: Callable[[nn.Module], None] | None = None
     """Checks the layout around the matches; raises ``HierarchyError`` naming the FQN."""
     must_run_before: tuple[str, ...] = ()
@@ -102,14 +97,6 @@ class Rule:
                 f" or targets_from, a function of the model; got targets={self.targets!r}"
                 f" and targets_from={self.targets_from!r}"
             )
-        if self.link not in LINK_KINDS:
-            raise ValueError(
-                f"rule {self.name!r}: link must be one of {LINK_KINDS}, got {self.link!r}"
-            )
-
-    @property
-    def target_names(self) -> tuple[str, ...]:
-        return tuple(_normalize_path(p) for p in self.targets)
 
     def resolve_targets(self, model: nn.Module | None = None) -> tuple[type, ...]:
         """Import the target classes, or take them from ``model`` (``targets_from``); a
@@ -125,13 +112,7 @@ class Rule:
     def matches(self, fqn: str, module: nn.Module, targets: tuple[type, ...]) -> bool:
         if self.fqn_pattern is not None and not fnmatch.fnmatchcase(fqn, self.fqn_pattern):
             return False
-        if self.match_subclasses:
-            return isinstance(module, targets)
         return type(module) in targets
-
-
-def _normalize_path(path: str) -> str:
-    return path.replace(":", ".")
 
 
 def _import_class(rule_name: str, path: str) -> type:
@@ -197,18 +178,6 @@ _SWAP_MUST_RUN_BEFORE = (
 _SWAP_EXCLUDES = ("compile", "activation_checkpointing", "pipeline_parallel")
 """Compile traces the hooks away, checkpointing recomputes what was swapped, and pipeline
 stages reorder the backward the prefetch chain follows."""
-
-qwen3_layer_swap_policy: SwapPolicy = size_threshold_policy(
-    MIN_SWAP_TENSOR_BYTES, name="qwen3_layer_swap_policy"
-)
-"""What ``qwen3_moe_layer_swap`` moves: the attention policy's test, applied to every
-save of the layer (attention, router, experts, norms)."""
-
-layer_swap_policy: SwapPolicy = size_threshold_policy(
-    MIN_SWAP_TENSOR_BYTES, name="layer_swap_policy"
-)
-"""What ``layer_swap`` moves: the same test, named for the rule in graphs and reports."""
-
 
 @dataclass(frozen=True)
 class _HierarchyValidator:
@@ -290,7 +259,6 @@ def _register_qwen3_swap(
             factory=functools.partial(_swap, policy),
             restore=unwrap_swap,
             fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
-            link="sequential",
             validate=_HierarchyValidator(name, class_name, attr),
             must_run_before=_SWAP_MUST_RUN_BEFORE,
             excludes=_SWAP_EXCLUDES,
@@ -299,10 +267,10 @@ def _register_qwen3_swap(
 
 
 QWEN3_ATTN_SWAP = _register_qwen3_swap(
-    "qwen3_attn_swap", "attention", "Qwen3MoeAttention", "self_attn", qwen3_attention_swap_policy
+    "qwen3_attn_swap", "attention", "Qwen3MoeAttention", "self_attn", swap_large_activations
 )
 QWEN3_MOE_LAYER_SWAP = _register_qwen3_swap(
-    "qwen3_moe_layer_swap", "decoder layer", "Qwen3MoeDecoderLayer", None, qwen3_layer_swap_policy
+    "qwen3_moe_layer_swap", "decoder layer", "Qwen3MoeDecoderLayer", None, swap_large_activations
 )
 
 
@@ -375,7 +343,6 @@ def _register_decoder_swap(name: str, what: str, attr: str | None, policy: SwapP
             factory=functools.partial(_swap, policy),
             restore=unwrap_swap,
             fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
-            link="sequential",
             validate=_StackValidator(name, attr),
             must_run_before=_SWAP_MUST_RUN_BEFORE,
             excludes=_SWAP_EXCLUDES,
@@ -383,5 +350,5 @@ def _register_decoder_swap(name: str, what: str, attr: str | None, policy: SwapP
     )
 
 
-ATTN_SWAP = _register_decoder_swap("attn_swap", "attention", "self_attn", attention_swap_policy)
-LAYER_SWAP = _register_decoder_swap("layer_swap", "layer", None, layer_swap_policy)
+ATTN_SWAP = _register_decoder_swap("attn_swap", "attention", "self_attn", swap_large_activations)
+LAYER_SWAP = _register_decoder_swap("layer_swap", "layer", None, swap_large_activations)

@@ -1,21 +1,16 @@
-"""The swap runtime: managers, wrappers, copy engines, host pool."""
+"""The swap runtime: the manager, the wrapper, the copy engines and the host pool."""
 
+from graphswap.runtime._slot import GroupInfo
 from graphswap.runtime.engines import (
     AcceleratorCopyEngine,
     CopyEngine,
     HazardError,
     SimulatedAccelerator,
 )
-from graphswap.runtime.manager import (
-    GroupInfo,
-    SwapExclusionError,
-    SwapIntegrityError,
-    SwapManager,
-)
+from graphswap.runtime.manager import SwapManager
 from graphswap.runtime.stats import GroupStats, SwapStats
 from graphswap.runtime.wrapper import (
     is_swap_wrapped,
-    original_type,
     swap_manager_of,
     swap_wrapper,
     unwrap_swap,
@@ -28,12 +23,9 @@ __all__ = [
     "GroupStats",
     "HazardError",
     "SimulatedAccelerator",
-    "SwapExclusionError",
-    "SwapIntegrityError",
     "SwapManager",
     "SwapStats",
     "is_swap_wrapped",
-    "original_type",
     "swap_manager_of",
     "swap_wrapper",
     "unwrap_swap",

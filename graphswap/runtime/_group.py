@@ -25,18 +25,8 @@ from graphswap.runtime.engines import (
     SimulatedAccelerator,
 )
 from graphswap.runtime.policy import CheckpointPolicy, is_parameter_like, local_tensor
-from graphswap.runtime.pool import HostBuffer, Refusal
+from graphswap.runtime.pool import TYPED_VIEWS, HostBuffer, Refusal
 from graphswap.runtime.stats import GroupStats
-
-_TYPED_COPIES = frozenset(
-    {
-        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
-        *(torch.complex64, torch.complex128, torch.bool, torch.uint8),
-        *(torch.int8, torch.int16, torch.int32, torch.int64),
-    }
-)
-"""Dtypes a host view of bytes can take and copy; others (sub-byte, quantized, float8)
-are copied as bytes."""
 
 
 class _Group:
@@ -270,7 +260,7 @@ class _GroupOps:
                 setattr(stats, reason, getattr(stats, reason) + 1)
             return None
         if (
-            local.dtype in _TYPED_COPIES
+            local.dtype in TYPED_VIEWS
             and local.storage_offset() == 0
             and local.nbytes == nbytes
             and local.is_contiguous()
@@ -294,8 +284,6 @@ class _GroupOps:
             queue.append((group.seq, copy, weakref.ref(entry)))
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
-        if self.events is not None:
-            self.events.append(("offload", group.slot.name))
         return entry
 
     def _prefetch(self, group: _Group) -> None:
@@ -312,8 +300,6 @@ class _GroupOps:
             self._load(due)
             for entry in due:
                 entry.prefetched = True
-        if self.events is not None:
-            self.events.append(("prefetch", group.name))
 
     def _load(self, entries: list[_Entry]) -> None:
         """Issue the reloads of ``entries`` (per device, one batch) for the live handles

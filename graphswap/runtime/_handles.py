@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from graphswap.errors import SwapIntegrityError
 from graphswap.runtime.engines import Copy, CopyEngine
 from graphswap.runtime.pool import HostBuffer
 from graphswap.runtime.stats import GroupStats
@@ -37,10 +38,6 @@ if TYPE_CHECKING:
 
 Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]
 """A tensor's dtype, size and stride."""
-
-
-class SwapIntegrityError(RuntimeError):
-    """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
 
 
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
@@ -260,8 +257,6 @@ class _HandleOps:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.load = None
-        if self.events is not None:
-            self.events.append(("unpack", entry.name))
         load.fence()
         out = load.result()
         if not packed.whole:

@@ -20,14 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from graphswap.errors import SwapExclusionError
 from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, policy_name
 
 if TYPE_CHECKING:
     from graphswap.runtime._group import _Group
-
-
-class SwapExclusionError(RuntimeError):
-    """A swap-wrapped module ran under a transform that activation swap excludes."""
 
 
 _FIXES = {
@@ -172,8 +169,6 @@ class _SlotHooks:
         """Backward reached ``group``: at its first unpack (a hook on its outputs would
         cost more than the whole swap of a small layer), or, for a group that saved
         nothing, at its outputs."""
-        if self.events is not None:
-            self.events.append(("backward_begin", group.name))
         self._boundary(self._seq)
         if self._capturing:
             self._refuse_reload_under_capture(group)

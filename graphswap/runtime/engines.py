@@ -486,10 +486,6 @@ class SimulatedAccelerator(AcceleratorCopyEngine):
         with self._sim.capture():
             yield
 
-    def pending(self) -> int:
-        """Copies issued and not yet completed."""
-        return self._sim.pending()
-
     def stream(self) -> SimStream:
         """A new stream for user code (``torch.Stream()`` on a GPU)."""
         return self._sim.compute_stream()

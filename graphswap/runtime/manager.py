@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,16 +35,11 @@ import torch
 
 from graphswap.runtime._group import _Group, _GroupOps
 from graphswap.runtime._handles import (
-    Layout,
-    SwapIntegrityError,
     _Entry,
     _HandleOps,
-    _Kept,
-    _Swapped,
 )
 from graphswap.runtime._slot import (
     GroupInfo,
-    SwapExclusionError,
     _checkpointing,
     _refuse,
     _refuse_traced,
@@ -55,14 +51,7 @@ from graphswap.runtime.policy import SwapPolicy, policy_name
 from graphswap.runtime.pool import HostPool, check_host_bytes, host_budget
 from graphswap.runtime.stats import GroupStats, SwapStats
 
-# Public names, and the private classes that lived here before the split (tests import
-# them from here): importable from graphswap.runtime.manager as before.
-__all__ = ["GroupInfo", "Layout", "SwapExclusionError", "SwapIntegrityError", "SwapManager"]
-__all__ += ["_Entry", "_Group", "_Kept", "_Slot", "_Swapped"]
-for _public in (GroupInfo, SwapExclusionError, SwapIntegrityError):
-    _public.__module__ = __name__  # their names in tracebacks and pickles, as before
-
-TRACE_LIMIT = 100_000
+__all__ = ["SwapManager"]
 
 
 def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
@@ -92,8 +81,7 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
     ``offload_lag`` forwards later begins (0: at the end of its own forward); the
     stream that produced the tensor waits for the copy there, the host never blocks.
     ``engine``: the copy engine (default: ``AcceleratorCopyEngine`` for accelerator
-    tensors, a ``SimulatedAccelerator(lag=0)`` for CPU tensors). ``trace``: record
-    events.
+    tensors, a ``SimulatedAccelerator(lag=0)`` for CPU tensors).
 
     Every forward of a wrapped module opens its own group, linked to the group its
     prev module opened last, so several forwards before one backward (gradient
@@ -108,7 +96,6 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         max_host_bytes: int | None = None,
         offload_lag: int = 1,
         engine: CopyEngine | None = None,
-        trace: bool = False,
     ) -> None:
         # Options (kept by pickling): see the class docstring.
         self.prefetch_depth = _check_int("prefetch_depth", prefetch_depth, 1)
@@ -119,7 +106,6 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
                 f" SimulatedAccelerator), got {type(engine).__name__}"
             )
         self.keep_last = _check_bool("keep_last", keep_last)
-        _check_bool("trace", trace)
         # Pinned host buffers the offloads copy into, capped at ``max_host_bytes``.
         self._pool = HostPool(
             host_budget()
@@ -150,10 +136,6 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         self._seq = 0  # forwards run so far under the hooks: the last group's ``seq``
         self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
         self._lock = threading.RLock()  # guards stats, in-flight queues and entries
-        # ``trace``: (event, group name) pairs, the last ``TRACE_LIMIT``; None: not traced.
-        self.events: collections.deque[tuple[str, str]] | None = (
-            collections.deque(maxlen=TRACE_LIMIT) if trace else None
-        )
 
     def __getstate__(self) -> dict[str, Any]:
         """Options, groups and links; a copy starts with fresh stats, pool and engines."""
@@ -164,7 +146,6 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
                 "max_host_bytes": self._pool.max_bytes,
                 "offload_lag": self.offload_lag,
                 "engine": self._engine_override,
-                "trace": self.events is not None,
             },
             "slots": [
                 (s.module, s.name, s.index, s.policy, s.module_type) for s in self._slots.values()
@@ -206,12 +187,10 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
                 del self._next[a], self._prev[b]
         self._latest.pop(module, None)
 
-    def set_forward_prefetch_layer(self, earlier: torch.nn.Module, later: torch.nn.Module) -> None:
+    def link(self, earlier: torch.nn.Module, later: torch.nn.Module) -> None:
         """Link two wrapped modules, ``earlier`` before ``later`` in forward order: when the
-        backward of ``later`` begins, ``earlier``'s tensors start coming back.
-
-        The name is the origin's; what it sets is, in FSDP2's words, a backward prefetch.
-        """
+        backward of ``later`` begins, ``earlier``'s tensors start coming back (in FSDP2's
+        words, a backward prefetch)."""
         for role, module in (("earlier", earlier), ("later", later)):
             if module not in self._slots:
                 raise ValueError(
@@ -230,6 +209,15 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
             walk = self._prev.get(walk)
         self._next[earlier] = later
         self._prev[later] = earlier
+
+    def set_forward_prefetch_layer(self, earlier: torch.nn.Module, later: torch.nn.Module) -> None:
+        """The origin's name of :meth:`link`."""
+        warnings.warn(
+            "SwapManager.set_forward_prefetch_layer is the origin's name of SwapManager.link",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.link(earlier, later)
 
     @property
     def engine(self) -> CopyEngine | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -122,19 +123,20 @@ def size_threshold_policy(
 swap_large_activations: SwapPolicy = size_threshold_policy(
     MIN_SWAP_TENSOR_BYTES, name="swap_large_activations"
 )
-"""The default of ``swap_wrapper``: every activation of 1 MiB or more that owns its storage."""
-
-qwen3_attention_swap_policy: SwapPolicy = size_threshold_policy(
-    MIN_SWAP_TENSOR_BYTES, name="qwen3_attention_swap_policy"
-)
-"""What ``qwen3_attn_swap`` moves: the same test, named for the rule in graphs and reports."""
-
-
-attention_swap_policy: SwapPolicy = size_threshold_policy(
-    MIN_SWAP_TENSOR_BYTES, name="attention_swap_policy"
-)
-"""What ``attn_swap`` moves: the same test, named for the rule in graphs and reports."""
-
+"""The default of ``swap_wrapper`` and what the attention rules move: every activation
+of 1 MiB or more that owns its storage."""
 
 def policy_name(policy: SwapPolicy) -> str:
     return getattr(policy, "__name__", type(policy).__name__)
+
+
+def __getattr__(name: str) -> SwapPolicy:
+    if name == "qwen3_attention_swap_policy":
+        warnings.warn(
+            "qwen3_attention_swap_policy is the default policy under the origin's name;"
+            " use graphswap.runtime.policy.swap_large_activations",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return swap_large_activations
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

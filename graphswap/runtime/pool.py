@@ -134,6 +134,17 @@ class Refusal(enum.Enum):
     ALLOC_FAILED = "alloc_failures"
 
 
+TYPED_VIEWS = frozenset(
+    {
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.complex64, torch.complex128, torch.bool, torch.uint8),
+        *(torch.int8, torch.int16, torch.int32, torch.int64),
+    }
+)
+"""Dtypes a host buffer can be viewed as and copied into; tensors of others (sub-byte,
+quantized, float8) are copied as bytes."""
+
+
 class HostBuffer:
     """One pooled buffer, the copies that used it last, and its view last asked for:
     the same tensor shapes come back every step, so the view is made once."""

@@ -76,12 +76,6 @@ def is_swap_wrapped(module: torch.nn.Module) -> bool:
     return isinstance(module, SwapWrapped)
 
 
-def original_type(module: torch.nn.Module) -> type:
-    """The class the module had before ``swap_wrapper``."""
-    state = module.__dict__.get(_STATE_ATTR)
-    return state.original_type if state is not None else type(module)
-
-
 def swap_manager_of(module: torch.nn.Module) -> SwapManager | None:
     state = module.__dict__.get(_STATE_ATTR)
     return state.manager if state is not None else None

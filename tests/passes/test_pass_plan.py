@@ -340,7 +340,7 @@ def test_cycles_are_rejected() -> None:
     }
     config = TrainerConfig(compile=True, fsdp=True)
     with pytest.raises(PassOrderError) as info:
-        Plan.from_names(["compile", "fsdp"], config, specs=specs).check()
+        Plan((specs["compile"], specs["fsdp"]), config).check()
     assert str(info.value) == (
         "the constraints of compile (position 1) -> fsdp (position 2) -> compile form a cycle,"
         " so no order satisfies them; turn one of these passes off: set compile: false or"

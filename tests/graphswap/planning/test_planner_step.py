@@ -25,8 +25,7 @@ from graphswap.planning import (
 from graphswap.planning._auto import plan_auto
 from graphswap.planning._trace import BlockKind, Event
 from graphswap.planning.saved_tensors import LAYER_SCOPE, build_meta_model
-from graphswap.rewriting.rules import qwen3_layer_swap_policy
-from graphswap.runtime.policy import qwen3_attention_swap_policy
+from graphswap.runtime.policy import swap_large_activations
 from graphswap.runtime.profile import device_profile
 
 GIB = 1 << 30
@@ -37,7 +36,7 @@ def tiny_trace() -> StepTrace:
     meta = build_meta_model(
         qwen3_moe_config("tiny"), seq=512, batch=2, dtype=torch.float32, device="cpu"
     )
-    return trace_step(meta, device_profile("h200"), (qwen3_attention_swap_policy,))
+    return trace_step(meta, device_profile("h200"), (swap_large_activations,))
 
 
 def test_the_trace_sees_forward_backward_and_the_optimizer(tiny_trace: StepTrace) -> None:
@@ -123,7 +122,7 @@ def qwen3_30b() -> tuple[StepTrace, MemoryPlan, MemoryPlan]:
     config = qwen3_moe_config("qwen3-30b-a3b")
     meta = build_meta_model(config, seq=8192)
     trace = trace_step(
-        meta, device_profile("h200"), (qwen3_attention_swap_policy, qwen3_layer_swap_policy)
+        meta, device_profile("h200"), (swap_large_activations, swap_large_activations)
     )
     attention = plan_step(config, trace, swap="attention", policy=0, state_shards=8)
     auto = plan_step(config, trace, swap="auto", policy=1, state_shards=8)
@@ -230,7 +229,7 @@ def test_auto_takes_back_what_the_replay_shows_stalling() -> None:
         qwen3_moe_config("tiny"), seq=512, batch=2, dtype=torch.float32, device="cpu"
     )
     trace = trace_step(
-        meta, device_profile("h200,link_gbps=2,tflops=1"), (qwen3_layer_swap_policy,)
+        meta, device_profile("h200,link_gbps=2,tflops=1"), (swap_large_activations,)
     )
     saved = trace.saved_with(0)
     candidates = layer_candidates(saved)
@@ -283,7 +282,7 @@ def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only() -> Non
     plan = plan_memory(config, optimizer=False, **shape)
     meta = build_meta_model(config, seq=256, batch=1, dtype=torch.float32, device="cpu")
     trace = trace_step(
-        meta, device_profile("h200"), (qwen3_attention_swap_policy,), optimizer=False
+        meta, device_profile("h200"), (swap_large_activations,), optimizer=False
     )
     assert trace.optimizer_state_bytes == 0 and not trace.optimizer
     held = trace.parameter_bytes + trace.buffer_bytes

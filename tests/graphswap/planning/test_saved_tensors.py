@@ -14,6 +14,7 @@ from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning.saved_tensors import (
     PlanSettingError,
     SavedTensorCollector,
+    bytes_by_scope,
     per_rank_config,
     trace_saved_tensors,
 )
@@ -57,7 +58,7 @@ def test_a_tensor_saved_twice_counts_once() -> None:
     collector = SavedTensorCollector(model)
     with collector.collect():
         model(x)
-    by_scope = collector.bytes_by_scope()
+    by_scope = bytes_by_scope(collector.saves)
     mib = 1 << 20
     # Layer 0: x, saved twice by the attention and swappable, plus the attention output.
     assert by_scope["model.layers.0"] == (2 * mib, mib)

@@ -65,7 +65,7 @@ def test_graph_nodes_and_edges_follow_the_manager() -> None:
         "index": 2,
         "layer": 2,
         "module_type": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
-        "policy": "attention_swap_policy",
+        "policy": "swap_large_activations",
         "keep_on_device": False,
     }
     assert graph.nodes["model.layers.3.self_attn"]["keep_on_device"] is True

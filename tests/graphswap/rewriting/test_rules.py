@@ -52,7 +52,6 @@ def test_layer_rule_has_the_attention_rules_plan_metadata() -> None:
     assert layer.targets == (
         "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeDecoderLayer",
     )
-    assert (layer.match_subclasses, layer.link) == (False, "sequential")
     assert (layer.must_run_before, layer.excludes) == (
         attention.must_run_before,
         attention.excludes,
@@ -63,11 +62,6 @@ def test_builtin_rule_is_registered_with_its_plan_metadata() -> None:
     assert "qwen3_attn_swap" in available_rules()
     rule = get_rule("qwen3_attn_swap")
     assert rule.targets == ("transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeAttention",)
-    assert rule.target_names == (
-        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
-    )
-    assert rule.match_subclasses is False
-    assert rule.link == "sequential"
     assert set(rule.must_run_before) == {
         "tensor_parallel",
         "context_parallel",
@@ -143,14 +137,11 @@ class MyLinear(nn.Linear):
     pass
 
 
-def test_matching_is_exact_unless_subclasses_are_asked_for() -> None:
-    exact = make_rule()
-    loose = make_rule(match_subclasses=True)
-    targets = exact.resolve_targets()
-    sub = MyLinear(1, 1)
-    assert exact.matches("a", nn.Linear(1, 1), targets)
-    assert not exact.matches("a", sub, targets)
-    assert loose.matches("a", sub, targets)
+def test_matching_is_by_exact_type() -> None:
+    rule = make_rule()
+    targets = rule.resolve_targets()
+    assert rule.matches("a", nn.Linear(1, 1), targets)
+    assert not rule.matches("a", MyLinear(1, 1), targets)
 
 
 def test_fqn_pattern_spans_dots() -> None:

@@ -78,7 +78,7 @@ def test_rewrite_and_the_plan_refuse_the_same_fact_with_the_same_error(
     ):
         model = tiny_model(num_hidden_layers=2)
         apply(model)
-        with pytest.raises(graphswap.AlreadyTransformedError, match=r"'model\.layers\.1'"):
+        with pytest.raises(graphswap.errors.AlreadyTransformedError, match=r"'model\.layers\.1'"):
             entry(model)
         assert not any(t.kind is Transform.SWAP for t in find_transforms(model))
 

@@ -72,7 +72,7 @@ def build(engine: SimulatedAccelerator | None) -> tuple[list[Block], torch.Tenso
             for i, b in enumerate(blocks)
         ]
         for earlier, later in itertools.pairwise(wrapped):
-            manager.set_forward_prefetch_layer(earlier, later)
+            manager.link(earlier, later)
     return blocks, torch.randn(ROWS, WIDTH, requires_grad=True), manager
 
 

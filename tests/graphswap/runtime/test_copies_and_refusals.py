@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphswap
-from graphswap import SwapExclusionError
+from graphswap.errors import SwapExclusionError
 from graphswap.runtime import is_swap_wrapped, swap_manager_of
 
 VOCAB = 512
@@ -103,7 +103,7 @@ def toy_swapped() -> torch.nn.Sequential:
     manager = graphswap.SwapManager()
     for i, block in enumerate(model):
         graphswap.swap_wrapper(block, manager=manager, name=f"b{i}")
-    manager.set_forward_prefetch_layer(model[0], model[1])
+    manager.link(model[0], model[1])
     return model
 
 

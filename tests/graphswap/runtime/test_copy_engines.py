@@ -46,7 +46,7 @@ def test_a_fence_completes_the_copy_and_everything_it_waits_for() -> None:
     load = load_one(engine, host, (engine.offload(src, host, ()),))
     load.fence()
     assert torch.equal(load.result(), src)
-    assert engine.pending() == 0
+    assert engine._sim.pending() == 0
 
 
 def test_source_released_before_its_copy_completed_is_a_hazard() -> None:

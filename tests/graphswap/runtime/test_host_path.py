@@ -40,7 +40,7 @@ def chain(manager: SwapManager) -> torch.nn.Sequential:
         swap_wrapper(b, manager=manager, policy=swap_all, name=f"b{i}") for i, b in enumerate(model)
     ]
     for prev, nxt in itertools.pairwise(blocks):
-        manager.set_forward_prefetch_layer(prev, nxt)
+        manager.link(prev, nxt)
     return model
 
 

@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from graphswap import SwapExclusionError, SwapIntegrityError, SwapManager, swap_wrapper
+from graphswap import SwapManager, swap_wrapper
+from graphswap.errors import SwapExclusionError, SwapIntegrityError
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator
-from graphswap.runtime.manager import _Entry
-from graphswap.runtime.policy import SwapPolicy, qwen3_attention_swap_policy, size_threshold_policy
+from graphswap.runtime._handles import _Entry
+from graphswap.runtime.policy import SwapPolicy, size_threshold_policy, swap_large_activations
 
 VOCAB = 512
 
@@ -27,7 +28,7 @@ def make_model(layers: int, attn: str = "eager", seed: int = 0) -> torch.nn.Modu
 
 
 def wrap(
-    model: torch.nn.Module, policy: SwapPolicy = qwen3_attention_swap_policy, **manager_kwargs
+    model: torch.nn.Module, policy: SwapPolicy = swap_large_activations, **manager_kwargs
 ) -> SwapManager:
     manager = SwapManager(**manager_kwargs)
     attns = [
@@ -37,7 +38,7 @@ def wrap(
         for i, layer in enumerate(model.model.layers)
     ]
     for prev, nxt in itertools.pairwise(attns):
-        manager.set_forward_prefetch_layer(prev, nxt)
+        manager.link(prev, nxt)
     return manager
 
 
@@ -157,7 +158,7 @@ def chain_grads(
             for i, b in enumerate(chain)
         ]
         for prev, nxt in itertools.pairwise(wrapped):
-            manager.set_forward_prefetch_layer(prev, nxt)
+            manager.link(prev, nxt)
     h = torch.randn(64, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     returned = []
     for block in chain:
@@ -255,7 +256,7 @@ def test_a_storage_saved_again_in_one_forward_gives_the_bytes_of_that_save(
                     block, manager=manager, name=f"b{i}", policy=size_threshold_policy(1024)
                 )
             for prev, nxt in itertools.pairwise(chain):
-                manager.set_forward_prefetch_layer(prev, nxt)
+                manager.link(prev, nxt)
         h = torch.randn(64, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
         for block in chain:
             h = block(h)
@@ -296,7 +297,7 @@ def dtensor_chain_grad(mesh: object, swap: bool, change: bool) -> torch.Tensor |
         for i, block in enumerate(chain):
             swap_wrapper(block, manager=manager, name=f"d{i}", policy=size_threshold_policy(1024))
         for prev, nxt in itertools.pairwise(chain):
-            manager.set_forward_prefetch_layer(prev, nxt)
+            manager.link(prev, nxt)
     local = torch.randn(32, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
     h = DTensor.from_local(local, mesh, [Shard(0)])
     returned = []
@@ -406,7 +407,7 @@ def test_a_backward_under_capture_of_a_forward_outside_it_is_refused(last: str) 
     for i, block in enumerate(blocks):
         swap_wrapper(block, manager=manager, name=f"b{i}", policy=size_threshold_policy(1024))
     for prev, nxt in itertools.pairwise(blocks):
-        manager.set_forward_prefetch_layer(prev, nxt)
+        manager.link(prev, nxt)
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
     loss = torch.nn.Sequential(*blocks)(x.requires_grad_()).sum()
     assert manager.stats.offloaded_tensors > 0

@@ -29,7 +29,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from graphswap import SwapIntegrityError, SwapManager, swap_wrapper
+from graphswap import SwapManager, swap_wrapper
+from graphswap.errors import SwapIntegrityError
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator
@@ -61,7 +62,7 @@ class SwapVsPlain(RuleBasedStateMachine):
             for i, layer in enumerate(self.swap.model.layers)
         ]
         for prev, nxt in itertools.pairwise(attns):
-            self.manager.set_forward_prefetch_layer(prev, nxt)
+            self.manager.link(prev, nxt)
         self.graphs: list[tuple] = []
         self.entries: list[weakref.ref] = []
         offload = self.manager._offload

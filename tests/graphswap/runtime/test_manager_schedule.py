@@ -14,7 +14,7 @@ from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import HazardError, SimulatedAccelerator
 from graphswap.runtime.engines import _Offload
-from graphswap.runtime.policy import qwen3_attention_swap_policy, size_threshold_policy
+from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
 
 LAYERS = 6
 
@@ -24,7 +24,7 @@ def recording(record: list[tuple[StorageWeakRef, int]]) -> Callable:
     an account of residency that does not ask the runtime."""
 
     def policy(t: torch.Tensor) -> CheckpointPolicy:
-        decision = qwen3_attention_swap_policy(t)
+        decision = swap_large_activations(t)
         if decision is CheckpointPolicy.MUST_SWAP:
             storage = t.untyped_storage()
             record.append((StorageWeakRef(storage), storage.nbytes()))
@@ -47,7 +47,7 @@ def resident_at_each_layer(engine_lag: int, offload_lag: int) -> tuple[list[int]
         for i, layer in enumerate(model.model.layers)
     ]
     for prev, nxt in itertools.pairwise(attns):
-        manager.set_forward_prefetch_layer(prev, nxt)
+        manager.link(prev, nxt)
     resident: list[int] = []
 
     def measure(index: int) -> Callable:
@@ -119,7 +119,7 @@ def side_stream_step(engine: SimulatedAccelerator, swap: bool) -> tuple[list, Sw
             for i, b in enumerate(blocks)
         ]
         for prev, nxt in itertools.pairwise(wrapped):
-            manager.set_forward_prefetch_layer(prev, nxt)
+            manager.link(prev, nxt)
     x = torch.randn(32, 64, requires_grad=True)
     h = x
     for block in blocks:
@@ -171,7 +171,7 @@ def test_reloads_are_issued_first_needed_first() -> None:
     first, last = WideThenNarrow(), WideThenNarrow()
     for name, block in (("first", first), ("last", last)):
         swap_wrapper(block, manager=manager, name=name, policy=size_threshold_policy(0))
-    manager.set_forward_prefetch_layer(first, last)
+    manager.link(first, last)
     loads: list[int] = []
     issue = engine.loads
 

@@ -143,5 +143,5 @@ def test_a_copy_pickles_as_a_fresh_device_with_the_same_lag_and_profile() -> Non
     engine.offload(torch.ones(16), torch.empty(16), ())
     clone = pickle.loads(pickle.dumps(engine))
     assert (clone.lag, clone.profile) == (engine.lag, engine.profile)
-    assert engine.pending() == 1 and clone.pending() == 0
+    assert engine._sim.pending() == 1 and clone._sim.pending() == 0
     assert repr(clone) == "SimulatedAccelerator(lag=2, profile='h200 (custom)')"

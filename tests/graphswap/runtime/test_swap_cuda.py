@@ -82,7 +82,7 @@ def swapped(model: torch.nn.Module, offload_lag: int = 1) -> Iterator[SwapManage
         for name, layer in zip(attention_names(), model.model.layers, strict=True)
     ]
     for prev, nxt in itertools.pairwise(attns):
-        manager.set_forward_prefetch_layer(prev, nxt)
+        manager.link(prev, nxt)
     try:
         yield manager
     finally:

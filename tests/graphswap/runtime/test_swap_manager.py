@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphswap import CheckpointPolicy, SwapIntegrityError, SwapManager, swap_wrapper
-from graphswap.runtime.policy import qwen3_attention_swap_policy, size_threshold_policy
+from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
+from graphswap.errors import SwapIntegrityError
+from graphswap.runtime._handles import _Swapped
+from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
 
 VOCAB = 512
 swap_everything = size_threshold_policy(0)
@@ -29,13 +31,52 @@ def wrap_attention(model: torch.nn.Module, manager: SwapManager, policies=None) 
             layer.self_attn,
             manager=manager,
             name=f"model.layers.{i}.self_attn",
-            policy=policies[i] if policies else qwen3_attention_swap_policy,
+            policy=policies[i] if policies else swap_large_activations,
         )
         for i, layer in enumerate(layers)
     ]
     for prev, nxt in itertools.pairwise(attns):
-        manager.set_forward_prefetch_layer(prev, nxt)
+        manager.link(prev, nxt)
     return attns
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """What the managers do, in order: ``(offload | backward_begin | prefetch | unpack,
+    group)``; ``unpack`` is the unpack of a swapped tensor."""
+    seen: list[tuple[str, str]] = []
+    offload, begins, prefetch, unpack = (
+        SwapManager._offload,
+        SwapManager._backward_begins,
+        SwapManager._prefetch,
+        SwapManager._unpack,
+    )
+
+    def spy_offload(self: SwapManager, group, *rest):
+        entry = offload(self, group, *rest)
+        if entry is not None:
+            seen.append(("offload", group.slot.name))
+        return entry
+
+    def spy_begins(self: SwapManager, group, *rest) -> None:
+        seen.append(("backward_begin", group.name))
+        begins(self, group, *rest)
+
+    def spy_prefetch(self: SwapManager, group) -> None:
+        prefetch(self, group)
+        seen.append(("prefetch", group.name))
+
+    def spy_unpack(self: SwapManager, packed) -> torch.Tensor:
+        out = unpack(self, packed)
+        if type(packed) is _Swapped:
+            seen.append(("unpack", packed.group.name))
+        return out
+
+    monkeypatch.setattr(SwapManager, "_offload", spy_offload)
+    monkeypatch.setattr(SwapManager, "_backward_begins", spy_begins)
+    monkeypatch.setattr(SwapManager, "_prefetch", spy_prefetch)
+    monkeypatch.setattr(SwapManager, "_unpack", spy_unpack)
+    return seen
 
 
 def train(model: torch.nn.Module, steps: int, seq: int = 512) -> tuple[list[float], list]:
@@ -87,7 +128,7 @@ def test_swapped_storages_are_freed_after_forward_except_last_layer(tiny_model) 
     model = tiny_model()
     records: list[list] = [[] for _ in model.model.layers]
     manager = SwapManager()
-    wrap_attention(model, manager, [recording(qwen3_attention_swap_policy, r) for r in records])
+    wrap_attention(model, manager, [recording(swap_large_activations, r) for r in records])
     ids = torch.randint(0, VOCAB, (2, 512))
     loss = model(input_ids=ids, labels=ids).loss
     manager.synchronize()
@@ -100,13 +141,12 @@ def test_swapped_storages_are_freed_after_forward_except_last_layer(tiny_model) 
     loss.backward()
 
 
-def test_prefetch_is_issued_when_next_layer_backward_begins(tiny_model) -> None:
+def test_prefetch_is_issued_when_next_layer_backward_begins(tiny_model, events) -> None:
     model = tiny_model()
-    manager = SwapManager(trace=True)
+    manager = SwapManager()
     wrap_attention(model, manager)
     ids = torch.randint(0, VOCAB, (2, 512))
     model(input_ids=ids, labels=ids).loss.backward()
-    events = list(manager.events)
     name = "model.layers.{}.self_attn".format
 
     for i in range(1, 4):
@@ -159,17 +199,16 @@ class AddOne(torch.nn.Module):
         return x + 1
 
 
-def test_a_layer_that_saves_nothing_still_prefetches_its_prev() -> None:
+def test_a_layer_that_saves_nothing_still_prefetches_its_prev(events) -> None:
     """A group's backward begins at its first unpack, or at its output if it saved nothing."""
     lin, add = torch.nn.Linear(64, 64), AddOne()
-    manager = SwapManager(trace=True)
+    manager = SwapManager()
     swap_wrapper(lin, manager=manager, policy=swap_everything, name="lin")
     swap_wrapper(add, manager=manager, policy=swap_everything, name="add")
-    manager.set_forward_prefetch_layer(lin, add)
+    manager.link(lin, add)
     add(lin(torch.randn(32, 64, requires_grad=True))).pow(2).sum().backward()
     stats = manager.stats
     assert (stats.offloaded_tensors, stats.prefetch_hits, stats.prefetch_misses) == (1, 1, 0)
-    events = list(manager.events)
     assert events[events.index(("backward_begin", "add")) + 1] == ("prefetch", "lin")
     assert events.index(("prefetch", "lin")) < events.index(("unpack", "lin"))
 
@@ -255,16 +294,16 @@ def test_retain_graph_backward_twice(tiny_model) -> None:
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_no_grad_forward_creates_nothing(tiny_model, mode) -> None:
+def test_no_grad_forward_creates_nothing(tiny_model, mode, events) -> None:
     model = tiny_model()
-    manager = SwapManager(trace=True)
+    manager = SwapManager()
     wrap_attention(model, manager)
     with mode():
         model(input_ids=torch.randint(0, VOCAB, (2, 512)))
     stats = manager.stats
     assert stats.offloaded_tensors == stats.kept_tensors == 0
     assert stats.host_reserved_bytes == 0
-    assert list(manager.events) == []
+    assert events == []
 
 
 def test_exception_in_forward_removes_hooks_and_releases_group() -> None:
@@ -343,13 +382,13 @@ def test_linking_requires_wrapped_modules_and_refuses_cycles() -> None:
     manager = SwapManager()
     a, b, c = (swap_wrapper(torch.nn.Linear(2, 2), manager=manager) for _ in range(3))
     with pytest.raises(ValueError, match="not swap-wrapped"):
-        manager.set_forward_prefetch_layer(a, torch.nn.Linear(2, 2))
-    manager.set_forward_prefetch_layer(a, b)
-    manager.set_forward_prefetch_layer(b, c)
+        manager.link(a, torch.nn.Linear(2, 2))
+    manager.link(a, b)
+    manager.link(b, c)
     with pytest.raises(ValueError, match="already linked"):
-        manager.set_forward_prefetch_layer(a, c)
+        manager.link(a, c)
     with pytest.raises(ValueError, match="cycle"):
-        manager.set_forward_prefetch_layer(c, a)
+        manager.link(c, a)
     assert [g.keep_on_device for g in manager.groups()] == [False, False, True]
     assert manager.links == [("Linear_0", "Linear_1"), ("Linear_1", "Linear_2")]
 
