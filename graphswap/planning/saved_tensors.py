@@ -283,7 +283,6 @@ class SavedTensorCollector:
         self._in_attention -= 1
 
 
-
 def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from graphswap.runtime import SwapManager
 
 
-
 @dataclass(frozen=True)
 class RuleContext:
     """What a factory needs to build one replacement."""
@@ -178,6 +177,7 @@ _SWAP_MUST_RUN_BEFORE = (
 _SWAP_EXCLUDES = ("compile", "activation_checkpointing", "pipeline_parallel")
 """Compile traces the hooks away, checkpointing recomputes what was swapped, and pipeline
 stages reorder the backward the prefetch chain follows."""
+
 
 @dataclass(frozen=True)
 class _HierarchyValidator:

@@ -126,6 +126,7 @@ swap_large_activations: SwapPolicy = size_threshold_policy(
 """The default of ``swap_wrapper`` and what the attention rules move: every activation
 of 1 MiB or more that owns its storage."""
 
+
 def policy_name(policy: SwapPolicy) -> str:
     return getattr(policy, "__name__", type(policy).__name__)
 

@@ -228,9 +228,7 @@ def test_auto_takes_back_what_the_replay_shows_stalling() -> None:
     meta = build_meta_model(
         qwen3_moe_config("tiny"), seq=512, batch=2, dtype=torch.float32, device="cpu"
     )
-    trace = trace_step(
-        meta, device_profile("h200,link_gbps=2,tflops=1"), (swap_large_activations,)
-    )
+    trace = trace_step(meta, device_profile("h200,link_gbps=2,tflops=1"), (swap_large_activations,))
     saved = trace.saved_with(0)
     candidates = layer_candidates(saved)
     auto = plan_auto(
@@ -281,9 +279,7 @@ def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only() -> Non
     shape = {"seq": 256, "batch": 1, "dtype": torch.float32, "device": "cpu", "swap": "attention"}
     plan = plan_memory(config, optimizer=False, **shape)
     meta = build_meta_model(config, seq=256, batch=1, dtype=torch.float32, device="cpu")
-    trace = trace_step(
-        meta, device_profile("h200"), (swap_large_activations,), optimizer=False
-    )
+    trace = trace_step(meta, device_profile("h200"), (swap_large_activations,), optimizer=False)
     assert trace.optimizer_state_bytes == 0 and not trace.optimizer
     held = trace.parameter_bytes + trace.buffer_bytes
     for timeline in (plan.timeline, plan.baseline):
