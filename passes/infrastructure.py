@@ -19,7 +19,6 @@ from graphswap.errors import AlreadyTransformedError
 from graphswap.rewriting.transforms import find_transforms
 from passes.activation_checkpointing import apply_activation_checkpointing
 from passes.compile import apply_compile
-from passes.errors import PassNotImplementedError
 from passes.fsdp import apply_fsdp
 from passes.mesh import Meshes, resolve_meshes
 from passes.plan import Plan, plan
@@ -65,7 +64,7 @@ def _swap(run: _Run) -> None:
         run.auto_swap = plan_auto_swap(run.model, config)
     run.report = apply_swap(
         run.model,
-        mode=config.activation_swap,
+        activation_swap=config.activation_swap,
         prefetch_depth=config.swap_prefetch_depth,
         offload_lag=config.swap_offload_lag,
         engine=swap_engine(config.device),
@@ -100,13 +99,7 @@ def apply_model_infrastructure(
     ``mesh``: a device mesh with a ``"tp"`` and/or ``"dp_shard"`` dimension; by default
     one is built from the initialized process group when a distributed pass runs.
     """
-    checked = plan(config).check()
-    for spec in checked.passes:
-        if not spec.implemented or spec.name not in _APPLY:
-            raise PassNotImplementedError(
-                f"{spec.setting_text(config)} asks for {spec.name}, which graphswap declares"
-                f" and checks but cannot apply yet; set {spec.off_text()}"
-            )
+    checked = plan(config).check_runnable()
     if config.tp_size > 1:
         check_heads_divisible(getattr(model, "config", None), config.tp_size)
     _refuse_traces(checked, model, config)

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
-from passes.errors import PassConflictError, PassOrderError, PassSettingError, PlanError
+from passes.errors import (
+    PassConflictError,
+    PassNotImplementedError,
+    PassOrderError,
+    PassSettingError,
+    PlanError,
+)
 from passes.specs import CANONICAL_ORDER, PassSpec, pass_specs
 
 if TYPE_CHECKING:
@@ -119,6 +125,21 @@ class Plan:
         self._check_exclusions()
         self._check_cycles()
         self._check_order()
+        return self
+
+    def check_runnable(self) -> Plan:
+        """:meth:`check`, and that graphswap can apply every pass of the plan: a pass it
+        declares (so that the order and exclusions are checked) but cannot apply yet is
+        refused here, before a model is built, naming the passes it can apply."""
+        self.check()
+        for spec in self.passes:
+            if not spec.implemented:
+                applied = ", ".join(s.name for s in pass_specs().values() if s.implemented)
+                raise PassNotImplementedError(
+                    f"{spec.setting_text(self.config)} asks for {spec.name}, which graphswap"
+                    f" declares and checks but cannot apply yet (it applies {applied});"
+                    f" set {spec.off_text()}"
+                )
         return self
 
     def _check_settings(self) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
-from graphswap.planning import DEFAULT_PROFILE, plan_memory
+from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
@@ -45,7 +45,7 @@ _PLAN_KEYS = {
 def apply_swap(
     model: nn.Module,
     *,
-    mode: str = "attention",
+    activation_swap: SwapMode = "attention",
     prefetch_depth: int = 1,
     offload_lag: int = 1,
     engine: CopyEngine | None = None,
@@ -54,14 +54,16 @@ def apply_swap(
     """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
     the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
     (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own)."""
-    if mode not in SWAP_RULES:
-        raise ValueError(f"activation_swap: {mode} has no swap rule; use one of {list(SWAP_RULES)}")
-    if (mode == "auto") != (auto is not None):
+    if activation_swap not in SWAP_RULES:
+        raise ValueError(
+            f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
+        )
+    if (activation_swap == "auto") != (auto is not None):
         raise ValueError("apply_swap: an auto plan goes with activation_swap: auto, and only there")
-    rule = auto.rule() if auto is not None else SWAP_RULES[mode]
+    rule = auto.rule() if auto is not None else SWAP_RULES[activation_swap]
     manager = SwapManager(prefetch_depth=prefetch_depth, offload_lag=offload_lag, engine=engine)
     report = rewrite(model, [rule], manager=manager)
-    verify_swap(model, report, prefetch_depth=prefetch_depth, mode=mode)
+    verify_swap(model, report, prefetch_depth=prefetch_depth, activation_swap=activation_swap)
     return report
 
 
@@ -72,7 +74,11 @@ def swap_engine(device: str) -> CopyEngine | None:
 
 
 def verify_swap(
-    model: nn.Module, report: RewriteReport, *, prefetch_depth: int, mode: str = "attention"
+    model: nn.Module,
+    report: RewriteReport,
+    *,
+    prefetch_depth: int,
+    activation_swap: SwapMode = "attention",
 ) -> None:
     """Every layer's attention (``attention``) or every layer (``layer``, ``auto``) is
     wrapped by the report's manager, and the L layers form one prefetch chain of L - 1
@@ -80,12 +86,12 @@ def verify_swap(
     fqn, layers = decoder_layers(model)
     manager = report.manager
     for index, layer in enumerate(layers):
-        name = f"{fqn}.{index}" if mode != "attention" else f"{fqn}.{index}.self_attn"
-        module = layer if mode != "attention" else getattr(layer, "self_attn", None)
+        name = f"{fqn}.{index}" if activation_swap != "attention" else f"{fqn}.{index}.self_attn"
+        module = layer if activation_swap != "attention" else getattr(layer, "self_attn", None)
         if module is None or not is_swap_wrapped(module) or swap_manager_of(module) is not manager:
             raise PassPostconditionError(
                 f"after the swap pass {name} is not swap-wrapped by the rewrite's manager"
-                f" ({report}); activation_swap: {mode} would do nothing for this layer"
+                f" ({report}); activation_swap: {activation_swap} would do nothing for this layer"
             )
     if len(manager.links) != len(layers) - 1:
         raise PassPostconditionError(
@@ -126,7 +132,7 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
             attn_implementation=attn,
             device="cuda" if device.type == "cuda" else "cpu",
             tp=config.tp_size,
-            swap="auto",
+            activation_swap="auto",
             hide_margin=config.swap_hide_margin,
             prefetch_depth=config.swap_prefetch_depth,
             offload_lag=config.swap_offload_lag,

@@ -225,7 +225,7 @@ def _predictions(
         plan = plan_step(
             config,
             trace,
-            swap=name,
+            activation_swap=name,
             hide_margin=args.swap_hide_margin,
             baseline=baseline,
         )
@@ -315,7 +315,7 @@ def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.de
         device,
         bandwidth_gbps=args.swap_bandwidth,
         tflops=args.swap_tflops,
-        swap="auto",
+        activation_swap="auto",
         hide_margin=args.swap_hide_margin,
     )
     made_for = f"--seq {seq}, --batch {args.batch}, --dtype {args.dtype}, --attn {args.attn}"

@@ -24,6 +24,7 @@ from graphswap.planning._plan import (
     DEFAULT_PROFILE,
     SWAP_MODES,
     MemoryPlan,
+    SwapMode,
     check_settings,
     plan_step,
     resolve_profile,
@@ -45,7 +46,7 @@ DEFAULT_SEQ_STEP = 512
 class ModeFit:
     """One mode's longest sequence."""
 
-    swap: str
+    activation_swap: SwapMode
     """The mode: ``none``, ``attention``, ``layer`` or ``auto``."""
     seq: int | None
     """The longest multiple of the step that fits; ``None``: not even one step."""
@@ -125,7 +126,7 @@ class FitResult:
             "shards_needed": self.shards_needed,
             "modes": [
                 {
-                    "swap": mode.swap,
+                    "activation_swap": mode.activation_swap,
                     "seq": mode.seq,
                     "capped": mode.capped,
                     "plan": None if mode.plan is None else mode.plan.to_dict(),
@@ -154,7 +155,7 @@ def fit_sequence(
     prefetch_depth: int = 1,
     state_shards: int = 1,
     seq_step: int = DEFAULT_SEQ_STEP,
-    modes: Sequence[str] = SWAP_MODES,
+    modes: Sequence[SwapMode] = SWAP_MODES,
 ) -> FitResult:
     """The longest sequence (a multiple of ``seq_step``) each of ``modes`` fits in
     ``memory_bytes`` (default: the profile's memory), with the plan at that length.
@@ -165,7 +166,7 @@ def fit_sequence(
     """
     for mode in modes:
         check_settings(
-            swap=mode,
+            activation_swap=mode,
             hide_margin=hide_margin,
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,
@@ -261,7 +262,7 @@ def _plan_modes(
         mode: plan_step(
             config,
             trace,
-            swap=mode,
+            activation_swap=mode,
             hide_margin=hide_margin,
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,

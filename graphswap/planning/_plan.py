@@ -7,7 +7,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
@@ -39,7 +39,10 @@ DEFAULT_HIDE_MARGIN = 0.1
 contention are not exact."""
 
 SwapMode = Literal["none", "attention", "layer", "auto"]
-SWAP_MODES: tuple[str, ...] = ("none", "attention", "layer", "auto")
+"""What activation swap moves, one name everywhere (``activation_swap`` in the trainer's
+config, the planner, the swap pass and ``plan-memory --activation-swap``): nothing, each
+layer's attention, whole layers, or per layer the saves whose copies hide (``auto``)."""
+SWAP_MODES: tuple[SwapMode, ...] = get_args(SwapMode)
 
 _SCOPES = {"none": None, "attention": ATTENTION_SCOPE, "layer": LAYER_SCOPE, "auto": LAYER_SCOPE}
 """Which modules each mode wraps."""
@@ -158,7 +161,7 @@ class MemoryPlan:
     """The sdpa kernel traced; ``None`` for eager attention."""
     tp: int
     """Tensor-parallel ranks: the bytes and FLOPs are one rank's."""
-    swap: str
+    activation_swap: SwapMode
     """What is swapped: ``none``, ``attention``, ``layer`` or ``auto``."""
     policy: str
     """The swap policy's name (``none`` for no swap)."""
@@ -230,7 +233,7 @@ class MemoryPlan:
             "device": self.device,
             "attn_kernel": self.attn_kernel,
             "tp": self.tp,
-            "swap": self.swap,
+            "activation_swap": self.activation_swap,
             "policy": self.policy,
             "profile": dataclasses.asdict(self.profile),
             "offload_lag": self.offload_lag,
@@ -259,7 +262,7 @@ class MemoryPlan:
                     },
                     "auto_dropped": self.auto_dropped,
                 }
-                if self.swap == "auto"
+                if self.activation_swap == "auto"
                 else {}
             ),
         }
@@ -273,7 +276,7 @@ class MemoryPlan:
                 "verdict": layer.verdict(),
                 **(
                     {"swapped_saves": [_save_dict(save) for save in layer.swapped_saves]}
-                    if self.swap in ("layer", "auto")
+                    if self.activation_swap in ("layer", "auto")
                     else {}
                 ),
             }
@@ -302,15 +305,17 @@ def _check_int(name: str, value: object, minimum: int, detail: str) -> None:
 
 def check_settings(
     *,
-    swap: str,
+    activation_swap: str,
     hide_margin: float,
     offload_lag: int,
     prefetch_depth: int,
     state_shards: int,
 ) -> None:
     """Raise :class:`PlanSettingError` for a setting no plan can be made with."""
-    if swap not in SWAP_MODES:
-        raise PlanSettingError("swap", swap, f"must be one of {', '.join(SWAP_MODES)}")
+    if activation_swap not in SWAP_MODES:
+        raise PlanSettingError(
+            "activation_swap", activation_swap, f"must be one of {', '.join(SWAP_MODES)}"
+        )
     if not 0 <= hide_margin < 1:
         raise PlanSettingError(
             "hide_margin", hide_margin, "must be in [0, 1): the share of each window left free"
@@ -359,7 +364,7 @@ def plan_memory(
     attn_kernel: str | None = None,
     tp: int = 1,
     policy: SwapPolicy | None = None,
-    swap: SwapMode = "attention",
+    activation_swap: SwapMode = "attention",
     hide_margin: float = DEFAULT_HIDE_MARGIN,
     profile: str | DeviceProfile = DEFAULT_PROFILE,
     bandwidth_gbps: float | None = None,
@@ -370,7 +375,7 @@ def plan_memory(
     optimizer: bool = True,
 ) -> MemoryPlan:
     """Trace one training step of ``config`` on meta and predict it for one rank, with
-    ``swap`` and without.
+    ``activation_swap`` and without.
 
     ``device``, ``attn_kernel`` and ``tp`` are those of
     :func:`~graphswap.planning.saved_tensors.build_meta_model`. ``profile``: the device (a
@@ -386,7 +391,7 @@ def plan_memory(
     :class:`PlanSettingError` or :class:`ProfileError` before any model is built.
     """
     check_settings(
-        swap=swap,
+        activation_swap=activation_swap,
         hide_margin=hide_margin,
         offload_lag=offload_lag,
         prefetch_depth=prefetch_depth,
@@ -408,7 +413,7 @@ def plan_memory(
     return plan_step(
         config,
         trace,
-        swap=swap,
+        activation_swap=activation_swap,
         hide_margin=hide_margin,
         offload_lag=offload_lag,
         prefetch_depth=prefetch_depth,
@@ -420,7 +425,7 @@ def plan_step(
     config: PretrainedConfig,
     trace: StepTrace,
     *,
-    swap: str,
+    activation_swap: SwapMode,
     policy: int = 0,
     hide_margin: float = DEFAULT_HIDE_MARGIN,
     offload_lag: int = 1,
@@ -428,18 +433,18 @@ def plan_step(
     state_shards: int = 1,
     baseline: Replay | None = None,
 ) -> MemoryPlan:
-    """The plan of ``swap`` on a traced step, with the trace's policy number ``policy``;
+    """The plan of ``activation_swap`` on a traced step, with the trace's policy number ``policy``;
     ``baseline``: the step replayed without swap, when already at hand. The other
     settings are :func:`plan_memory`'s."""
     check_settings(
-        swap=swap,
+        activation_swap=activation_swap,
         hide_margin=hide_margin,
         offload_lag=offload_lag,
         prefetch_depth=prefetch_depth,
         state_shards=state_shards,
     )
     saved = trace.saved_with(policy)
-    scope = _SCOPES[swap]
+    scope = _SCOPES[activation_swap]
     if baseline is None:
         baseline = replay(
             trace,
@@ -451,7 +456,7 @@ def plan_step(
     candidates = layer_candidates(saved)
     per_layer = [candidates[layer.name] for layer in saved.layers]
     auto_fields: dict[str, Any] = {}
-    if swap == "auto":
+    if activation_swap == "auto":
         auto = plan_auto(
             trace,
             per_layer,
@@ -497,7 +502,7 @@ def plan_step(
         kept = i == len(saved.layers) - 1
         saved_bytes, swappable = by_scope.get(layer.name, (0, 0))
         moved: tuple[SavedTensor, ...] = ()
-        if swap in ("layer", "auto"):
+        if activation_swap in ("layer", "auto"):
             swappable = sum(c.nbytes for c in chosen[i])
             moved = () if kept else _swapped_saves(chosen[i])
         elif scope is None:
@@ -532,7 +537,7 @@ def plan_step(
         device=trace.device,
         attn_kernel=None if saved.kernel is None else saved.kernel.name,
         tp=saved.tp,
-        swap=swap,
+        activation_swap=activation_swap,
         policy="none" if scope is None else trace.policies[policy],
         profile=profile,
         offload_lag=offload_lag,
@@ -545,7 +550,7 @@ def plan_step(
         baseline=baseline.timeline,
         assumptions=(_ASSUMPTIONS if trace.optimizer else _NO_OPTIMIZER_ASSUMPTIONS)
         + _trace_assumptions(trace, config)
-        + _swap_assumptions(swap, offload_lag, prefetch_depth)
+        + _swap_assumptions(activation_swap, offload_lag, prefetch_depth)
         + _shard_assumptions(state_shards),
         **auto_fields,
     )
@@ -572,8 +577,10 @@ def _auto_fields(
     }
 
 
-def _swap_assumptions(swap: str, offload_lag: int, prefetch_depth: int) -> tuple[str, ...]:
-    if swap == "none":
+def _swap_assumptions(
+    activation_swap: SwapMode, offload_lag: int, prefetch_depth: int
+) -> tuple[str, ...]:
+    if activation_swap == "none":
         return ()
     copies = (
         f"copies: a module's offloads run on one device-to-host queue after the compute that "
@@ -583,14 +590,14 @@ def _swap_assumptions(swap: str, offload_lag: int, prefetch_depth: int) -> tuple
         f"(prefetch_depth {prefetch_depth}) and run on one host-to-device queue, both "
         "directions at once; the last module in forward order keeps its tensors",
     )
-    if swap == "attention":
+    if activation_swap == "attention":
         return copies
     whole = (
         "layer and auto: the swapped bytes count a storage only when every save of it is in "
         "one layer and the policy swaps the first (later saves share its copy, as in the "
         "runtime; the rotary cos/sin, saved by every layer, stay)",
     )
-    if swap == "layer":
+    if activation_swap == "layer":
         return copies + whole
     return (
         copies

@@ -1,6 +1,6 @@
 """``activation_swap: auto`` at run time: a plan's per-layer choice, carried out.
 
-The plan (:func:`graphswap.planning.plan_memory` with ``swap="auto"``) names, per
+The plan (:func:`graphswap.planning.plan_memory` with ``activation_swap="auto"``) names, per
 decoder layer, the saves to swap by their index in the layer's forward, with their
 shape and dtype. The swap runtime counts the pack calls of each forward the way the
 trace numbers saves (every call, parameters and repeated saves of one storage too)
@@ -140,9 +140,10 @@ class AutoSwap:
     def __init__(
         self, plan: MemoryPlan, *, made_for: str, measured: CopyBandwidth | None = None
     ) -> None:
-        if plan.swap != "auto":
+        if plan.activation_swap != "auto":
             raise ValueError(
-                f"AutoSwap needs a plan_memory(swap='auto') plan, got swap={plan.swap!r}"
+                "AutoSwap needs a plan_memory(activation_swap='auto') plan, got"
+                f" activation_swap={plan.activation_swap!r}"
             )
         self.plan = plan
         self.made_for = made_for

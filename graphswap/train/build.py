@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphswap.hf.checkpoints import build_model, load_hf_config, load_weights, model_config
-from graphswap.train.config import ActivationSwap, TrainerConfig
+from graphswap.planning import SwapMode
+from graphswap.train.config import TrainerConfig
 from passes import apply_model_infrastructure, plan
 
 if TYPE_CHECKING:
@@ -86,9 +87,7 @@ def trainer_hf_config(config: TrainerConfig) -> PretrainedConfig:
     )
 
 
-def _with_swap(
-    config: TrainerConfig | None, activation_swap: ActivationSwap | None
-) -> TrainerConfig:
+def _with_swap(config: TrainerConfig | None, activation_swap: SwapMode | None) -> TrainerConfig:
     config = config or TrainerConfig()
     if activation_swap is None:
         return config
@@ -103,7 +102,7 @@ def _with_swap(
 def from_config(
     hf_config: PretrainedConfig,
     *,
-    activation_swap: ActivationSwap | None = None,
+    activation_swap: SwapMode | None = None,
     trainer_config: TrainerConfig | None = None,
     device: str | torch.device = "cpu",
     mesh: DeviceMesh | None = None,
@@ -121,7 +120,7 @@ def from_config(
 def from_pretrained(
     path: str | Path,
     *,
-    activation_swap: ActivationSwap | None = None,
+    activation_swap: SwapMode | None = None,
     trainer_config: TrainerConfig | None = None,
     device: str | torch.device = "cpu",
     mesh: DeviceMesh | None = None,

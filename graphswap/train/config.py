@@ -24,9 +24,9 @@ from typing import Any, Literal, Union
 import yaml
 
 from graphswap.hf.presets import preset_names
+from graphswap.planning import SwapMode
 from graphswap.runtime.profile import ProfileError, simulated_profile
 
-ActivationSwap = Literal["none", "attention", "layer", "auto"]
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
 AttnImplementation = Literal["eager", "sdpa"]
 DType = Literal["float32", "bfloat16"]
@@ -70,7 +70,7 @@ lists every key with its default, and it must stay usable with a ``model_path``.
 class TrainerConfig:
     """Everything ``graphswap train`` reads; ``examples/train.yaml`` lists every key."""
 
-    activation_swap: ActivationSwap = "none"
+    activation_swap: SwapMode = "none"
     model: str = _DEFAULT_MODEL
     model_path: str | None = None
     num_layers: int | None = None

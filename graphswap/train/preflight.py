@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> PretrainedConfig:
     """Every check ``graphswap train`` needs; returns the Hugging Face config to build."""
-    passes.plan(config).check()
+    passes.plan(config).check_runnable()
     hf_config = check_model(config)
     check_swap_bandwidth(config, resolve_device(config))
     check_data(config)

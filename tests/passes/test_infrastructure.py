@@ -93,10 +93,10 @@ def test_layer_post_condition_catches_an_unwrapped_layer(tiny_model: Model) -> N
     from graphswap.runtime import unwrap_swap
 
     model = tiny_model()
-    report = apply_swap(model, mode="layer")
+    report = apply_swap(model, activation_swap="layer")
     unwrap_swap(model.model.layers[1])
     with pytest.raises(PassPostconditionError, match=r"model\.layers\.1 is not swap-wrapped"):
-        verify_swap(model, report, prefetch_depth=1, mode="layer")
+        verify_swap(model, report, prefetch_depth=1, activation_swap="layer")
 
 
 def test_activation_checkpointing_keeps_the_numbers(tiny_model: Model, ids: torch.Tensor) -> None:
@@ -170,9 +170,16 @@ def test_declared_passes_are_never_ignored(
         passes.apply_model_infrastructure(model, TrainerConfig(**{setting: value}))
     assert str(info.value) == (
         f"{setting}: {value} asks for {name}, which graphswap declares and checks but cannot"
-        f" apply yet; set {setting}: 1"
+        " apply yet (it applies swap, tensor_parallel, activation_checkpointing, compile,"
+        f" fsdp); set {setting}: 1"
     )
     assert isinstance(info.value, NotImplementedError)
+
+
+def test_every_pass_it_says_it_applies_has_its_step() -> None:
+    from passes.infrastructure import _APPLY
+
+    assert set(_APPLY) == {spec.name for spec in passes.pass_specs().values() if spec.implemented}
 
 
 def test_nothing_is_applied_when_a_later_pass_cannot_run(tiny_model: Model) -> None:

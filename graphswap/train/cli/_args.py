@@ -1,9 +1,20 @@
-"""Argument types shared by the sub-commands."""
+"""What the sub-commands share: argument types, and how a user error ends a command."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
+
+USER_ERROR = 2
+"""The exit code of every refused input, as argparse's own refusals exit."""
+
+
+def user_error(command: str, message: str) -> int:
+    """Say ``graphswap COMMAND: error: MESSAGE`` on stderr, argparse's form, and return
+    :data:`USER_ERROR`: every command ends a user error the same way."""
+    print(f"graphswap {command}: error: {message}", file=sys.stderr)
+    return USER_ERROR
 
 
 def positive_int(text: str) -> int:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphswap.train.cli._args import positive_int
+from graphswap.train.cli._args import positive_int, user_error
 
 DEFAULT_PRESET = "graph-default"
 DEFAULT_RULE = "attn_swap"
@@ -55,8 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"graphswap graph: error: {message}", file=sys.stderr)
-    return 1
+    return user_error("graph", message)
 
 
 def _output_problem(path: Path) -> str | None:

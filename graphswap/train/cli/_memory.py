@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graphswap.train.cli._args import positive_float, positive_int
+from graphswap.train.cli._args import positive_float, positive_int, user_error
 
 if TYPE_CHECKING:
     from graphswap.planning import MemoryPlan
@@ -24,8 +23,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 KERNELS = ("flash", "efficient", "cudnn", "math")
-POLICIES = ("none", "attention", "layer", "auto")
-"""Literal here so that ``--help`` imports no torch; the planner checks the same names."""
 
 _FLAGS = {
     "seq": "--seq",
@@ -36,7 +33,7 @@ _FLAGS = {
     "device": "--device",
     "attn_kernel": "--attn-kernel",
     "tp": "--tp",
-    "swap": "--policy",
+    "activation_swap": "--activation-swap",
     "hide_margin": "--hide-margin",
     "offload_lag": "--offload-lag",
     "prefetch_depth": "--prefetch-depth",
@@ -91,8 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "prefetched --prefetch-depth modules ahead) and both stalls, the predicted step "
             "time and its ratio to the step without swap, and the device-memory peak with "
             "and without swap and where it falls. Attention runs the kernel the training "
-            "device runs; with --tp the prediction is one rank's. --policy auto shows what "
-            "activation_swap: auto would swap: per layer the saved tensors whose copies hide "
+            "device runs; with --tp the prediction is one rank's. --activation-swap auto "
+            "shows what activation_swap: auto would swap: per layer the saved tensors whose "
+            "copies hide "
             "in both windows. --fit finds the longest sequence each mode fits in a device's "
             "memory."
         ),
@@ -162,12 +160,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "shards them): predict one rank's bytes (default 1)",
     )
     parser.add_argument(
-        "--policy",
-        choices=POLICIES,
+        "--activation-swap",
         default=None,
-        help="what is swapped: attention (default), layer (every tensor of the decoder layer "
-        "the size policy swaps), auto (per layer, largest first, the tensors whose copies "
-        "hide in both windows, less --hide-margin) or none",
+        metavar="MODE",
+        help="what is swapped, as graphswap train's activation_swap: attention (default), "
+        "layer (every tensor of the decoder layer the size policy swaps), auto (per layer, "
+        "largest first, the tensors whose copies hide in both windows, less --hide-margin) "
+        "or none",
     )
     parser.add_argument(
         "--hide-margin",
@@ -228,11 +227,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _refusal(args: argparse.Namespace) -> str | None:
     """A combination of flags that would change nothing, or lacks what it needs."""
-    policy = args.policy or "attention"
-    if args.hide_margin is not None and policy != "auto" and args.fit is None:
+    mode = args.activation_swap or "attention"
+    if args.hide_margin is not None and mode != "auto" and args.fit is None:
         return (
-            f"--hide-margin {args.hide_margin} applies to --policy auto only (it would change "
-            f"nothing for --policy {policy}); add --policy auto or drop it"
+            f"--hide-margin {args.hide_margin} applies to --activation-swap auto only (it would"
+            f" change nothing for --activation-swap {mode}); add --activation-swap auto or drop it"
         )
     if args.fit is None:
         if args.seq is None:
@@ -240,7 +239,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
         if args.seq_step is not None:
             return f"--seq-step {args.seq_step} applies to --fit only; add --fit or drop it"
         return None
-    for flag, value in (("--seq", args.seq), ("--policy", args.policy), ("--plot", args.plot)):
+    for flag, value in (
+        ("--seq", args.seq),
+        ("--activation-swap", args.activation_swap),
+        ("--plot", args.plot),
+    ):
         if value is not None:
             return (
                 f"{flag} {value} with --fit: the fit searches the sequence for every mode (none, "
@@ -266,8 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
     refusal = _refusal(args)
     if refusal is not None:
-        print(f"error: {refusal}", file=sys.stderr)
-        return 2
+        return user_error("plan-memory", refusal)
     try:
         config = model_config(
             args.preset,
@@ -276,8 +278,7 @@ def run(args: argparse.Namespace) -> int:
             num_layers=args.layers,
         )
     except CheckpointError as error:
-        print(f"graphswap plan-memory: error: --model {args.model}: {error}", file=sys.stderr)
-        return 2
+        return user_error("plan-memory", f"--model {args.model}: {error}")
     settings: dict[str, Any] = {
         "batch": args.batch,
         "dtype": getattr(torch, args.dtype),
@@ -304,26 +305,25 @@ def run(args: argparse.Namespace) -> int:
             data = fit.to_dict()
             print(json.dumps(data, indent=2) if args.format == "json" else format_fit(data))
             return 0
-        plan = plan_memory(config, seq=args.seq, swap=args.policy or "attention", **settings)
+        plan = plan_memory(
+            config, seq=args.seq, activation_swap=args.activation_swap or "attention", **settings
+        )
     except PlanSettingError as error:
         flag = _FLAGS.get(error.setting, error.setting)
-        print(f"error: {flag} {error.value}: {error.detail}", file=sys.stderr)
-        return 2
+        return user_error("plan-memory", f"{flag} {error.value}: {error.detail}")
     except ProfileError as error:
-        print(f"error: --profile {args.profile or DEFAULT_PROFILE}: {error}", file=sys.stderr)
-        return 2
+        return user_error("plan-memory", f"--profile {args.profile or DEFAULT_PROFILE}: {error}")
     if args.plot:
         try:
             plot_timeline(plan, Path(args.plot))
         except ModuleNotFoundError as error:
             if error.name != "matplotlib":
                 raise
-            print(
-                f"error: --plot {args.plot} needs matplotlib, which is not installed; "
-                "install it with: pip install graphswap[plot]",
-                file=sys.stderr,
+            return user_error(
+                "plan-memory",
+                f"--plot {args.plot} needs matplotlib, which is not installed;"
+                " install it with: pip install graphswap[plot]",
             )
-            return 2
     if args.format == "json":
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -357,7 +357,8 @@ def settings_line(plan: Mapping[str, Any]) -> str:
     shards = "" if plan["state_shards"] == 1 else f" state_shards={plan['state_shards']}"
     return (
         f"seq={plan['seq']} batch={plan['batch']} dtype={plan['dtype']} device={plan['device']} "
-        f"attn={plan['attn_implementation']}{kernel} tp={plan['tp']} swap={plan['swap']} "
+        f"attn={plan['attn_implementation']}{kernel} tp={plan['tp']} "
+        f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
         f"compute={profile['tflops']:g} TFLOP/s hbm={profile['hbm_gbps']:g} GB/s "
         f"offload_lag={plan['offload_lag']} prefetch_depth={plan['prefetch_depth']}"
@@ -369,7 +370,7 @@ def format_layers(plan: Mapping[str, Any]) -> list[str]:
     """The settings and the per-layer table: bytes, each copy against its window and the
     stall it causes, the verdict; for ``layer`` and ``auto`` also which saves (by index
     in the layer's forward) move. For ``auto``, what it chose, in one line."""
-    swap = plan["swap"]
+    swap = plan["activation_swap"]
     moved = "swapped" if swap == "auto" else "swappable"
     saves = swap in ("layer", "auto")
     header = (
@@ -443,7 +444,7 @@ def step_lines(plan: Mapping[str, Any]) -> list[str]:
     """The predicted step and its peak, with swap and without."""
     timeline, baseline = plan["timeline"], plan["baseline"]
     forward, backward = _phase_stalls(plan)
-    swap = plan["swap"]
+    swap = plan["activation_swap"]
     return [
         f"step: {timeline['step_seconds'] * 1e3:.2f} ms with {swap} swap, "
         f"{baseline['step_seconds'] * 1e3:.2f} ms without: ratio {plan['step_ratio']:.4f} "
@@ -520,12 +521,14 @@ def format_fit(fit: Mapping[str, Any]) -> str:
     for mode in fit["modes"]:
         plan = mode["plan"]
         if plan is None:
-            lines.append(f"{mode['swap']:<10} {'none fits':>12}  (not even {fit['seq_step']})")
+            lines.append(
+                f"{mode['activation_swap']:<10} {'none fits':>12}  (not even {fit['seq_step']})"
+            )
             continue
         timeline = plan["timeline"]
         seq = f">= {mode['seq']}" if mode["capped"] else str(mode["seq"])
         lines.append(
-            f"{mode['swap']:<10} {seq:>12} {plan['step_ratio']:>10.4f} "
+            f"{mode['activation_swap']:<10} {seq:>12} {plan['step_ratio']:>10.4f} "
             f"{format_bytes(timeline['peak_bytes']):>11}  {timeline['peak_label']:<10}"
             f"{timeline['stall_seconds'] * 1e3:>10.3f}"
         )
@@ -549,7 +552,10 @@ def plot_timeline(plan: MemoryPlan, path: Path) -> None:
 
     gib = float(1 << 30)
     fig, ax = plt.subplots(figsize=(10.0, 4.5))
-    for timeline, label in ((plan.baseline, "without swap"), (plan.timeline, f"{plan.swap} swap")):
+    for timeline, label in (
+        (plan.baseline, "without swap"),
+        (plan.timeline, f"{plan.activation_swap} swap"),
+    ):
         xs, ys = _steps(timeline.memory)
         ax.plot([x * 1e3 for x in xs], [y / gib for y in ys], label=label)
     ax.set_xlabel("time in the step [ms]")

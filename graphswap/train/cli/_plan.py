@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from graphswap.train.cli._args import user_error
+
 FORMATS = ("text", "dot", "json")
 
 
@@ -50,11 +52,10 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_config(args.config, args.overrides)
         if args.order is not None:
             config = dataclasses.replace(config, pass_order=parse_names(args.order))
-        plan = passes.plan(config).check()
+        plan = passes.plan(config).check_runnable()
         check_model(config)
     except (ConfigError, passes.PlanError) as error:
-        print(f"graphswap plan: {error}", file=sys.stderr)
-        return 1
+        return user_error("plan", str(error))
     render = {"text": plan.to_text, "dot": plan.to_dot, "json": plan.to_json}[args.format]
     sys.stdout.write(render())
     world = world_requirement(config.tp_size, config.fsdp)

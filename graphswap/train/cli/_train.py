@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from graphswap.train.cli._args import user_error
+
 EMBEDDED_DEFAULT: dict[str, Any] = {
     "activation_swap": "attention",
     "model": "tiny",
@@ -94,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = resolve_config(args.config or EMBEDDED_DEFAULT, args.overrides)
     except ConfigError as err:
-        print(f"graphswap train: {err}", file=sys.stderr)
-        return 2
+        return user_error("train", str(err))
     swapped = "attention" if config.activation_swap == "none" else config.activation_swap
     modes = ["none", swapped] if args.compare else [config.activation_swap]
     configs = [_as_mode(config, mode) for mode in modes]
@@ -103,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
         mesh = _init_distributed(config)
         results = train_side_by_side(configs, mesh=mesh, progress=not args.no_progress)
     except (PlanError, ConfigError, CheckpointError, AutoSwapMismatchError) as err:
-        print(f"graphswap train: {err}", file=sys.stderr)
-        return 2
+        return user_error("train", str(err))
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

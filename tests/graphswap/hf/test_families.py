@@ -78,7 +78,7 @@ def _plans(config: object, attn: str) -> dict[str, MemoryPlan]:
     )
     trace = trace_step(meta, PROFILE, (POLICY,), optimizer=False)
     return {
-        mode: plan_step(config, trace, swap=mode)  # type: ignore[arg-type]
+        mode: plan_step(config, trace, activation_swap=mode)  # type: ignore[arg-type]
         for mode in ("attention", "layer", "auto")
     }
 

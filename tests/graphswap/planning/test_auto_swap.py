@@ -55,7 +55,7 @@ def _cpu_plan(swap: str, *, layers: int = 4, attn: str = "sdpa", **kwargs: Any) 
         dtype=torch.float32,
         attn_implementation=attn,
         device="cpu",
-        swap=swap,  # type: ignore[arg-type]
+        activation_swap=swap,  # type: ignore[arg-type]
         **kwargs,
     )
 

@@ -162,7 +162,7 @@ def test_attention_time_grows_quadratically_in_the_sequence() -> None:
     the attention kernel counts 4 * heads * seq^2 * head_dim FLOPs."""
     config = qwen3_moe_config("qwen3-30b-a3b", num_hidden_layers=2)
     one, two = (
-        plan_memory(config, seq=seq, tflops=1.0, swap="none").layers[0].forward_seconds
+        plan_memory(config, seq=seq, tflops=1.0, activation_swap="none").layers[0].forward_seconds
         for seq in (1024, 2048)
     )
     scores = 4 * config.num_attention_heads * config.head_dim
@@ -201,9 +201,9 @@ def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-d
         ({"seq": 8, "tp": 3}, "tp"),
         ({"seq": 8, "attn_kernel": "flash", "dtype": torch.float32}, "attn_kernel"),
         ({"seq": 8, "device": "xpu"}, "device"),
-        ({"seq": 8, "swap": "experts"}, "swap"),
-        ({"seq": 8, "swap": "auto", "hide_margin": 1.0}, "hide_margin"),
-        ({"seq": 8, "swap": "auto", "hide_margin": -0.5}, "hide_margin"),
+        ({"seq": 8, "activation_swap": "experts"}, "activation_swap"),
+        ({"seq": 8, "activation_swap": "auto", "hide_margin": 1.0}, "hide_margin"),
+        ({"seq": 8, "activation_swap": "auto", "hide_margin": -0.5}, "hide_margin"),
     ],
 )
 def test_bad_inputs_name_the_input(kwargs, word) -> None:  # type: ignore[no-untyped-def]
@@ -244,7 +244,7 @@ def _cpu(swap: str, **kwargs: object) -> MemoryPlan:
         batch=BATCH,
         dtype=torch.float32,
         device="cpu",
-        swap=swap,  # type: ignore[arg-type]
+        activation_swap=swap,  # type: ignore[arg-type]
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -275,7 +275,9 @@ def test_layer_swaps_every_tensor_of_the_layer_the_policy_would() -> None:
     )
     assert layer.layers[-1].swapped_saves == ()  # kept on device
     data = layer.to_dict()
-    assert data["swap"] == "layer" and data["layers"][0]["swapped_saves"][0]["index"] == 8
+    assert (
+        data["activation_swap"] == "layer" and data["layers"][0]["swapped_saves"][0]["index"] == 8
+    )
     assert [x.offloaded_bytes for x in layer.layers[:-1]] == [
         x.swappable_bytes for x in layer.layers[:-1]
     ]

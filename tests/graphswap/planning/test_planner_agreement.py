@@ -44,7 +44,7 @@ def predict(config, mode: str, offload_lag: int) -> MemoryPlan:  # type: ignore[
         dtype=torch.float32,
         attn_implementation="eager",
         device="cpu",
-        swap=mode,
+        activation_swap=mode,
         profile=PROFILE,
         offload_lag=offload_lag,
     )
@@ -58,7 +58,7 @@ def measure(config, plan: MemoryPlan, mode: str, offload_lag: int) -> tuple[Step
     sim = SimulatedAccelerator(profile=PROFILE)
     if mode != "none":
         auto = AutoSwap(plan, made_for="the agreement test") if mode == "auto" else None
-        apply_swap(model, mode=mode, offload_lag=offload_lag, engine=sim, auto=auto)
+        apply_swap(model, activation_swap=mode, offload_lag=offload_lag, engine=sim, auto=auto)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(
         0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)

@@ -70,7 +70,7 @@ def test_the_base_is_parameters_buffers_and_adamw_state(tiny_trace: StepTrace) -
     config = qwen3_moe_config("tiny")
     params = tiny_trace.parameter_bytes
     assert tiny_trace.optimizer_state_bytes == 2 * params  # exp_avg, exp_avg_sq in float32
-    plan = plan_step(config, tiny_trace, swap="layer")
+    plan = plan_step(config, tiny_trace, activation_swap="layer")
     for timeline in (plan.timeline, plan.baseline):
         assert timeline.base_bytes == 3 * params + tiny_trace.buffer_bytes
         assert timeline.memory[0] == (0.0, timeline.base_bytes)
@@ -80,8 +80,8 @@ def test_the_base_is_parameters_buffers_and_adamw_state(tiny_trace: StepTrace) -
 
 def test_state_shards_divide_parameters_gradients_and_the_optimizer(tiny_trace: StepTrace) -> None:
     config = qwen3_moe_config("tiny")
-    one = plan_step(config, tiny_trace, swap="none")
-    two = plan_step(config, tiny_trace, swap="none", state_shards=2)
+    one = plan_step(config, tiny_trace, activation_swap="none")
+    two = plan_step(config, tiny_trace, activation_swap="none", state_shards=2)
     state = tiny_trace.parameter_bytes + tiny_trace.optimizer_state_bytes
     assert one.baseline.base_bytes - two.baseline.base_bytes == state // 2
     gradients = sum(b.nbytes for b in tiny_trace.blocks if b.kind is BlockKind.GRADIENT)
@@ -121,11 +121,9 @@ def qwen3_30b() -> tuple[StepTrace, MemoryPlan, MemoryPlan]:
     swap and with auto."""
     config = qwen3_moe_config("qwen3-30b-a3b")
     meta = build_meta_model(config, seq=8192)
-    trace = trace_step(
-        meta, device_profile("h200"), (swap_large_activations, swap_large_activations)
-    )
-    attention = plan_step(config, trace, swap="attention", policy=0, state_shards=8)
-    auto = plan_step(config, trace, swap="auto", policy=1, state_shards=8)
+    trace = trace_step(meta, device_profile("h200"), (swap_large_activations,))
+    attention = plan_step(config, trace, activation_swap="attention", state_shards=8)
+    auto = plan_step(config, trace, activation_swap="auto", state_shards=8)
     return trace, attention, auto
 
 
@@ -165,7 +163,7 @@ def test_auto_on_qwen3_30b_hides_both_windows_and_swaps_as_much_as_fits(
     narrower = dataclasses.replace(
         trace, profile=trace.profile.with_figures(link_gbps=(1 - margin) * 50)
     )
-    candidates = layer_candidates(trace.saved_with(1))
+    candidates = layer_candidates(trace.saved_with(0))
     plan = [
         [c for c in candidates[layer.name] if c.saves[0] in layer.swapped_saves]
         for layer in auto.layers
@@ -191,7 +189,7 @@ def test_a_plan_budgeted_against_backward_alone_stalls_in_forward(
     overlaps (the window of its prefetch). Replayed, every fence waits."""
     trace, _, auto = qwen3_30b
     windows = step_times(trace, LAYER_SCOPE, offload_lag=1, prefetch_depth=1).groups
-    candidates = layer_candidates(trace.saved_with(1))
+    candidates = layer_candidates(trace.saved_with(0))
     plan = []
     for i, layer in enumerate(auto.layers):
         budget = 0.0 if layer.kept else 0.9 * windows[i].backward_window * 50e9
@@ -213,7 +211,7 @@ def test_longer_lag_and_depth_widen_the_windows(
     trace, attention, _ = qwen3_30b
     config = qwen3_moe_config("qwen3-30b-a3b")
     lagged = plan_step(
-        config, trace, swap="attention", offload_lag=2, prefetch_depth=2, state_shards=8
+        config, trace, activation_swap="attention", offload_lag=2, prefetch_depth=2, state_shards=8
     )
     middle, wider = attention.layers[10], lagged.layers[10]
     assert wider.forward_window == pytest.approx(2 * middle.forward_window, rel=1e-6)
@@ -262,7 +260,9 @@ def test_with_the_state_sharded_auto_fits_longer_than_none_at_no_cost() -> None:
     assert auto.plan.timeline.peak_bytes <= fit.memory_bytes
     assert not auto.capped and auto.seq % fit.seq_step == 0
     assert none.plan is not None and none.plan.seq == none.seq
-    longer = plan_memory(config, seq=none.seq + fit.seq_step, swap="none", state_shards=4)
+    longer = plan_memory(
+        config, seq=none.seq + fit.seq_step, activation_swap="none", state_shards=4
+    )
     assert longer.timeline.peak_bytes > fit.memory_bytes  # the next step does not fit
 
 
@@ -276,7 +276,13 @@ def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only() -> Non
     """The benchmark's step (zero-grad, forward, backward): no AdamW state before it and no
     optimizer label in it; the default step is unchanged."""
     config = qwen3_moe_config("tiny")
-    shape = {"seq": 256, "batch": 1, "dtype": torch.float32, "device": "cpu", "swap": "attention"}
+    shape = {
+        "seq": 256,
+        "batch": 1,
+        "dtype": torch.float32,
+        "device": "cpu",
+        "activation_swap": "attention",
+    }
     plan = plan_memory(config, optimizer=False, **shape)
     meta = build_meta_model(config, seq=256, batch=1, dtype=torch.float32, device="cpu")
     trace = trace_step(meta, device_profile("h200"), (swap_large_activations,), optimizer=False)

@@ -75,12 +75,12 @@ def test_layers_override_the_model_dir(tmp_path: Path, capsys: pytest.CaptureFix
 def test_missing_model_dir_fails_clearly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert run_graph(["--model", str(tmp_path / "nowhere")]) == 1
+    assert run_graph(["--model", str(tmp_path / "nowhere")]) == 2
     assert "no config.json" in capsys.readouterr().err
 
 
 def test_unknown_rule_fails_with_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_graph(["--layers", "2", "--rule", "qwen3_attn_swp"]) == 1
+    assert run_graph(["--layers", "2", "--rule", "qwen3_attn_swp"]) == 2
     assert "did you mean 'qwen3_attn_swap'" in capsys.readouterr().err
 
 
@@ -93,7 +93,7 @@ def test_image_without_graphviz_names_the_package(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PATH", "")
-    assert run_graph(["--format", "svg"]) == 1
+    assert run_graph(["--format", "svg"]) == 2
     assert "install the graphviz package" in capsys.readouterr().err
 
 
@@ -116,6 +116,6 @@ def test_png_without_graphviz_fails_clearly(
 ) -> None:
     # Only the interpreter's own folder on PATH: no Graphviz.
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
-    assert run_graph(["--format", "png", "-o", str(tmp_path / "g.png")]) == 1
+    assert run_graph(["--format", "png", "-o", str(tmp_path / "g.png")]) == 2
     assert "graphviz" in capsys.readouterr().err
     assert not (tmp_path / "g.png").exists()

@@ -126,8 +126,8 @@ def test_the_kernel_decides_the_bytes(capsys: pytest.CaptureFixture[str]) -> Non
         (["--tp", "3"], ["--tp 3:", "num_attention_heads (4)", "use one of 1, 2"]),
         (["--device", "cpu", "--attn-kernel", "cudnn"], ["--attn-kernel cudnn:", "flash, math"]),
         (["--attn-implementation", "eager", "--attn-kernel", "flash"], ["--attn-kernel flash:"]),
-        (["--policy", "auto", "--hide-margin", "1"], ["--hide-margin 1.0:", "[0, 1)"]),
-        (["--hide-margin", "0.2"], ["--hide-margin 0.2 applies to --policy auto only"]),
+        (["--activation-swap", "auto", "--hide-margin", "1"], ["--hide-margin 1.0:", "[0, 1)"]),
+        (["--hide-margin", "0.2"], ["--hide-margin 0.2 applies to --activation-swap auto only"]),
         (["--offload-lag", "-1"], ["--offload-lag -1:", "integer >= 0"]),
         (["--prefetch-depth", "0"], ["--prefetch-depth 0:", "integer >= 1"]),
         (["--state-shards", "0"], ["--state-shards 0:", "integer >= 1"]),
@@ -154,7 +154,7 @@ def test_bad_settings_name_the_flag_before_any_model_is_built(
     args = _args("--preset", "tiny", "--seq", "64", *argv)
     assert args.run(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err
+    assert err.startswith("graphswap plan-memory: error: ") and "Traceback" not in err
     for word in words:
         assert word in err
 
@@ -190,7 +190,7 @@ def _auto_text(capsys: pytest.CaptureFixture[str], bandwidth: str) -> list[str]:
         "float32",
         "--device",
         "cpu",
-        "--policy",
+        "--activation-swap",
         "auto",
         "--bandwidth",
         bandwidth,
@@ -241,7 +241,7 @@ def test_policy_auto_json_lists_the_swapped_saves(capsys: pytest.CaptureFixture[
         "float32",
         "--device",
         "cpu",
-        "--policy",
+        "--activation-swap",
         "auto",
         "--bandwidth",
         "2",
@@ -250,7 +250,7 @@ def test_policy_auto_json_lists_the_swapped_saves(capsys: pytest.CaptureFixture[
         "--hide-margin",
         "0.2",
     )
-    assert (plan["swap"], plan["hide_margin"]) == ("auto", 0.2)
+    assert (plan["activation_swap"], plan["hide_margin"]) == ("auto", 0.2)
     first = plan["layers"][0]
     storages = {s["storage"]: s["nbytes"] for s in first["swapped_saves"]}
     assert len(storages) < len(first["swapped_saves"])  # q is saved twice, swapped once
@@ -274,7 +274,7 @@ TFLOP/s); four of its 48 layers, each the same, so the rows are the full model's
 def test_attention_swap_of_qwen3_30b_shows_the_forward_stall(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    lines = _text(capsys, *QWEN3_30B, "--policy", "attention")
+    lines = _text(capsys, *QWEN3_30B, "--activation-swap", "attention")
     assert "link=50 GB/s compute=400 TFLOP/s" in lines[0]
     rows = [line.split() for line in lines if line.startswith("model.layers.")]
     for row in rows[:3]:
@@ -290,7 +290,7 @@ def test_attention_swap_of_qwen3_30b_shows_the_forward_stall(
 
 
 def test_auto_on_qwen3_30b_stalls_neither_window(capsys: pytest.CaptureFixture[str]) -> None:
-    args = _args(*QWEN3_30B, "--policy", "auto", "--format", "json")
+    args = _args(*QWEN3_30B, "--activation-swap", "auto", "--format", "json")
     assert args.run(args) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["step_ratio"] <= 1.01 and plan["timeline"]["stall_seconds"] == 0
@@ -320,7 +320,7 @@ def test_fit_with_the_state_sharded_finds_auto_longer_than_none(
     assert args.run(args) == 0
     fit = json.loads(capsys.readouterr().out)
     assert fit["memory_bytes"] == 20 << 30 and fit["state_fits"]
-    modes = {mode["swap"]: mode for mode in fit["modes"]}
+    modes = {mode["activation_swap"]: mode for mode in fit["modes"]}
     assert list(modes) == ["none", "attention", "layer", "auto"]
     assert modes["auto"]["seq"] > modes["none"]["seq"]
     assert modes["auto"]["plan"]["step_ratio"] <= 1.01
@@ -336,7 +336,7 @@ def test_fit_with_the_state_sharded_finds_auto_longer_than_none(
     [
         ([], ["--seq N is required (or --fit"]),
         (["--fit", "--seq", "64"], ["--seq 64 with --fit: the fit searches the sequence"]),
-        (["--fit", "--policy", "auto"], ["--policy auto with --fit"]),
+        (["--fit", "--activation-swap", "auto"], ["--activation-swap auto with --fit"]),
     ],
 )
 def test_fit_and_seq_go_one_at_a_time(
@@ -345,7 +345,7 @@ def test_fit_and_seq_go_one_at_a_time(
     args = _args("--preset", "tiny", *argv)
     assert args.run(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and all(word in err for word in words)
+    assert err.startswith("graphswap plan-memory: error: ") and all(word in err for word in words)
 
 
 @pytest.mark.parametrize(
@@ -381,7 +381,8 @@ def test_a_checkpoint_folder_of_each_family_plans_what_the_runtime_frees(
     config.save_pretrained(tmp_path)
     seq, batch = 256, 2
     args = _args(
-        "--model", str(tmp_path), "--seq", str(seq), "--batch", str(batch), "--policy", "layer",
+        "--model", str(tmp_path), "--seq", str(seq), "--batch", str(batch),
+        "--activation-swap", "layer",
         "--dtype", "float32", "--device", "cpu", "--attn-implementation", "eager",
         "--format", "json",
     )  # fmt: skip

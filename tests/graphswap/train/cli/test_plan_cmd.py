@@ -46,11 +46,11 @@ def test_json_and_dot(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_rejected_plan_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_plan(["activation_swap=attention", "compile=true"]) == 1
+    assert run_plan(["activation_swap=attention", "compile=true"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        "graphswap plan: activation_swap: attention excludes compile: true; set"
+        "graphswap plan: error: activation_swap: attention excludes compile: true; set"
         " activation_swap: none or compile: false (swap (position 1) and compile (position 2)"
         " cannot run together)\n"
     )
@@ -59,9 +59,9 @@ def test_rejected_plan_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> Non
 def test_config_errors_exit_non_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "train.yaml"
     config.write_text("activation_swap: null\n")
-    assert run_plan(["--config", str(config)]) == 1
-    assert capsys.readouterr().err.startswith("graphswap plan: activation_swap: got null;")
-    assert run_plan(["activation_swp=attention"]) == 1
+    assert run_plan(["--config", str(config)]) == 2
+    assert capsys.readouterr().err.startswith("graphswap plan: error: activation_swap: got null;")
+    assert run_plan(["activation_swp=attention"]) == 2
     assert "did you mean 'activation_swap'" in capsys.readouterr().err
 
 
@@ -83,7 +83,7 @@ def test_console_script_runs_plan(tmp_path: Path) -> None:
         check=False,
         cwd=tmp_path,
     )
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     assert "activation_swap: attention excludes pp_size: 2" in done.stderr
 
 
@@ -92,11 +92,11 @@ def test_order_is_checked_as_given(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_plan(["--order", "swap,tensor_parallel,fsdp", "--format", "json", *settings]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in data["passes"]] == ["swap", "tensor_parallel", "fsdp"]
-    assert run_plan(["--order", "swap,fsdp,tensor_parallel", *settings]) == 1
+    assert run_plan(["--order", "swap,fsdp,tensor_parallel", *settings]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        "graphswap plan: pass_order: tensor_parallel (position 3) must run before fsdp"
+        "graphswap plan: error: pass_order: tensor_parallel (position 3) must run before fsdp"
         " (position 2): move tensor_parallel ahead of fsdp (an order that runs: pass_order:"
         " [swap, tensor_parallel, fsdp]) or turn one off: set tp_size: 1 or fsdp: false\n"
     )
@@ -107,13 +107,14 @@ def test_order_overrides_the_config_file(
 ) -> None:
     config = tmp_path / "train.yaml"
     config.write_text("activation_swap: attention\npass_order: [swap, fsdp]\n")
-    assert run_plan(["--config", str(config)]) == 1
+    assert run_plan(["--config", str(config)]) == 2
     assert capsys.readouterr().err.startswith(
-        "graphswap plan: pass_order: fsdp (position 2) is in pass_order but fsdp: false"
+        "graphswap plan: error: pass_order: fsdp (position 2) is in pass_order but fsdp: false"
     )
     assert run_plan(["--config", str(config), "--order", "swap"]) == 0
     assert "1. swap" in capsys.readouterr().out
-    assert run_plan(["--config", str(config), "--order", "swap,swapp"]) == 1
+    assert run_plan(["--config", str(config), "--order", "swap,swapp"]) == 2
     assert capsys.readouterr().err.startswith(
-        "graphswap plan: pass_order: unknown pass 'swapp'; declared passes: pipeline_parallel,"
+        "graphswap plan: error: pass_order: unknown pass 'swapp'; declared passes:"
+        " pipeline_parallel,"
     )

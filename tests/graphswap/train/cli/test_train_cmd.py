@@ -93,7 +93,7 @@ def test_train_refuses_measure_on_cpu_before_building(tmp_path: Path, run_cli) -
         "activation_swap=auto", "swap_bandwidth_gbps=measure", "device=cpu", cwd=tmp_path
     )
     assert done.returncode == 2
-    assert done.stderr.startswith("graphswap train: swap_bandwidth_gbps: measure times")
+    assert done.stderr.startswith("graphswap train: error: swap_bandwidth_gbps: measure times")
     assert "Traceback" not in done.stderr
 
 
@@ -120,7 +120,7 @@ def test_train_refuses_a_wrong_pass_order_before_anything_runs(tmp_path: Path, r
     done = run_cli("fsdp=true", "pass_order=fsdp,swap", f"output_dir={out}", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr == (
-        "graphswap train: pass_order: swap (position 2) must run before fsdp (position 1):"
+        "graphswap train: error: pass_order: swap (position 2) must run before fsdp (position 1):"
         " move swap ahead of fsdp (an order that runs: pass_order: [swap, fsdp]) or turn one"
         " off: set activation_swap: none or fsdp: false\n"
     )
@@ -159,7 +159,7 @@ def test_two_ranks_without_a_distributed_pass_are_refused_before_they_meet(
     done = run_cli("steps=1", f"output_dir={tmp_path}", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.startswith(
-        "graphswap train: tp_size: 1 and fsdp: false on a world of 2 ranks"
+        "graphswap train: error: tp_size: 1 and fsdp: false on a world of 2 ranks"
     )
     assert "set fsdp: true" in done.stderr and "Traceback" not in done.stderr
     assert not dist.is_initialized()
