@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from graphswap.hf.presets import preset_names
-from graphswap.planning import SwapMode
+from graphswap.planning import DEFAULT_HIDE_MARGIN, SwapMode
 from graphswap.runtime.profile import ProfileError, simulated_profile
 
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
@@ -36,12 +36,10 @@ _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 accepted for float settings because it is unambiguously a number."""
 
 
-DEFAULT_SWAP_HIDE_MARGIN = 0.1
-
 AUTO_ONLY_SETTINGS = {
     "swap_bandwidth_gbps": None,
     "swap_tflops": None,
-    "swap_hide_margin": DEFAULT_SWAP_HIDE_MARGIN,
+    "swap_hide_margin": DEFAULT_HIDE_MARGIN,
 }
 """Settings that only ``activation_swap: auto`` reads, with their defaults."""
 
@@ -102,7 +100,7 @@ class TrainerConfig:
     device); None: the device profile's (``device: sim:<profile>``'s, else h200's)."""
     swap_tflops: float | None = None
     """``auto``: sustained TFLOP/s; None: the device profile's."""
-    swap_hide_margin: float = DEFAULT_SWAP_HIDE_MARGIN
+    swap_hide_margin: float = DEFAULT_HIDE_MARGIN
     data: str | None = None
     output_dir: str = "out"
     pass_order: tuple[str, ...] | None = None

@@ -116,7 +116,6 @@ def test_unknown_rule_without_a_close_name() -> None:
         ({"name": "not an identifier"}, "must be an identifier"),
         ({"targets": ()}, "non-empty tuple"),
         ({"targets": "torch.nn:Linear"}, "non-empty tuple"),
-        ({"link": "ring"}, "link must be one of"),
     ],
 )
 def test_invalid_rules_are_rejected(overrides: dict[str, object], message: str) -> None:

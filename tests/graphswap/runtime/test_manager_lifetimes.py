@@ -464,7 +464,6 @@ def test_failed_host_allocation_keeps_the_tensor_and_counts_it(monkeypatch) -> N
         ({"offload_lag": "2"}, r"^offload_lag must be an int >= 0, got '2'"),
         ({"keep_last": "no"}, r"^keep_last must be True or False, got 'no'"),
         ({"keep_last": 0}, r"^keep_last must be True or False, got 0"),
-        ({"trace": "yes"}, r"^trace must be True or False, got 'yes'"),
     ],
 )
 def test_bad_manager_arguments_are_value_errors_naming_them(kwargs, match) -> None:
