@@ -36,17 +36,6 @@ _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 accepted for float settings because it is unambiguously a number."""
 
 
-AUTO_ONLY_SETTINGS = {
-    "swap_bandwidth_gbps": None,
-    "swap_tflops": None,
-    "swap_hide_margin": DEFAULT_HIDE_MARGIN,
-}
-"""Settings that only ``activation_swap: auto`` reads, with their defaults."""
-
-
-SWAP_ONLY_SETTINGS = {"swap_prefetch_depth": 1, "swap_offload_lag": 1}
-"""Settings of the swap runtime that ``activation_swap: none`` must leave at their defaults."""
-
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -65,47 +54,106 @@ lists every key with its default, and it must stay usable with a ``model_path``.
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """Everything ``graphswap train`` reads; ``examples/train.yaml`` lists every key."""
+class SwapSettings:
+    """Activation swap: which saved tensors go to host memory, and when they leave and
+    come back."""
 
     activation_swap: SwapMode = "none"
+    """``attention``: what each decoder layer's attention saves; ``layer``: what the whole
+    layer saves; ``auto``: per layer, the saves whose copies hide in both windows;
+    ``none``. It excludes ``compile``, ``activation_checkpointing`` and ``pp_size > 1``."""
+    swap_prefetch_depth: int = 1
+    """Layers prefetched ahead of the backward (``SwapManager(prefetch_depth=)``), >= 1."""
+    swap_offload_lag: int = 1
+    """A layer's swapped tensors leave the device no later than when the forward of the
+    wrapped module this many forwards later begins (``SwapManager(offload_lag=)``)."""
+
+
+@dataclass(frozen=True)
+class AutoSwapSettings:
+    """What ``activation_swap: auto`` plans with; another mode must leave them at their
+    defaults (a value it would not read is an error)."""
+
+    swap_bandwidth_gbps: SwapBandwidth | None = None
+    """The host link in GB/s per direction, or ``measure`` (timed on the training device);
+    None: the device profile's (``device: sim:<profile>``'s, else h200's)."""
+    swap_tflops: float | None = None
+    """Sustained TFLOP/s the copies hide behind; None: the device profile's."""
+    swap_hide_margin: float = DEFAULT_HIDE_MARGIN
+    """The share of each copy's window (forward and backward) left free, in [0, 1)."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model: a preset, or a local Hugging Face checkpoint (never downloaded)."""
+
     model: str = _DEFAULT_MODEL
+    """A preset of ``graphswap.hf.presets`` (``tiny``, ``tiny-<family>``, full sizes)."""
     model_path: str | None = None
+    """A ``save_pretrained`` folder (config.json and weights): training starts from its
+    weights; ``model`` stays at its default."""
     num_layers: int | None = None
+    """The number of decoder layers, replacing the model's; None: keep the model's."""
     attn_implementation: AttnImplementation = "sdpa"
+    """``sdpa`` (fused kernels) or ``eager`` (saves the seq x seq probabilities)."""
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """The training loop and where it runs."""
+
     seq_len: int = 512
+    """Tokens per sequence."""
     batch_size: int = 2
+    """Sequences per step on each data-parallel replica."""
     steps: int = 10
+    """Optimizer steps (AdamW)."""
     lr: float = 1e-3
+    """AdamW's learning rate."""
     dtype: DType = "float32"
+    """The parameters' and activations' dtype."""
     device: str = "auto"
     """``auto`` (CUDA when visible, else CPU), ``cpu``, ``cuda``, or ``sim:<profile>``: CPU
     tensors on a clocked simulated accelerator (``sim:h200``, ``sim:h100``, figures may
     follow: ``sim:h200,link_gbps=25``) that predicts the step time, stalls and peak the
     profile's GPU would see."""
     seed: int = 0
-    compile: bool = False
-    activation_checkpointing: bool = False
-    tp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
-    pp_size: int = 1
-    fsdp: bool = False
-    swap_prefetch_depth: int = 1
-    swap_offload_lag: int = 1
-    """A layer's swapped tensors leave the device no later than when the forward of the
-    wrapped module this many forwards later begins (``SwapManager(offload_lag=)``)."""
-    swap_bandwidth_gbps: SwapBandwidth | None = None
-    """``auto``: the host link in GB/s per direction, or ``measure`` (timed on the training
-    device); None: the device profile's (``device: sim:<profile>``'s, else h200's)."""
-    swap_tflops: float | None = None
-    """``auto``: sustained TFLOP/s; None: the device profile's."""
-    swap_hide_margin: float = DEFAULT_HIDE_MARGIN
+    """Seeds the model's initial weights and the synthetic tokens."""
     data: str | None = None
+    """A local text file to train on; None: synthetic tokens."""
     output_dir: str = "out"
+    """Where ``summary.json`` is written (checked writable before training)."""
+
+
+@dataclass(frozen=True)
+class InfrastructureSettings:
+    """The passes ``passes.apply_model_infrastructure`` applies, in the plan's order."""
+
+    compile: bool = False
+    """``torch.compile`` each decoder layer."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (``checkpoint_wrapper``)."""
+    tp_size: int = 1
+    """Tensor parallel: attention heads split over this many ranks."""
+    cp_size: int = 1
+    """Context parallel: declared and ordered, not applied (must stay 1)."""
+    ep_size: int = 1
+    """Expert parallel: declared and ordered, not applied (must stay 1)."""
+    pp_size: int = 1
+    """Pipeline parallel: declared and ordered, not applied (must stay 1)."""
+    fsdp: bool = False
+    """FSDP2 ``fully_shard`` per decoder layer and the root."""
     pass_order: tuple[str, ...] | None = None
     """The passes in the order to run them, checked as given by ``passes.plan``;
     ``None``: the canonical order of the passes the other settings enable."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig(
+    InfrastructureSettings, TrainingSettings, ModelSettings, AutoSwapSettings, SwapSettings
+):
+    """Everything ``graphswap train`` reads, in groups, one flat key per field (the groups'
+    order is ``examples/train.yaml``'s, which lists every key)."""
 
     def __post_init__(self) -> None:
         hints = _field_types()
@@ -174,6 +222,15 @@ class TrainerConfig:
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         return tuple(field.name for field in dataclasses.fields(cls))
+
+
+SWAP_ONLY_SETTINGS = {
+    f.name: f.default for f in dataclasses.fields(SwapSettings) if f.name != "activation_swap"
+}
+"""Settings of the swap runtime that ``activation_swap: none`` must leave at their defaults."""
+
+AUTO_ONLY_SETTINGS = {f.name: f.default for f in dataclasses.fields(AutoSwapSettings)}
+"""Settings that only ``activation_swap: auto`` reads, with their defaults."""
 
 
 def resolve_config(
