@@ -179,50 +179,6 @@ _SWAP_EXCLUDES = ("compile", "activation_checkpointing", "pipeline_parallel")
 stages reorder the backward the prefetch chain follows."""
 
 
-@dataclass(frozen=True)
-class _HierarchyValidator:
-    """A check that every decoder layer has a module of exact type ``class_name`` (the
-    layer itself when ``attr`` is ``None``, else its ``attr`` child): one layer without
-    it would leave a hole in the prefetch chain. An object, not a closure, so a
-    rewritten model (whose report keeps its rules) can be pickled.
-
-    The stack is found by structure (:func:`graphswap.hf.checkpoints.decoder_layers`), wherever a
-    head class keeps it.
-    """
-
-    rule_name: str
-    class_name: str
-    attr: str | None
-
-    @property
-    def __name__(self) -> str:
-        return f"validate_{self.rule_name}_hierarchy"
-
-    def __call__(self, root: nn.Module) -> None:
-        module = importlib.import_module(_QWEN3_MOE)
-        expected = getattr(module, self.class_name)
-        if not isinstance(root, (module.Qwen3MoePreTrainedModel, torch.fx.GraphModule)):
-            raise HierarchyError(
-                f"{self.rule_name} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class"
-                " such as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the"
-                f" root module ('') is {qualified_name(type(root))}; pass the Hugging Face"
-                " model itself"
-            )
-        layers_fqn, layers = decoder_layers(root)
-        what = "layer" if self.attr is None else f"layer's {self.attr}"
-        for name, layer in layers.named_children():
-            fqn = (
-                f"{layers_fqn}.{name}" if self.attr is None else f"{layers_fqn}.{name}.{self.attr}"
-            )
-            found = layer if self.attr is None else getattr(layer, self.attr, None)
-            if type(found) is not expected:
-                found_name = "nothing" if found is None else qualified_name(type(found))
-                raise HierarchyError(
-                    f"{self.rule_name}: {fqn!r} must be exactly {_QWEN3_MOE}.{self.class_name}, "
-                    f"found {found_name}; every {what} is swapped or none is"
-                )
-
-
 def _swap(policy: SwapPolicy, module: nn.Module, ctx: RuleContext) -> nn.Module:
     return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
 
@@ -245,35 +201,6 @@ def _is_swap(rule: Rule) -> bool:
     return isinstance(factory, functools.partial) and factory.func is _swap
 
 
-def _register_qwen3_swap(
-    name: str, what: str, class_name: str, attr: str | None, policy: SwapPolicy
-) -> Rule:
-    """A built-in swap rule: every decoder layer's ``attr`` child (the layer itself when
-    ``None``) of exact type ``class_name``, wrapped with ``policy`` and linked layer to
-    layer."""
-    return register_rule(
-        Rule(
-            name=name,
-            description=f"swap the saved activations of every Qwen3-MoE {what} to host memory",
-            targets=(f"{_QWEN3_MOE}:{class_name}",),
-            factory=functools.partial(_swap, policy),
-            restore=unwrap_swap,
-            fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
-            validate=_HierarchyValidator(name, class_name, attr),
-            must_run_before=_SWAP_MUST_RUN_BEFORE,
-            excludes=_SWAP_EXCLUDES,
-        )
-    )
-
-
-QWEN3_ATTN_SWAP = _register_qwen3_swap(
-    "qwen3_attn_swap", "attention", "Qwen3MoeAttention", "self_attn", swap_large_activations
-)
-QWEN3_MOE_LAYER_SWAP = _register_qwen3_swap(
-    "qwen3_moe_layer_swap", "decoder layer", "Qwen3MoeDecoderLayer", None, swap_large_activations
-)
-
-
 @dataclass(frozen=True)
 class _DeclaredClasses:
     """The decoder classes the model being rewritten declares: its layers (``attr``
@@ -287,24 +214,50 @@ class _DeclaredClasses:
         classes = decoder_classes(root, rule=self.rule_name)
         return classes.layers if self.attr is None else classes.attention
 
+    def source(self, root: nn.Module) -> str:
+        return f" (the class {qualified_name(type(root))} declares)"
+
+
+@dataclass(frozen=True)
+class _Qwen3MoeClasses:
+    """Qwen3-MoE's own class ``class_name``, for a model that is a Qwen3-MoE model."""
+
+    rule_name: str
+    class_name: str
+
+    def __call__(self, root: nn.Module) -> tuple[type, ...]:
+        module = importlib.import_module(_QWEN3_MOE)
+        if not isinstance(root, (module.Qwen3MoePreTrainedModel, torch.fx.GraphModule)):
+            raise HierarchyError(
+                f"{self.rule_name} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class"
+                " such as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the"
+                f" root module ('') is {qualified_name(type(root))}; pass the Hugging Face"
+                " model itself"
+            )
+        return (getattr(module, self.class_name),)
+
+    def source(self, root: nn.Module) -> str:
+        return ""
+
 
 @dataclass(frozen=True)
 class _StackValidator:
     """Every decoder layer (``attr`` ``None``) or every layer's ``attr`` child is
-    exactly one of the classes the model declares: one that is not (a subclass, a
-    wrapper, a layer with another token mixer) would leave a hole in the prefetch
-    chain."""
+    exactly one of ``classes``: one that is not (a subclass, a wrapper, a layer with
+    another token mixer) would leave a hole in the prefetch chain. The stack is found by
+    structure (:func:`graphswap.hf.checkpoints.decoder_layers`), wherever a head class
+    keeps it."""
 
     rule_name: str
     attr: str | None
+    classes: _DeclaredClasses | _Qwen3MoeClasses
 
     @property
     def __name__(self) -> str:
         return f"validate_{self.rule_name}_hierarchy"
 
     def __call__(self, root: nn.Module) -> None:
-        classes = decoder_classes(root, rule=self.rule_name)
-        expected = classes.layers if self.attr is None else classes.attention
+        expected = self.classes(root)
         wanted = " or ".join(qualified_name(cls) for cls in expected)
         layers_fqn, layers = decoder_layers(root)
         what = "layer" if self.attr is None else f"layer's {self.attr}"
@@ -325,30 +278,49 @@ class _StackValidator:
                 )
             raise HierarchyError(
                 f"{self.rule_name}: {fqn + ('.' + self.attr if self.attr else '')!r} must be"
-                f" exactly {wanted} (the class {qualified_name(type(root))} declares), found"
+                f" exactly {wanted}{self.classes.source(root)}, found"
                 f" {qualified_name(type(found))}; every {what} is swapped or none is: rewrite"
                 " the model as Hugging Face builds it, before any subclass or wrapper"
             )
 
 
-def _register_decoder_swap(name: str, what: str, attr: str | None, policy: SwapPolicy) -> Rule:
-    """A built-in swap rule for any Hugging Face decoder: the classes come from the model
-    (:func:`graphswap.hf.decoder.decoder_classes`), matched by exact type."""
+def _register_swap(
+    name: str, what: str, attr: str | None, classes: _DeclaredClasses | _Qwen3MoeClasses
+) -> Rule:
+    """A built-in swap rule: every decoder layer (``attr`` ``None``) or every layer's
+    ``attr`` child, of exactly one of ``classes``, wrapped with the size policy and
+    linked layer to layer."""
+    declared = isinstance(classes, _DeclaredClasses)
     return register_rule(
         Rule(
             name=name,
-            description=f"swap the saved activations of every decoder {what} to host memory",
-            targets=(),
-            targets_from=_DeclaredClasses(name, attr),
-            factory=functools.partial(_swap, policy),
+            description=f"swap the saved activations of every"
+            f" {'decoder' if declared else 'Qwen3-MoE'} {what} to host memory",
+            targets=() if declared else (f"{_QWEN3_MOE}:{classes.class_name}",),
+            targets_from=classes if declared else None,
+            factory=functools.partial(_swap, swap_large_activations),
             restore=unwrap_swap,
             fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
-            validate=_StackValidator(name, attr),
+            validate=_StackValidator(name, attr, classes),
             must_run_before=_SWAP_MUST_RUN_BEFORE,
             excludes=_SWAP_EXCLUDES,
         )
     )
 
 
-ATTN_SWAP = _register_decoder_swap("attn_swap", "attention", "self_attn", swap_large_activations)
-LAYER_SWAP = _register_decoder_swap("layer_swap", "layer", None, swap_large_activations)
+QWEN3_ATTN_SWAP = _register_swap(
+    "qwen3_attn_swap",
+    "attention",
+    "self_attn",
+    _Qwen3MoeClasses("qwen3_attn_swap", "Qwen3MoeAttention"),
+)
+QWEN3_MOE_LAYER_SWAP = _register_swap(
+    "qwen3_moe_layer_swap",
+    "decoder layer",
+    None,
+    _Qwen3MoeClasses("qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer"),
+)
+ATTN_SWAP = _register_swap(
+    "attn_swap", "attention", "self_attn", _DeclaredClasses("attn_swap", "self_attn")
+)
+LAYER_SWAP = _register_swap("layer_swap", "layer", None, _DeclaredClasses("layer_swap", None))
