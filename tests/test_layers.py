@@ -58,7 +58,7 @@ def test_the_tree_keeps_the_contract() -> None:
     [
         ("graphswap/rewriting/rules.py", "passes"),
         ("passes/plan.py", "graphswap.train.trainer"),
-        ("graphswap/runtime/manager.py", "graphswap.planning"),
+        ("graphswap/runtime/_manager.py", "graphswap.planning"),
     ],
 )
 def test_an_upward_import_breaks_the_contract(tmp_path: Path, module: str, upward: str) -> None:

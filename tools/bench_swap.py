@@ -281,7 +281,7 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
     """Untimed, CUDA only: one plain step under :class:`PeakByLabel`; its peak allocated and
     the label it falls in."""
     from graphswap.hf.checkpoints import decoder_layers
-    from graphswap.runtime.tape import step_labels
+    from graphswap.runtime._tape import step_labels
 
     model, device = mode.model, mode.device
     with mode.installed():

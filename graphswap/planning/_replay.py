@@ -1,7 +1,7 @@
 """The clock contract replayed on a traced step: what the runtime's swap does to time
 and device memory, for one choice of what is swapped.
 
-Rules (``notes/clock_contract.md``; ``graphswap.runtime.manager`` is what they model):
+Rules (``notes/clock_contract.md``; ``graphswap.runtime._manager`` is what they model):
 operators run on the compute stream back to back; each wrapped module's forward is one
 group, and at both ends of it the offloads of groups ``offload_lag`` or more back are
 fenced (compute waits) and their sources released, then the finished ones in issue
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from graphswap.planning._trace import BlockKind, Event, StepTrace
 from graphswap.planning._windows import group_of
-from graphswap.runtime.tape import EMBED_LABEL, OPTIMIZER_LABEL, StepTimeline
+from graphswap.runtime._tape import EMBED_LABEL, OPTIMIZER_LABEL, StepTimeline
 
 
 @dataclass(frozen=True)

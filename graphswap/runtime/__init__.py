@@ -1,15 +1,15 @@
 """The swap runtime: the manager, the wrapper, the copy engines and the host pool."""
 
-from graphswap.runtime._slot import GroupInfo
-from graphswap.runtime.engines import (
+from graphswap.runtime._engines import (
     AcceleratorCopyEngine,
     CopyEngine,
     HazardError,
     SimulatedAccelerator,
 )
-from graphswap.runtime.manager import SwapManager
-from graphswap.runtime.stats import GroupStats, SwapStats
-from graphswap.runtime.wrapper import (
+from graphswap.runtime._manager import SwapManager
+from graphswap.runtime._slot import GroupInfo
+from graphswap.runtime._stats import GroupStats, SwapStats
+from graphswap.runtime._wrapper import (
     is_swap_wrapped,
     swap_manager_of,
     swap_wrapper,

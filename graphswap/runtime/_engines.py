@@ -32,8 +32,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.runtime._device import Device, Event, HazardError, Stream, TorchDevice
 from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
+from graphswap.runtime._tape import step_labels
 from graphswap.runtime.profile import DeviceProfile, device_profile
-from graphswap.runtime.tape import step_labels
 
 __all__ = [
     "AcceleratorCopyEngine",

@@ -1,6 +1,6 @@
 """One forward's swap group: pack decisions, offload, the lag fence, prefetch, load, release.
 
-One of the four modules of the swap manager (``manager.py`` lists them). Here: the
+One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
 saved tensors of one forward call of one wrapped module (``_Group``) and what the
 manager does with them (``_GroupOps``, a base of ``SwapManager``): decide at each
 pack whether a tensor stays or goes, copy it to host, fence offloads at module
@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from graphswap.runtime._handles import Layout, _Entry, _Kept, _Swapped
-from graphswap.runtime._slot import _bad_decision, _Slot
-from graphswap.runtime.engines import (
+from graphswap.runtime._engines import (
     AcceleratorCopyEngine,
     CopyEngine,
     SimulatedAccelerator,
 )
+from graphswap.runtime._handles import Layout, _Entry, _Kept, _Swapped
+from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer, Refusal
+from graphswap.runtime._slot import _bad_decision, _Slot
+from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import CheckpointPolicy, is_parameter_like, local_tensor
-from graphswap.runtime.pool import TYPED_VIEWS, HostBuffer, Refusal
-from graphswap.runtime.stats import GroupStats
 
 
 class _Group:

@@ -1,6 +1,6 @@
 """Per-tensor handles: what autograd stores for each saved tensor, and their unpack.
 
-One of the four modules of the swap manager (``manager.py`` lists them). Here: the
+One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
 handles (``_Kept``, ``_Swapped``), the host copy of one storage they share
 (``_Entry``), the in-place check and its ``SwapIntegrityError``, and the manager's
 unpack hook and handle-death path (``_HandleOps``, a base of ``SwapManager``).
@@ -27,13 +27,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.errors import SwapIntegrityError
-from graphswap.runtime.engines import Copy, CopyEngine
-from graphswap.runtime.pool import HostBuffer
-from graphswap.runtime.stats import GroupStats
+from graphswap.runtime._engines import Copy, CopyEngine
+from graphswap.runtime._pool import HostBuffer
+from graphswap.runtime._stats import GroupStats
 
 if TYPE_CHECKING:
     from graphswap.runtime._group import _Group
-    from graphswap.runtime.manager import SwapManager
+    from graphswap.runtime._manager import SwapManager
 
 
 Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]

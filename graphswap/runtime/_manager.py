@@ -3,7 +3,7 @@
 The manager is split the way FSDP2 splits ``fully_shard`` (state, param group,
 param); each file holds one concern:
 
-- ``manager.py`` (this file): ``SwapManager``, the facade: options and their
+- ``_manager.py`` (this file): ``SwapManager``, the facade: options and their
   validation, pickling, the registry of wrapped modules, prefetch links, stats, and
   ``run_forward``, the entry that opens a group and installs the saved-tensor hooks.
 - ``_slot.py``: per wrapped-module state (``_Slot``, ``GroupInfo``), the refusals of
@@ -33,11 +33,13 @@ from typing import Any
 
 import torch
 
+from graphswap.runtime._engines import Copy, CopyEngine
 from graphswap.runtime._group import _Group, _GroupOps
 from graphswap.runtime._handles import (
     _Entry,
     _HandleOps,
 )
+from graphswap.runtime._pool import HostPool, check_host_bytes, host_budget
 from graphswap.runtime._slot import (
     GroupInfo,
     _checkpointing,
@@ -46,10 +48,8 @@ from graphswap.runtime._slot import (
     _Slot,
     _SlotHooks,
 )
-from graphswap.runtime.engines import Copy, CopyEngine
+from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime.policy import SwapPolicy, policy_name
-from graphswap.runtime.pool import HostPool, check_host_bytes, host_budget
-from graphswap.runtime.stats import GroupStats, SwapStats
 
 __all__ = ["SwapManager"]
 
@@ -75,7 +75,7 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
     backward begins. ``keep_last``: the end of a linked chain keeps its tensors on
     device, since its backward starts right after forward. ``max_host_bytes``: cap of
     the host pool (default: this rank's share of the memory its container or node
-    allows, ``graphswap.runtime.pool.host_budget``); past it tensors stay on device
+    allows, ``graphswap.runtime._pool.host_budget``); past it tensors stay on device
     and ``pool_exhausted`` counts them. ``offload_lag``: a layer's swapped storages
     leave device memory no later than when the forward of the wrapped module
     ``offload_lag`` forwards later begins (0: at the end of its own forward); the

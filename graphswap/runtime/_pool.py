@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from graphswap.runtime.engines import Copy, CopyEngine
+from graphswap.runtime._engines import Copy, CopyEngine
 
 _MIN_CLASS = 4096
 

@@ -36,8 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphswap.runtime._device import Device, HazardError
+from graphswap.runtime._tape import OpTape, StepTimeline
 from graphswap.runtime.profile import DeviceProfile
-from graphswap.runtime.tape import OpTape, StepTimeline
 
 Point = tuple["SimStream", int]
 """A position on a stream: what an event marks, a write or a read happened at."""

@@ -1,6 +1,6 @@
 """Per wrapped-module state: the slot, its run-time refusals, and backward detection.
 
-One of the four modules of the swap manager (``manager.py`` lists them). Here: what
+One of the four modules of the swap manager (``_manager.py`` lists them). Here: what
 the manager keeps for each wrapped module (``_Slot``: module, name, index, policy;
 ``GroupInfo``, its public view), the refusals of transforms that activation swap
 excludes (torch.compile and torch.export, activation checkpointing, a backward

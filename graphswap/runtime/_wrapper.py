@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from graphswap.runtime.manager import SwapManager
+from graphswap.runtime._manager import SwapManager
 from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 
 _STATE_ATTR = "_graphswap_swap_state"

@@ -134,7 +134,7 @@ def test_the_peak_goes_to_the_label_that_raised_it_last(monkeypatch: pytest.Monk
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import bench_swap
 
-    from graphswap.runtime.tape import step_labels
+    from graphswap.runtime._tape import step_labels
 
     peak = [0]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])

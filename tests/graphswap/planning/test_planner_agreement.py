@@ -19,8 +19,8 @@ from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import DEFAULT_HIDE_MARGIN, MemoryPlan, plan_memory
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.runtime import SimulatedAccelerator
+from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import device_profile
-from graphswap.runtime.tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.train.trainer import _state_bytes
 from passes.swap import apply_swap
 

@@ -487,7 +487,7 @@ def test_out_of_place_replacement_and_undo() -> None:
     assert str(report) == "tag_layers: 3 modules replaced, 2 prefetch links"
     assert all(isinstance(layer, Tagged) for layer in model.model.layers)
     change = report.rules[0].changes[0]
-    assert (change.in_place, change.new_type) == (False, "graphswap.runtime.wrapper.SwapTagged")
+    assert (change.in_place, change.new_type) == (False, "graphswap.runtime._wrapper.SwapTagged")
     report.undo()
     assert_untouched(model, before)
 

@@ -5,8 +5,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.runtime import HazardError, SimulatedAccelerator
-from graphswap.runtime.engines import Copy
-from graphswap.runtime.pool import HostPool, Refusal, size_class
+from graphswap.runtime._engines import Copy
+from graphswap.runtime._pool import HostPool, Refusal, size_class
 
 CPU = torch.device("cpu")
 

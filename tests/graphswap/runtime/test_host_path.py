@@ -15,7 +15,7 @@ import torch
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.planning.measure import ResidentActivationTracker
 from graphswap.runtime import SimulatedAccelerator
-from graphswap.runtime import pool as pool_module
+from graphswap.runtime import _pool as pool_module
 
 BLOCKS = 6
 WIDTH = 512

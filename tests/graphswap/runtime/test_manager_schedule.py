@@ -13,7 +13,7 @@ from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import HazardError, SimulatedAccelerator
-from graphswap.runtime.engines import _Offload
+from graphswap.runtime._engines import _Offload
 from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
 
 LAYERS = 6

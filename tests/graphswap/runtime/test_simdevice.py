@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from graphswap.runtime import HazardError, SimulatedAccelerator
+from graphswap.runtime._engines import Copy
 from graphswap.runtime._simdevice import SimDevice
-from graphswap.runtime.engines import Copy
 
 CPU = torch.device("cpu")
 
