@@ -37,15 +37,17 @@ policy's threshold even with the heads split over two ranks, so the swap moves t
 LOSS_RTOL = 1e-5
 
 
-def torchrun(nproc: int, overrides: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
+def torchrun(
+    nproc: int, overrides: dict[str, Any], tmp_path: Path, *options: str
+) -> list[dict[str, Any]]:
     """``torchrun --nproc-per-node N -m graphswap.train.cli train``; returns summary.json."""
-    done = launch(nproc, overrides, tmp_path)
+    done = launch(nproc, overrides, tmp_path, *options)
     assert done.returncode == 0, done.stderr + "".join(rank_stderr(tmp_path))
     return json.loads((tmp_path / "out" / "summary.json").read_text())
 
 
 def launch(
-    nproc: int, overrides: dict[str, Any], tmp_path: Path
+    nproc: int, overrides: dict[str, Any], tmp_path: Path, *options: str
 ) -> subprocess.CompletedProcess[str]:
     """The ranks' own output goes to ``tmp_path/logs/**/rank/std{out,err}.log``."""
     settings = {**SETTINGS, **overrides, "output_dir": str(tmp_path / "out")}
@@ -62,6 +64,7 @@ def launch(
             "graphswap.train.cli",
             "train",
             "--no-progress",
+            *options,
             *(f"{key}={value}" for key, value in settings.items()),
         ],
         capture_output=True,
@@ -110,7 +113,8 @@ def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas(tmp_path: Path) -> No
 
 def test_swap_under_tensor_parallel_moves_what_the_plan_predicts_per_rank(tmp_path: Path) -> None:
     """sdpa at 1024 tokens: the projections save DTensors (their local shards pass the
-    threshold), swapped through their shards and rebuilt with the same placements."""
+    threshold), swapped through their shards and rebuilt with the same placements.
+    ``--compare`` runs the world without swap and with it, side by side."""
     from graphswap.planning import plan_memory
     from graphswap.train.build import trainer_hf_config
 
@@ -122,11 +126,13 @@ def test_swap_under_tensor_parallel_moves_what_the_plan_predicts_per_rank(tmp_pa
         "attn_implementation": "sdpa",
         "tp_size": 2,
     }
-    runs = {}
-    for mode in ("attention", "none"):
-        (tmp_path / mode).mkdir()
-        (runs[mode],) = torchrun(2, {**settings, "activation_swap": mode}, tmp_path / mode)
-    swapped, plain = runs["attention"], runs["none"]
+    plain, swapped = torchrun(
+        2, {**settings, "activation_swap": "attention"}, tmp_path, "--compare"
+    )
+    assert (plain["applied_passes"], swapped["applied_passes"]) == (
+        ["tensor_parallel"],
+        ["swap", "tensor_parallel"],
+    )
     plan = plan_memory(
         trainer_hf_config(TrainerConfig(**settings)),
         seq=1024,
