@@ -202,7 +202,6 @@ def _predictions(
     from graphswap.planning import SwapChoice, plan_step, replay, trace_step
     from graphswap.planning._plan import DEFAULT_PROFILE, resolve_profile
     from graphswap.planning.saved_tensors import build_meta_model
-    from graphswap.runtime.policy import swap_large_activations
 
     modes = [name for name in args.modes if name in PLANNED_MODES]
     if not modes:
@@ -218,7 +217,7 @@ def _predictions(
     profile = resolve_profile(
         DEFAULT_PROFILE, bandwidth_gbps=args.swap_bandwidth, tflops=args.swap_tflops
     )
-    trace = trace_step(meta, profile, (swap_large_activations,), optimizer=False)
+    trace = trace_step(meta, profile, optimizer=False)
     baseline = replay(trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1)
     found = {}
     for name in modes:

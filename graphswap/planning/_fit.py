@@ -32,7 +32,6 @@ from graphswap.planning._plan import (
 from graphswap.planning._replay import SwapChoice, replay
 from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
-from graphswap.runtime.policy import swap_large_activations
 from graphswap.runtime.profile import DeviceProfile
 
 if TYPE_CHECKING:
@@ -215,7 +214,7 @@ def fit_sequence(
         lambda steps: first if steps == 1 else meta_model(steps * seq_step),
         lambda meta: _plan_modes(
             config,
-            trace_step(meta, resolved, (swap_large_activations,)),
+            trace_step(meta, resolved),
             modes,
             hide_margin=hide_margin,
             offload_lag=offload_lag,

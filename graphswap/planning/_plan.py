@@ -409,7 +409,7 @@ def plan_memory(
         tp=tp,
     )
     chosen_policy = swap_large_activations if policy is None else policy
-    trace = trace_step(meta, resolved, (chosen_policy,), optimizer=optimizer)
+    trace = trace_step(meta, resolved, chosen_policy, optimizer=optimizer)
     return plan_step(
         config,
         trace,
@@ -426,14 +426,13 @@ def plan_step(
     trace: StepTrace,
     *,
     activation_swap: SwapMode,
-    policy: int = 0,
     hide_margin: float = DEFAULT_HIDE_MARGIN,
     offload_lag: int = 1,
     prefetch_depth: int = 1,
     state_shards: int = 1,
     baseline: Replay | None = None,
 ) -> MemoryPlan:
-    """The plan of ``activation_swap`` on a traced step, with the trace's policy number ``policy``;
+    """The plan of ``activation_swap`` on a traced step, with the policy it was traced with;
     ``baseline``: the step replayed without swap, when already at hand. The other
     settings are :func:`plan_memory`'s."""
     check_settings(
@@ -443,7 +442,7 @@ def plan_step(
         prefetch_depth=prefetch_depth,
         state_shards=state_shards,
     )
-    saved = trace.saved_with(policy)
+    saved = trace.saved
     scope = _SCOPES[activation_swap]
     if baseline is None:
         baseline = replay(
@@ -480,7 +479,7 @@ def plan_step(
         swaps = frozenset(
             i
             for i, s in enumerate(trace.saves)
-            if s.answers[policy] and group_of(s, scope) is not None
+            if s.save.policy_swaps and group_of(s, scope) is not None
         )
         replayed = replay(
             trace,
@@ -538,7 +537,7 @@ def plan_step(
         attn_kernel=None if saved.kernel is None else saved.kernel.name,
         tp=saved.tp,
         activation_swap=activation_swap,
-        policy="none" if scope is None else trace.policies[policy],
+        policy="none" if scope is None else trace.policy,
         profile=profile,
         offload_lag=offload_lag,
         prefetch_depth=prefetch_depth,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from graphswap.planning.saved_tensors import (
     SavedTensorTrace,
 )
 from graphswap.runtime._tape import OPTIMIZER_LABEL, OpTape, step_labels
-from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, policy_name
+from graphswap.runtime.policy import SwapPolicy, policy_name, swap_large_activations
 from graphswap.runtime.profile import DeviceProfile
 
 
@@ -88,15 +88,13 @@ class TracedSave:
     """One pack call of the traced step."""
 
     save: SavedTensor
-    """As :class:`~graphswap.planning.saved_tensors.SavedTensorTrace` lists it; ``policy_swaps`` is
-    the first policy's answer."""
+    """As :class:`~graphswap.planning.saved_tensors.SavedTensorTrace` lists it; ``policy_swaps``
+    is the trace's policy's answer."""
     layer: int | None
     """The decoder layer whose forward saved it; ``None`` for the embedding and head."""
     block: int | None
     """The storage's :class:`Block`; ``None`` for one alive before the step began (a
     parameter, a buffer, the input ids): never device memory of the step."""
-    answers: tuple[bool, ...]
-    """Per policy the trace was given, whether it answers ``MUST_SWAP``."""
 
 
 @dataclass(frozen=True)
@@ -121,10 +119,9 @@ class StepTrace:
     saves: tuple[TracedSave, ...]
     """Every pack call of the step, by the index ``PACK``, ``UNPACK`` and ``RELEASE`` carry."""
     saved: SavedTensorTrace
-    """The forward's saves per scope (the first policy's answers), as the forward-only
-    trace gives them."""
-    policies: tuple[str, ...]
-    """Names of the policies whose answers :attr:`TracedSave.answers` holds."""
+    """The forward's saves per scope, as the forward-only trace gives them."""
+    policy: str
+    """The name of the swap policy each save was asked (``policy_swaps``)."""
     profile: DeviceProfile
     """The device the operators were timed on."""
     parameter_bytes: int
@@ -140,23 +137,6 @@ class StepTrace:
     @property
     def num_layers(self) -> int:
         return len(self.saved.layers)
-
-    def saved_with(self, policy: int) -> SavedTensorTrace:
-        """The forward's saves with policy number ``policy``'s answers."""
-        if policy == 0:
-            return self.saved
-        answers = {id(s.save): s.answers[policy] for s in self.saves}
-
-        def swap(saves: Sequence[SavedTensor]) -> tuple[SavedTensor, ...]:
-            return tuple(replace(s, policy_swaps=answers[id(s)]) for s in saves)
-
-        saved = self.saved
-        return replace(
-            saved,
-            embed=swap(saved.embed),
-            layers=tuple(replace(layer, saves=swap(layer.saves)) for layer in saved.layers),
-            head=swap(saved.head),
-        )
 
 
 class _Dropped:
@@ -178,9 +158,8 @@ class _Dropped:
 class _StepRecorder(SavedTensorCollector):
     """Listens to the tape and to the saved-tensor hooks; writes the event list."""
 
-    def __init__(self, model: torch.nn.Module, policies: Sequence[SwapPolicy]) -> None:
-        super().__init__(model, policies[0])
-        self.policies = tuple(policies)
+    def __init__(self, model: torch.nn.Module, policy: SwapPolicy) -> None:
+        super().__init__(model, policy)
         self.tape: OpTape | None = None
         self.events: list[tuple[Event, Any]] = []
         self.blocks: list[list[Any]] = []
@@ -258,13 +237,9 @@ class _StepRecorder(SavedTensorCollector):
 
     def _pack(self, t: torch.Tensor) -> Any:
         save = self.record(t)
-        answers = tuple(
-            not save.parameter and policy(t) is CheckpointPolicy.MUST_SWAP
-            for policy in self.policies
-        )
         index = len(self.traced)
         block = self._live.get(t.untyped_storage()._cdata)
-        self.traced.append(TracedSave(save, self._layer, block, answers))
+        self.traced.append(TracedSave(save, self._layer, block))
         self.event(Event.PACK, index)
         return _Dropped(self, index, t)
 
@@ -293,17 +268,16 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 def trace_step(
     meta: MetaModel,
     profile: DeviceProfile,
-    policies: Sequence[SwapPolicy],
+    policy: SwapPolicy = swap_large_activations,
     *,
     optimizer: bool = True,
 ) -> StepTrace:
     """Trace one steady-state training step of ``meta`` timed on ``profile``; each save
-    is asked every policy in ``policies`` (the first one's answers fill
-    :attr:`StepTrace.saved`). AdamW runs as it would on the traced device: ``foreach``
-    on CUDA, one tensor at a time on CPU. ``optimizer=False``: the step is forward and
-    backward only (no AdamW state, no ``optimizer`` label), as a benchmark that never
-    updates runs it; the gradients are still dropped at its end, as the next step's
-    ``zero_grad(set_to_none=True)`` would."""
+    is asked ``policy`` (its ``policy_swaps``). AdamW runs as it would on the traced
+    device: ``foreach`` on CUDA, one tensor at a time on CPU. ``optimizer=False``: the
+    step is forward and backward only (no AdamW state, no ``optimizer`` label), as a
+    benchmark that never updates runs it; the gradients are still dropped at its end,
+    as the next step's ``zero_grad(set_to_none=True)`` would."""
     model = meta.model
     params = [p for p in model.parameters() if p.requires_grad]
     adamw = None
@@ -315,7 +289,7 @@ def trace_step(
         adamw.step()  # the state a steady-state step starts with
         adamw.zero_grad(set_to_none=True)
         state = [t for s in adamw.state.values() for t in s.values() if t.device.type == "meta"]
-    recorder = _StepRecorder(model, policies)
+    recorder = _StepRecorder(model, policy)
     tape = OpTape("meta", profile, recorder)
     recorder.tape = tape
     _, layers = decoder_layers(model)
@@ -346,7 +320,7 @@ def trace_step(
         blocks=tuple(kinds),
         saves=tuple(recorder.traced),
         saved=meta.saved_tensor_trace(recorder.saves),
-        policies=tuple(policy_name(p) for p in policies),
+        policy=policy_name(policy),
         profile=profile,
         parameter_bytes=storage_bytes(list(model.parameters())),
         buffer_bytes=storage_bytes(list(model.buffers())),

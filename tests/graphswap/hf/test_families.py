@@ -76,7 +76,7 @@ def _plans(config: object, attn: str) -> dict[str, MemoryPlan]:
     meta = build_meta_model(
         config, seq=SEQ, batch=BATCH, dtype=torch.float32, attn_implementation=attn, device="cpu"
     )
-    trace = trace_step(meta, PROFILE, (POLICY,), optimizer=False)
+    trace = trace_step(meta, PROFILE, POLICY, optimizer=False)
     return {
         mode: plan_step(config, trace, activation_swap=mode)  # type: ignore[arg-type]
         for mode in ("attention", "layer", "auto")

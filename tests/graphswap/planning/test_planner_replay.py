@@ -35,7 +35,7 @@ def _save(layer: int, index: int, block: int, nbytes: int) -> TracedSave:
         in_attention=False,
         policy_swaps=True,
     )
-    return TracedSave(save, layer, block, (True,))
+    return TracedSave(save, layer, block)
 
 
 def _trace(
@@ -55,7 +55,7 @@ def _trace(
         blocks=tuple(Block(n, BlockKind.ACTIVATION) for n in sizes),
         saves=tuple(saves),
         saved=SavedTensorTrace((), layers, (), None, None, 1),  # type: ignore[arg-type]
-        policies=("test",),
+        policy="test",
         profile=LINK,
         parameter_bytes=0,
         buffer_bytes=0,

@@ -25,7 +25,6 @@ from graphswap.planning import (
 from graphswap.planning._auto import plan_auto
 from graphswap.planning._trace import BlockKind, Event
 from graphswap.planning.saved_tensors import LAYER_SCOPE, build_meta_model
-from graphswap.runtime.policy import swap_large_activations
 from graphswap.runtime.profile import device_profile
 
 GIB = 1 << 30
@@ -36,7 +35,7 @@ def tiny_trace() -> StepTrace:
     meta = build_meta_model(
         qwen3_moe_config("tiny"), seq=512, batch=2, dtype=torch.float32, device="cpu"
     )
-    return trace_step(meta, device_profile("h200"), (swap_large_activations,))
+    return trace_step(meta, device_profile("h200"))
 
 
 def test_the_trace_sees_forward_backward_and_the_optimizer(tiny_trace: StepTrace) -> None:
@@ -121,7 +120,7 @@ def qwen3_30b() -> tuple[StepTrace, MemoryPlan, MemoryPlan]:
     swap and with auto."""
     config = qwen3_moe_config("qwen3-30b-a3b")
     meta = build_meta_model(config, seq=8192)
-    trace = trace_step(meta, device_profile("h200"), (swap_large_activations,))
+    trace = trace_step(meta, device_profile("h200"))
     attention = plan_step(config, trace, activation_swap="attention", state_shards=8)
     auto = plan_step(config, trace, activation_swap="auto", state_shards=8)
     return trace, attention, auto
@@ -163,7 +162,7 @@ def test_auto_on_qwen3_30b_hides_both_windows_and_swaps_as_much_as_fits(
     narrower = dataclasses.replace(
         trace, profile=trace.profile.with_figures(link_gbps=(1 - margin) * 50)
     )
-    candidates = layer_candidates(trace.saved_with(0))
+    candidates = layer_candidates(trace.saved)
     plan = [
         [c for c in candidates[layer.name] if c.saves[0] in layer.swapped_saves]
         for layer in auto.layers
@@ -189,7 +188,7 @@ def test_a_plan_budgeted_against_backward_alone_stalls_in_forward(
     overlaps (the window of its prefetch). Replayed, every fence waits."""
     trace, _, auto = qwen3_30b
     windows = step_times(trace, LAYER_SCOPE, offload_lag=1, prefetch_depth=1).groups
-    candidates = layer_candidates(trace.saved_with(0))
+    candidates = layer_candidates(trace.saved)
     plan = []
     for i, layer in enumerate(auto.layers):
         budget = 0.0 if layer.kept else 0.9 * windows[i].backward_window * 50e9
@@ -226,8 +225,8 @@ def test_auto_takes_back_what_the_replay_shows_stalling() -> None:
     meta = build_meta_model(
         qwen3_moe_config("tiny"), seq=512, batch=2, dtype=torch.float32, device="cpu"
     )
-    trace = trace_step(meta, device_profile("h200,link_gbps=2,tflops=1"), (swap_large_activations,))
-    saved = trace.saved_with(0)
+    trace = trace_step(meta, device_profile("h200,link_gbps=2,tflops=1"))
+    saved = trace.saved
     candidates = layer_candidates(saved)
     auto = plan_auto(
         trace,
@@ -285,7 +284,7 @@ def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only() -> Non
     }
     plan = plan_memory(config, optimizer=False, **shape)
     meta = build_meta_model(config, seq=256, batch=1, dtype=torch.float32, device="cpu")
-    trace = trace_step(meta, device_profile("h200"), (swap_large_activations,), optimizer=False)
+    trace = trace_step(meta, device_profile("h200"), optimizer=False)
     assert trace.optimizer_state_bytes == 0 and not trace.optimizer
     held = trace.parameter_bytes + trace.buffer_bytes
     for timeline in (plan.timeline, plan.baseline):
