@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -129,15 +128,3 @@ of 1 MiB or more that owns its storage."""
 
 def policy_name(policy: SwapPolicy) -> str:
     return getattr(policy, "__name__", type(policy).__name__)
-
-
-def __getattr__(name: str) -> SwapPolicy:
-    if name == "qwen3_attention_swap_policy":
-        warnings.warn(
-            "qwen3_attention_swap_policy is the default policy under the origin's name;"
-            " use graphswap.runtime.policy.swap_large_activations",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return swap_large_activations
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

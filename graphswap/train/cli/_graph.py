@@ -54,10 +54,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _fail(message: str) -> int:
-    return user_error("graph", message)
-
-
 def _output_problem(path: Path) -> str | None:
     """Why ``path`` cannot be written, or ``None``."""
     if path.is_dir():
@@ -78,20 +74,20 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         problem = _output_problem(Path(args.output))
         if problem:
-            return _fail(f"-o {args.output}: {problem}")
+            return user_error("graph", f"-o {args.output}: {problem}")
     try:
         if args.format in RENDER_FORMATS:
             require_graphviz(args.format)
         config = model_config(DEFAULT_PRESET, args.model, num_layers=args.layers)
     except CheckpointError as exc:
-        return _fail(f"--model {args.model}: {exc}")
+        return user_error("graph", f"--model {args.model}: {exc}")
     except (OSError, ValueError, RuntimeError) as exc:
-        return _fail(str(exc))
+        return user_error("graph", str(exc))
     model = build_model(config, device="meta")
     try:
         report = rewrite(model, args.rules or [DEFAULT_RULE])
     except RewriteError as exc:
-        return _fail(str(exc))
+        return user_error("graph", str(exc))
     if args.format == "dot":
         data = to_dot(report.graph).encode()
     elif args.format == "json":
@@ -100,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             data = render_graph(report.graph, args.format)
         except RuntimeError as exc:
-            return _fail(str(exc))
+            return user_error("graph", str(exc))
     if args.output is None:
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
