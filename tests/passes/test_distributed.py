@@ -1,4 +1,4 @@
-"""Two-process gloo worlds on CPU: swap composed with tensor parallel and with FSDP2
+"""A two-process gloo world on CPU: swap composed with tensor parallel, then with FSDP2,
 trains like one process.
 
 Tolerances: the distributed runs reduce partial sums across ranks (the row-parallel
@@ -74,73 +74,82 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _worker(rank: int, init_method: str, config: TrainerConfig, queue: Any, out: Path) -> None:
+COMPOSITIONS: dict[str, tuple[TrainerConfig, tuple[str, ...]]] = {
+    "swap+tp": (TrainerConfig(activation_swap="attention", tp_size=2), ("swap", "tensor_parallel")),
+    "swap+fsdp": (TrainerConfig(activation_swap="attention", fsdp=True), ("swap", "fsdp")),
+}
+"""What one world trains, one composition after the other, each on a fresh model."""
+
+
+def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
     import passes
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:
-        model = build()
-        result = passes.apply_model_infrastructure(model, config)
-        assert result.report is not None
-        if config.fsdp:
-            per_rank = BATCH // WORLD
-            rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        else:
-            rows = slice(None)
-        losses = train(model, rows, WORLD)
-        params = full_parameters(model)
-        if rank == 0:
-            torch.save(params, out)
-        stats = result.report.manager.stats
-        queue.put((rank, result.applied, losses, stats.offloaded_bytes, stats.reloaded_bytes))
+        for name, (config, _) in COMPOSITIONS.items():
+            model = build()
+            result = passes.apply_model_infrastructure(model, config)
+            assert result.report is not None
+            if config.fsdp:
+                per_rank = BATCH // WORLD
+                rows = slice(rank * per_rank, (rank + 1) * per_rank)
+            else:
+                rows = slice(None)
+            losses = train(model, rows, WORLD)
+            params = full_parameters(model)
+            if rank == 0:
+                torch.save(params, out / f"{name}.pt")
+            stats = result.report.manager.stats
+            queue.put(
+                (name, rank, result.applied, losses, stats.offloaded_bytes, stats.reloaded_bytes)
+            )
     finally:
         dist.destroy_process_group()
 
 
-def run_world(
-    config: TrainerConfig, tmp_path: Path
-) -> tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]:
-    """Per-rank results sorted by rank, and rank 0's final parameters."""
+World = dict[str, tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    """One two-process world that trains every composition: per composition, the
+    per-rank results sorted by rank and rank 0's final parameters. (One world rather
+    than one per composition: starting a rank costs more than its training.)"""
+    tmp_path = tmp_path_factory.mktemp("world")
     queue = mp.get_context("spawn").SimpleQueue()
     init_method = f"file://{tmp_path / 'rendezvous'}"
-    out = tmp_path / "params.pt"
     workers = mp.start_processes(
-        _worker,
-        args=(init_method, config, queue, out),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
+        _worker, args=(init_method, queue, tmp_path), nprocs=WORLD, join=False, start_method="spawn"
     )
     while not workers.join():
         pass
-    return sorted(queue.get() for _ in range(WORLD)), torch.load(out)
+    results: dict[str, list[tuple[Any, ...]]] = {name: [] for name in COMPOSITIONS}
+    for _ in range(WORLD * len(COMPOSITIONS)):
+        name, *result = queue.get()
+        results[name].append(tuple(result))
+    return {
+        name: (sorted(results[name]), torch.load(tmp_path / f"{name}.pt")) for name in COMPOSITIONS
+    }
 
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, no swap, no sharding: what both worlds must reproduce."""
+    """One process, no swap, no sharding: what every composition must reproduce."""
     model = build()
     losses = train(model, slice(None), world=1)
     return losses, full_parameters(model)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("config", "applied"),
-    [
-        (TrainerConfig(activation_swap="attention", tp_size=2), ("swap", "tensor_parallel")),
-        (TrainerConfig(activation_swap="attention", fsdp=True), ("swap", "fsdp")),
-    ],
-    ids=["swap+tp", "swap+fsdp"],
-)
+@pytest.mark.parametrize("composition", list(COMPOSITIONS))
 def test_two_ranks_train_like_one(
-    config: TrainerConfig,
-    applied: tuple[str, ...],
+    composition: str,
+    world: World,
     reference: tuple[list[float], dict[str, torch.Tensor]],
-    tmp_path: Path,
 ) -> None:
     reference_losses, reference_params = reference
-    results, params = run_world(config, tmp_path)
+    results, params = world[composition]
+    _, applied = COMPOSITIONS[composition]
     assert [rank for rank, *_ in results] == [0, 1]
     for _, ran, losses, offloaded, reloaded in results:
         assert ran == applied
