@@ -100,43 +100,30 @@ def test_tp_and_fsdp_on_two_ranks_train_like_one_replica(tmp_path: Path) -> None
     assert run["losses"] == pytest.approx(reference.losses, rel=LOSS_RTOL)
 
 
-def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas(tmp_path: Path) -> None:
-    (run,) = torchrun(4, {"tp_size": 2, "fsdp": "true", "steps": 1}, tmp_path)
-    single = TrainerConfig(**SETTINGS, steps=1)
-    replicas = [replica_first_loss(single, dp_rank) for dp_rank in (0, 1)]
-    assert replicas[0] != pytest.approx(replicas[1], rel=10 * LOSS_RTOL)
-    assert run["world_size"] == 4
-    assert run["applied_passes"] == ["swap", "tensor_parallel", "fsdp"]
-    assert run["swap"]["offloaded_bytes"] > 0
-    assert run["losses"][0] == pytest.approx(sum(replicas) / 2, rel=LOSS_RTOL)
-
-
-def test_swap_under_tensor_parallel_moves_what_the_plan_predicts_per_rank(tmp_path: Path) -> None:
-    """sdpa at 1024 tokens: the projections save DTensors (their local shards pass the
-    threshold), swapped through their shards and rebuilt with the same placements.
-    ``--compare`` runs the world without swap and with it, side by side."""
+def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas_and_swap_moves_the_plan(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-MoE on four ranks, ``--compare``: the world without swap and with it, side
+    by side. sdpa at 1024 tokens: the projections save DTensors (their local shards pass
+    the threshold), swapped through their shards and rebuilt with the same placements;
+    each rank moves what the plan predicts for one tensor-parallel shard."""
     from graphswap.planning import plan_memory
     from graphswap.train.build import trainer_hf_config
 
-    settings = {
-        "num_layers": 2,
-        "seq_len": 1024,
-        "batch_size": 2,
-        "steps": 1,
-        "attn_implementation": "sdpa",
-        "tp_size": 2,
-    }
-    plain, swapped = torchrun(
-        2, {**settings, "activation_swap": "attention"}, tmp_path, "--compare"
-    )
-    assert (plain["applied_passes"], swapped["applied_passes"]) == (
-        ["tensor_parallel"],
-        ["swap", "tensor_parallel"],
-    )
+    settings = {"seq_len": 1024, "attn_implementation": "sdpa", "steps": 1}
+    plain, swapped = torchrun(4, {**settings, "tp_size": 2, "fsdp": "true"}, tmp_path, "--compare")
+    single = TrainerConfig(**{**SETTINGS, **settings})
+    replicas = [replica_first_loss(single, dp_rank) for dp_rank in (0, 1)]
+    assert replicas[0] != pytest.approx(replicas[1], rel=10 * LOSS_RTOL)
+    assert plain["world_size"] == swapped["world_size"] == 4
+    assert plain["applied_passes"] == ["tensor_parallel", "fsdp"]
+    assert swapped["applied_passes"] == ["swap", "tensor_parallel", "fsdp"]
+    assert plain["losses"][0] == pytest.approx(sum(replicas) / 2, rel=LOSS_RTOL)
+    assert swapped["losses"] == plain["losses"]
     plan = plan_memory(
-        trainer_hf_config(TrainerConfig(**settings)),
+        trainer_hf_config(single),
         seq=1024,
-        batch=2,
+        batch=SETTINGS["batch_size"],
         dtype=torch.float32,
         attn_implementation="sdpa",
         device="cpu",
@@ -145,4 +132,3 @@ def test_swap_under_tensor_parallel_moves_what_the_plan_predicts_per_rank(tmp_pa
     assert plan.swapped_bytes > 0
     assert swapped["swap"]["offloaded_bytes"] >= 0.95 * plan.swapped_bytes
     assert swapped["swap"]["reloaded_bytes"] == swapped["swap"]["offloaded_bytes"]
-    assert swapped["losses"] == plain["losses"]
