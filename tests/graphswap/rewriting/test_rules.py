@@ -3,9 +3,6 @@ attn_swap and layer_swap."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from torch import nn
 
@@ -150,16 +147,6 @@ def test_fqn_pattern_spans_dots() -> None:
     assert rule.matches("model.layers.11.proj", linear, targets)
     assert not rule.matches("model.layers.11.proj.inner", linear, targets)
     assert not rule.matches("model.head", linear, targets)
-
-
-def test_importing_graphswap_does_not_import_model_code() -> None:
-    code = (
-        "import sys, graphswap, graphswap.rewriting.rules, graphswap.rewriting.apply,"
-        " graphswap.rewriting.graph\n"
-        "bad = [m for m in sys.modules if m.startswith(('transformers', 'torch._dynamo'))]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # The family-generic rules: targets declared by the model, matched by exact type.
