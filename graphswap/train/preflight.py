@@ -33,11 +33,12 @@ if TYPE_CHECKING:
 def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> PretrainedConfig:
     """Every check ``graphswap train`` needs; returns the Hugging Face config to build."""
     passes.plan(config).check_runnable()
-    hf_config = check_model(config)
-    check_swap_bandwidth(config, resolve_device(config))
+    # The paths first: they need no model code, whose import alone takes seconds.
     check_data(config)
     check_output_dir(config)
     check_world(config, world_size)
+    hf_config = check_model(config)
+    check_swap_bandwidth(config, resolve_device(config))
     return hf_config
 
 
