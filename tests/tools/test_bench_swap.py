@@ -1,30 +1,73 @@
-"""``tools/bench_swap.py`` on tiny CPU shapes: every mode, identical numbers, results on disk."""
+"""``tools/bench_swap.py`` on tiny CPU shapes: every mode, identical numbers, results on disk.
+
+The script runs in this process, through its ``main``: a process of its own would spend
+most of the test importing torch and transformers again. CI's ``make device-dry-run``
+runs it as the GPU check does, as a script.
+"""
 
 from __future__ import annotations
 
+import gc
 import json
-import subprocess
-import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
-BENCH = ROOT / "tools" / "bench_swap.py"
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+@dataclass(frozen=True)
+class Done:
+    """What a finished run left: its exit status and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
+@pytest.fixture
+def bench_swap(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import bench_swap
+
+    return bench_swap
+
+
+@pytest.fixture
+def run_bench(
+    bench_swap: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> Iterator[Callable[..., Done]]:
+    """``run_bench(*argv)``: ``bench_swap.py --device cpu ARGV``; the process-wide
+    settings a run makes (threads, deterministic kernels, a frozen collector) are
+    restored after the test."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+
+    def run(*argv: str) -> Done:
+        capsys.readouterr()
+        code = bench_swap.main(["--device", "cpu", *argv])
+        out, err = capsys.readouterr()
+        return Done(code, out, err)
+
+    try:
+        yield run
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def test_bench_writes_every_mode_with_identical_numbers(
+    run_bench: Callable[..., Done], tmp_path: Path
+) -> None:
     done = run_bench(
         "--out-dir", str(tmp_path), "--attn", "eager", "--seq", "256", "--layers", "3",
         "--steps", "1", "--warmup", "0", "--share-seq", "256", "--share-kernels", "eager", "math",
@@ -79,7 +122,9 @@ def test_bench_writes_every_mode_with_identical_numbers(tmp_path: Path) -> None:
         assert row["seq"] == 256 and 0 < row["share"] < 1
 
 
-def test_overhead_reports_microseconds_per_swapped_tensor(tmp_path: Path) -> None:
+def test_overhead_reports_microseconds_per_swapped_tensor(
+    run_bench: Callable[..., Done], tmp_path: Path
+) -> None:
     done = run_bench(
         "--overhead", "--out-dir", str(tmp_path), "--blocks", "4", "--steps", "3", "--warmup", "1"
     )
@@ -114,26 +159,20 @@ def test_overhead_reports_microseconds_per_swapped_tensor(tmp_path: Path) -> Non
 def test_bad_arguments_name_the_flag(
     argv: list[str],
     message: str,
-    monkeypatch: pytest.MonkeyPatch,
+    bench_swap: ModuleType,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    import bench_swap
-
     with pytest.raises(SystemExit) as done:
         bench_swap.main(["--device", "cpu", *argv])
     assert done.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_the_peak_goes_to_the_label_that_raised_it_last(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_peak_goes_to_the_label_that_raised_it_last(
+    bench_swap: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``PeakByLabel`` under ``step_labels`` on CPU, the allocator's running peak faked:
     each layer's forward raises it by its index + 1 MiB, backward of layer 1 by 10 MiB."""
-    import torch
-
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    import bench_swap
-
     from graphswap.runtime._tape import step_labels
 
     peak = [0]
