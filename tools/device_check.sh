@@ -36,8 +36,8 @@ if ((DRY_RUN)); then
     # A rehearsal, not a measurement: one thread keeps it quick on a shared CI machine.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     TEST_LIMIT=300 BENCH_LIMIT=600 OVERHEAD_LIMIT=300
-    BENCH_ARGS=(--device cpu --seq 512 --steps 2 --warmup 1 --share-seq 512)
-    OVERHEAD_ARGS=(--device cpu --steps 30 --warmup 5)
+    BENCH_ARGS=(--device cpu --attn eager --layers 3 --seq 256 --steps 1 --warmup 0 --share-seq 256)
+    OVERHEAD_ARGS=(--device cpu --steps 5 --warmup 1)
 else
     TEST_LIMIT=90 BENCH_LIMIT=190 OVERHEAD_LIMIT=40
     BENCH_ARGS=(--device cuda)
