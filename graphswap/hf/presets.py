@@ -13,52 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from graphswap.hf import qwen3_moe
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, Qwen3MoeConfig
-
-_QWEN3_30B_A3B: dict[str, Any] = {
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "norm_topk_prob": True,
-}
-
-_QWEN3_235B_A22B: dict[str, Any] = {
-    **_QWEN3_30B_A3B,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "moe_intermediate_size": 1536,
-    "num_hidden_layers": 94,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 4,
-}
-
-_TINY: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-}
-
-_GRAPH_DEFAULT: dict[str, Any] = {**_TINY, "num_hidden_layers": 48}
 
 _LLAMA_3_1_8B: dict[str, Any] = {
     "vocab_size": 128256,
@@ -212,13 +170,15 @@ class Preset:
     """The published config it copies; empty for graphswap's own small shapes."""
 
 
-_QWEN3_MOE = "qwen3_moe"
-
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(_QWEN3_MOE, _TINY),
-    "graph-default": Preset(_QWEN3_MOE, _GRAPH_DEFAULT),
-    "qwen3-30b-a3b": Preset(_QWEN3_MOE, _QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B config.json"),
-    "qwen3-235b-a22b": Preset(_QWEN3_MOE, _QWEN3_235B_A22B, "Qwen/Qwen3-235B-A22B config.json"),
+    "tiny": Preset(qwen3_moe.MODEL_TYPE, qwen3_moe.TINY),
+    "graph-default": Preset(qwen3_moe.MODEL_TYPE, qwen3_moe.GRAPH_DEFAULT),
+    "qwen3-30b-a3b": Preset(
+        qwen3_moe.MODEL_TYPE, qwen3_moe.QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B config.json"
+    ),
+    "qwen3-235b-a22b": Preset(
+        qwen3_moe.MODEL_TYPE, qwen3_moe.QWEN3_235B_A22B, "Qwen/Qwen3-235B-A22B config.json"
+    ),
     "llama-3.1-8b": Preset("llama", _LLAMA_3_1_8B, "meta-llama/Llama-3.1-8B config.json"),
     "qwen3-32b": Preset("qwen3", _QWEN3_32B, "Qwen/Qwen3-32B config.json"),
     "mixtral-8x7b": Preset("mixtral", _MIXTRAL_8X7B, "mistralai/Mixtral-8x7B-v0.1 config.json"),
@@ -267,7 +227,7 @@ def qwen3_moe_config(
     attention people train with.
     """
     chosen = _preset(preset)
-    if chosen.model_type != _QWEN3_MOE:
+    if chosen.model_type != qwen3_moe.MODEL_TYPE:
         raise ValueError(
             f"model preset {preset!r} is a {chosen.model_type} model, not Qwen3-MoE; build it"
             " with graphswap.hf.presets.preset_config"

@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch.fx
 from torch import nn
 
 from graphswap.errors import HierarchyError, RewriteError, UnknownRuleError
+from graphswap.hf import qwen3_moe
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
 from graphswap.runtime import swap_wrapper, unwrap_swap
@@ -163,8 +163,6 @@ def get_rule(name: str) -> Rule:
         ) from None
 
 
-_QWEN3_MOE = "transformers.models.qwen3_moe.modeling_qwen3_moe"
-
 _SWAP_MUST_RUN_BEFORE = (
     "tensor_parallel",
     "context_parallel",
@@ -209,6 +207,16 @@ class _DeclaredClasses:
 
     rule_name: str
     attr: str | None
+    family: str = "decoder"
+    """The models it serves, as the rule's description says."""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def targets_from(self) -> _DeclaredClasses:
+        return self
 
     def __call__(self, root: nn.Module) -> tuple[type, ...]:
         classes = decoder_classes(root, rule=self.rule_name)
@@ -220,21 +228,24 @@ class _DeclaredClasses:
 
 @dataclass(frozen=True)
 class _Qwen3MoeClasses:
-    """Qwen3-MoE's own class ``class_name``, for a model that is a Qwen3-MoE model."""
+    """Qwen3-MoE's own class ``class_name``, named by its import path, for a model that
+    is a Qwen3-MoE model (:mod:`graphswap.hf.qwen3_moe`)."""
 
     rule_name: str
     class_name: str
+    family: str = "Qwen3-MoE"
+    """The models it serves, as the rule's description says."""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (f"{qwen3_moe.MODELING}:{self.class_name}",)
+
+    @property
+    def targets_from(self) -> None:
+        return None
 
     def __call__(self, root: nn.Module) -> tuple[type, ...]:
-        module = importlib.import_module(_QWEN3_MOE)
-        if not isinstance(root, (module.Qwen3MoePreTrainedModel, torch.fx.GraphModule)):
-            raise HierarchyError(
-                f"{self.rule_name} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class"
-                " such as Qwen3MoeForCausalLM or Qwen3MoeForSequenceClassification), but the"
-                f" root module ('') is {qualified_name(type(root))}; pass the Hugging Face"
-                " model itself"
-            )
-        return (getattr(module, self.class_name),)
+        return (qwen3_moe.qwen3_moe_class(root, self.class_name, rule=self.rule_name),)
 
     def source(self, root: nn.Module) -> str:
         return ""
@@ -290,14 +301,13 @@ def _register_swap(
     """A built-in swap rule: every decoder layer (``attr`` ``None``) or every layer's
     ``attr`` child, of exactly one of ``classes``, wrapped with the size policy and
     linked layer to layer."""
-    declared = isinstance(classes, _DeclaredClasses)
     return register_rule(
         Rule(
             name=name,
-            description=f"swap the saved activations of every"
-            f" {'decoder' if declared else 'Qwen3-MoE'} {what} to host memory",
-            targets=() if declared else (f"{_QWEN3_MOE}:{classes.class_name}",),
-            targets_from=classes if declared else None,
+            description=f"swap the saved activations of every {classes.family} {what} to host"
+            " memory",
+            targets=classes.targets,
+            targets_from=classes.targets_from,
             factory=functools.partial(_swap, swap_large_activations),
             restore=unwrap_swap,
             fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
