@@ -1,5 +1,5 @@
-"""A two-process gloo world on CPU: swap composed with tensor parallel, then with FSDP2,
-trains like one process.
+"""A two-process gloo world on CPU: swap composed with tensor parallel, with FSDP2, and
+with both on another family, trains like one process.
 
 Tolerances: the distributed runs reduce partial sums across ranks (the row-parallel
 o_proj all-reduce, FSDP's gradient reduce-scatter, the loss average), which changes
@@ -12,6 +12,9 @@ parameter after the last step is compared too, at atol 1e-6, where that bug is ~
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,24 +36,24 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-6
 
 
-def batches() -> list[torch.Tensor]:
+def batches(vocab_size: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
-    return [torch.randint(0, 512, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    return [torch.randint(0, vocab_size, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
 
 
-def build() -> nn.Module:
+def build(preset: str) -> nn.Module:
     from graphswap.hf.checkpoints import build_model
-    from graphswap.hf.presets import qwen3_moe_config
+    from graphswap.hf.presets import preset_config
 
     torch.manual_seed(0)
-    return build_model(qwen3_moe_config("tiny", attn_implementation="eager", use_cache=False))
+    return build_model(preset_config(preset, attn_implementation="eager", use_cache=False))
 
 
 def train(model: nn.Module, rows: slice, world: int) -> list[float]:
     """Plain SGD; the reported loss is averaged over ranks, as the trainer reports it."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for ids in batches():
+    for ids in batches(model.config.vocab_size):
         ids = ids[rows]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -74,9 +77,29 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-COMPOSITIONS: dict[str, tuple[TrainerConfig, tuple[str, ...]]] = {
-    "swap+tp": (TrainerConfig(activation_swap="attention", tp_size=2), ("swap", "tensor_parallel")),
-    "swap+fsdp": (TrainerConfig(activation_swap="attention", fsdp=True), ("swap", "fsdp")),
+@dataclass(frozen=True)
+class Composition:
+    """A model and the passes applied to it."""
+
+    preset: str
+    config: TrainerConfig
+    applied: tuple[str, ...]
+
+
+COMPOSITIONS = {
+    "swap+tp": Composition(
+        "tiny", TrainerConfig(activation_swap="attention", tp_size=2), ("swap", "tensor_parallel")
+    ),
+    "swap+fsdp": Composition(
+        "tiny", TrainerConfig(activation_swap="attention", fsdp=True), ("swap", "fsdp")
+    ),
+    # Mixtral's heads shard without per-head norms (Qwen3-MoE's above have them), and its
+    # experts are another module layout; FSDP over the one replica the two ranks form.
+    "mixtral:swap+tp+fsdp": Composition(
+        "tiny-mixtral",
+        TrainerConfig(activation_swap="attention", tp_size=2, fsdp=True),
+        ("swap", "tensor_parallel", "fsdp"),
+    ),
 }
 """What one world trains, one composition after the other, each on a fresh model."""
 
@@ -86,15 +109,16 @@ def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:
-        for name, (config, _) in COMPOSITIONS.items():
-            model = build()
+        for name, composition in COMPOSITIONS.items():
+            config = composition.config
+            model = build(composition.preset)
             result = passes.apply_model_infrastructure(model, config)
             assert result.report is not None
-            if config.fsdp:
-                per_rank = BATCH // WORLD
-                rows = slice(rank * per_rank, (rank + 1) * per_rank)
-            else:
-                rows = slice(None)
+            # The ranks of one replica (its tensor-parallel shards) read the same rows.
+            replicas = WORLD // config.tp_size if config.fsdp else 1
+            per_replica = BATCH // replicas
+            replica = rank // config.tp_size
+            rows = slice(replica * per_replica, (replica + 1) * per_replica)
             losses = train(model, rows, WORLD)
             params = full_parameters(model)
             if rank == 0:
@@ -133,11 +157,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, no swap, no sharding: what every composition must reproduce."""
-    model = build()
-    losses = train(model, slice(None), world=1)
-    return losses, full_parameters(model)
+def reference() -> Callable[[str], tuple[list[float], dict[str, torch.Tensor]]]:
+    """``reference(preset)``: one process, no swap, no sharding: what every composition
+    of that model must reproduce (computed once per model)."""
+
+    @functools.cache
+    def train_once(preset: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = build(preset)
+        losses = train(model, slice(None), world=1)
+        return losses, full_parameters(model)
+
+    return train_once
 
 
 @pytest.mark.distributed
@@ -145,11 +175,11 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 def test_two_ranks_train_like_one(
     composition: str,
     world: World,
-    reference: tuple[list[float], dict[str, torch.Tensor]],
+    reference: Callable[[str], tuple[list[float], dict[str, torch.Tensor]]],
 ) -> None:
-    reference_losses, reference_params = reference
+    reference_losses, reference_params = reference(COMPOSITIONS[composition].preset)
     results, params = world[composition]
-    _, applied = COMPOSITIONS[composition]
+    applied = COMPOSITIONS[composition].applied
     assert [rank for rank, *_ in results] == [0, 1]
     for _, ran, losses, offloaded, reloaded in results:
         assert ran == applied
