@@ -75,7 +75,7 @@ class _Batch:
 
 
 class _Entry:
-    """One storage copied to host by one group (the runtime's ``_Entry``)."""
+    """One storage copied to host by one wrapped layer's forward (the runtime's ``_Entry``)."""
 
     __slots__ = (
         "active",

@@ -32,7 +32,7 @@ from graphswap.runtime._pool import HostBuffer
 from graphswap.runtime._stats import GroupStats
 
 if TYPE_CHECKING:
-    from graphswap.runtime._group import _Group
+    from graphswap.runtime._forward import _Forward
     from graphswap.runtime._manager import SwapManager
 
 
@@ -77,17 +77,17 @@ class _Kept:
     """A saved tensor that stays on device: a detached alias (same storage and version
     counter, no ``grad_fn``) and the version it had when saved."""
 
-    __slots__ = ("alias", "group", "version")
+    __slots__ = ("alias", "forward", "version")
 
-    def __init__(self, t: torch.Tensor, group: _Group) -> None:
+    def __init__(self, t: torch.Tensor, fwd: _Forward) -> None:
         self.alias = t.detach()  # the saved tensor's storage and version counter
         self.version = t._version  # its version when saved: unpack compares
-        self.group = group  # the group that saved it: backward detection and error names
+        self.forward = fwd  # the forward that saved it: backward detection and error names
 
     def unpack(self) -> torch.Tensor:
         now = self.alias._version
         if now != self.version:
-            raise _integrity_error(self.group.name, self.alias.size(), self.version, now)
+            raise _integrity_error(self.forward.name, self.alias.size(), self.version, now)
         return self.alias
 
 
@@ -140,8 +140,8 @@ class _Entry:
         offload: Copy,
     ) -> None:
         self.manager = manager  # told when a handle dies (``_handle_died``)
-        self.name = name  # the group's slot name, for trace events
-        self.stats = stats  # the group's stats: reloads and prefetch hits count there
+        self.name = name  # the wrapped module's name, for trace events
+        self.stats = stats  # the wrapped module's stats: reloads and prefetch hits count there
         self.device = device  # where the storage lived and its reloads go
         self.engine = engine  # the device's copy engine: issues this entry's copies
         self.nbytes = nbytes  # the storage's size, copied whole
@@ -174,8 +174,8 @@ class _Swapped:
     __slots__ = (
         "counter",
         "entry",
+        "forward",
         "gen",
-        "group",
         "layout",
         "offset",
         "spec",
@@ -185,14 +185,14 @@ class _Swapped:
 
     def __init__(
         self,
-        group: _Group,
+        fwd: _Forward,
         entry: _Entry,
         t: torch.Tensor,
         local: torch.Tensor,
         layout: Layout,
         version: int,
     ) -> None:
-        self.group = group  # the group that saved it: backward detection and error names
+        self.forward = fwd  # the forward that saved it: backward detection and error names
         self.entry = entry  # the host copy of its storage, shared with its aliases
         self.layout = layout
         """``local``'s dtype, size and stride."""
@@ -221,18 +221,18 @@ class _HandleOps:
     """
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        group = packed.group
+        fwd = packed.forward
         task = torch._C._current_graph_task_id()
-        if task != group.task and task != -1:
-            # The first unpack of this group in this backward: its backward begins.
-            group.task = task
-            self._backward_begins(group)
+        if task != fwd.task and task != -1:
+            # The first unpack of this forward in this backward: its backward begins.
+            fwd.task = task
+            self._backward_begins(fwd)
         if type(packed) is _Kept:
             return packed.unpack()
         assert type(packed) is _Swapped
         now = packed.counter._version
         if now != packed.version:
-            raise _integrity_error(group.name, packed.layout[1], packed.version, now)
+            raise _integrity_error(fwd.name, packed.layout[1], packed.version, now)
         entry = packed.entry
         with self._lock:
             load = entry.load

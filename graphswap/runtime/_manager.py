@@ -1,20 +1,20 @@
-"""SwapManager: per-forward swap groups, layer-to-layer prefetch, bounded offload lag.
+"""SwapManager: per-forward swaps, layer-to-layer prefetch, bounded offload lag.
 
 The manager is split the way FSDP2 splits ``fully_shard`` (state, param group,
 param); each file holds one concern:
 
 - ``_manager.py`` (this file): ``SwapManager``, the facade: options and their
   validation, pickling, the registry of wrapped modules, prefetch links, stats, and
-  ``run_forward``, the entry that opens a group and installs the saved-tensor hooks.
+  ``run_forward``, the entry that records a forward and installs the saved-tensor hooks.
 - ``_slot.py``: per wrapped-module state (``_Slot``, ``GroupInfo``), the refusals of
   compile, export, activation checkpointing and capture (``SwapExclusionError``),
   and backward detection.
-- ``_group.py``: one forward's group (``_Group``): pack decisions, offload, the lag
+- ``_forward.py``: one forward call (``_Forward``): pack decisions, offload, the lag
   fence at module boundaries, prefetch, load, release.
 - ``_handles.py``: per-tensor handles (``_Kept``, ``_Swapped``, ``_Entry``), the
   in-place version check (``SwapIntegrityError``), unpack, and lifetimes.
 
-Their behaviour lives in bases of ``SwapManager`` (``_SlotHooks``, ``_GroupOps``,
+Their behaviour lives in bases of ``SwapManager`` (``_SlotHooks``, ``_ForwardOps``,
 ``_HandleOps``), moved, not wrapped: autograd's hooks are the manager's bound methods,
 no extra call per pack or unpack. Their state is the manager's, commented in
 ``SwapManager.__init__``.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from graphswap.runtime._engines import Copy, CopyEngine
-from graphswap.runtime._group import _Group, _GroupOps
+from graphswap.runtime._forward import _Forward, _ForwardOps
 from graphswap.runtime._handles import (
     _Entry,
     _HandleOps,
@@ -68,8 +68,8 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
-    """Owns the swap groups of one model: links, copy engine, host pool, stats.
+class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
+    """Owns the swap of one model's wrapped modules: links, copy engine, host pool, stats.
 
     ``prefetch_depth``: how many earlier layers start coming back when a layer's
     backward begins. ``keep_last``: the end of a linked chain keeps its tensors on
@@ -83,8 +83,8 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
     ``engine``: the copy engine (default: ``AcceleratorCopyEngine`` for accelerator
     tensors, a ``SimulatedAccelerator(lag=0)`` for CPU tensors).
 
-    Every forward of a wrapped module opens its own group, linked to the group its
-    prev module opened last, so several forwards before one backward (gradient
+    Every forward of a wrapped module is recorded on its own, linked to the forward
+    its prev module ran last, so several forwards before one backward (gradient
     accumulation with all graphs alive) prefetch within their own pass.
     """
 
@@ -121,8 +121,8 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         self._registered = 0  # registrations so far: the next slot's index
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}  # links: later -> earlier
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}  # links: earlier -> later
-        # The group each module opened last: the ``prev`` of its next module's next group.
-        self._latest: dict[torch.nn.Module, weakref.ref[_Group]] = {}
+        # The forward each module ran last: the ``prev`` of its next module's next forward.
+        self._latest: dict[torch.nn.Module, weakref.ref[_Forward]] = {}
         self._in_flight: dict[
             torch.device, collections.deque[tuple[int, Copy, weakref.ref[_Entry]]]
         ] = {}
@@ -133,12 +133,12 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         """What the capture query of the last module boundary answered: every call
         until the next boundary goes by it (one query per boundary, not per tensor)."""
         self._warned_not_freed = False  # the copied-but-not-freed warning was given
-        self._seq = 0  # forwards run so far under the hooks: the last group's ``seq``
+        self._seq = 0  # forwards run so far under the hooks: the last forward's ``seq``
         self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
         self._lock = threading.RLock()  # guards stats, in-flight queues and entries
 
     def __getstate__(self) -> dict[str, Any]:
-        """Options, groups and links; a copy starts with fresh stats, pool and engines."""
+        """Options, wrapped modules and links; a copy starts with fresh stats, pool and engines."""
         return {
             "options": {
                 "prefetch_depth": self.prefetch_depth,
@@ -318,20 +318,20 @@ class SwapManager(_SlotHooks, _GroupOps, _HandleOps):
         self._boundary(seq)
         prev = self._prev.get(module)
         prev_ref = self._latest.get(prev) if prev is not None else None
-        group = _Group(
+        fwd = _Forward(
             slot,
             seq,
             self._stats[slot.name],
             keep=self.is_kept(module),
             prev=prev_ref() if prev_ref is not None else None,
         )
-        self._latest[module] = weakref.ref(group)
+        self._latest[module] = weakref.ref(fwd)
         with torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(self._pack, group), self._unpack
+            functools.partial(self._pack, fwd), self._unpack
         ):
             out = forward(*args, **kwargs)
         self._boundary(seq)
-        if group.saves == 0:
-            # Nothing saved, so no unpack will tell when this group's backward begins.
-            self._on_backward(group, out)
+        if fwd.saves == 0:
+            # Nothing saved, so no unpack will tell when this forward's backward begins.
+            self._on_backward(fwd, out)
         return out

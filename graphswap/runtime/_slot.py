@@ -5,7 +5,7 @@ the manager keeps for each wrapped module (``_Slot``: module, name, index, polic
 ``GroupInfo``, its public view), the refusals of transforms that activation swap
 excludes (torch.compile and torch.export, activation checkpointing, a backward
 captured apart from its forward: ``SwapExclusionError``), a policy's bad answer, and
-how the manager learns that backward reached a group (``_SlotHooks``, a base of
+how the manager learns that backward reached a forward (``_SlotHooks``, a base of
 ``SwapManager``).
 """
 
@@ -24,7 +24,7 @@ from graphswap.errors import SwapExclusionError
 from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, policy_name
 
 if TYPE_CHECKING:
-    from graphswap.runtime._group import _Group
+    from graphswap.runtime._forward import _Forward
 
 
 _FIXES = {
@@ -129,32 +129,32 @@ def _bad_decision(slot: _Slot, decision: object) -> TypeError:
 
 
 class _SlotHooks:
-    """When backward reaches a group, and what may not run then.
+    """When backward reaches a forward, and what may not run then.
 
     A base of ``SwapManager`` (methods moved, not wrapped); the state it uses is
     ``SwapManager``'s, commented there.
     """
 
-    def _on_backward(self, group: _Group, out: Any) -> None:
-        """Call ``_backward_begins(group)`` when backward reaches the outputs ``out``."""
-        begins = functools.partial(self._backward_begins, group)
+    def _on_backward(self, fwd: _Forward, out: Any) -> None:
+        """Call ``_backward_begins(fwd)`` when backward reaches the outputs ``out``."""
+        begins = functools.partial(self._backward_begins, fwd)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if len(outputs) == 1 and outputs[0].grad_fn is not None:
             outputs[0].grad_fn.register_prehook(begins)
         elif outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
 
-    def _refuse_reload_under_capture(self, group: _Group) -> None:
+    def _refuse_reload_under_capture(self, fwd: _Forward) -> None:
         """A backward under graph capture may not reload what a forward outside it copied
         to host: the copy would be captured into the graph, and every replay would read
         host buffers that other steps reuse by then. Checked before any copy is issued,
-        for ``group`` and the groups its backward prefetches."""
-        target = group
+        for ``fwd`` and the forwards its backward prefetches."""
+        target = fwd
         for _ in range(self.prefetch_depth + 1):
             if any(entry.buf is not None for entry in target.entries.values()):
                 raise SwapExclusionError(
                     f"activation swap excludes capturing a backward whose forward ran outside"
-                    f" the capture: the backward of {group.name!r} began while the current"
+                    f" the capture: the backward of {fwd.name!r} began while the current"
                     f" stream captures a graph, but {target.name!r} swapped tensors to host in"
                     f" a forward outside it, and their reload would be captured and replayed"
                     f" from reused host buffers; run that forward under the same capture (its"
@@ -165,14 +165,14 @@ class _SlotHooks:
                 return
             target = target.prev
 
-    def _backward_begins(self, group: _Group, _grad: Any = None) -> None:
-        """Backward reached ``group``: at its first unpack (a hook on its outputs would
-        cost more than the whole swap of a small layer), or, for a group that saved
+    def _backward_begins(self, fwd: _Forward, _grad: Any = None) -> None:
+        """Backward reached ``fwd``: at its first unpack (a hook on its outputs would
+        cost more than the whole swap of a small layer), or, for a forward that saved
         nothing, at its outputs."""
         self._boundary(self._seq)
         if self._capturing:
-            self._refuse_reload_under_capture(group)
-        target = group.prev
+            self._refuse_reload_under_capture(fwd)
+        target = fwd.prev
         for _ in range(self.prefetch_depth):
             if target is None:
                 break

@@ -69,7 +69,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     def spy_unpack(self: SwapManager, packed) -> torch.Tensor:
         out = unpack(self, packed)
         if type(packed) is _Swapped:
-            seen.append(("unpack", packed.group.name))
+            seen.append(("unpack", packed.forward.name))
         return out
 
     monkeypatch.setattr(SwapManager, "_offload", spy_offload)

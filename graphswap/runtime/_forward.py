@@ -1,10 +1,10 @@
-"""One forward's swap group: pack decisions, offload, the lag fence, prefetch, load, release.
+"""One forward call's swap: pack decisions, offload, the lag fence, prefetch, load, release.
 
 One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
-saved tensors of one forward call of one wrapped module (``_Group``) and what the
-manager does with them (``_GroupOps``, a base of ``SwapManager``): decide at each
+saved tensors of one forward call of one wrapped module (``_Forward``) and what the
+manager does with them (``_ForwardOps``, a base of ``SwapManager``): decide at each
 pack whether a tensor stays or goes, copy it to host, fence offloads at module
-boundaries ``offload_lag`` forwards later, prefetch the groups before it when its
+boundaries ``offload_lag`` forwards later, prefetch the forwards before it when its
 backward begins, issue reloads, and free the source and the host buffer at the end.
 """
 
@@ -29,7 +29,7 @@ from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import CheckpointPolicy, is_parameter_like, local_tensor
 
 
-class _Group:
+class _Forward:
     """The saved tensors of one forward call of one wrapped module."""
 
     __slots__ = (
@@ -52,14 +52,14 @@ class _Group:
         stats: GroupStats,
         *,
         keep: bool,
-        prev: _Group | None,
+        prev: _Forward | None,
     ) -> None:
         self.slot = slot  # the wrapped module this forward ran
         self.seq = seq  # the manager's forward count when it opened: offload_lag's clock
         self.stats = stats  # the slot's stats, counted into by every pack and reload
         self.keep = keep  # the end of a linked chain (keep_last): nothing is swapped
         self.prev = prev
-        """The group its prev module opened last: the one this group's backward prefetches."""
+        """The forward its prev module ran last: the one this forward's backward prefetches."""
         self.protected: set[int] | None = None
         """Storages of the module's parameters and buffers, never swapped; found when the
         first tensor is about to be swapped, so forwards that swap nothing pay nothing."""
@@ -67,7 +67,7 @@ class _Group:
         self.saves = 0
         """Pack calls so far in this forward (parameters and aliases too)."""
         self.task = -1
-        """The autograd graph task whose backward reached this group last (-1: none)."""
+        """The autograd graph task whose backward reached this forward last (-1: none)."""
 
     def is_protected(self, key: int) -> bool:
         if self.protected is None:
@@ -102,8 +102,8 @@ def _state_storages(module: torch.nn.Module) -> set[int]:
     return keys
 
 
-class _GroupOps:
-    """What ``SwapManager`` does with its groups, from pack to release.
+class _ForwardOps:
+    """What ``SwapManager`` does with the forwards it records, from pack to release.
 
     A base of ``SwapManager`` (methods moved, not wrapped: the pack hook is the bound
     method itself); the state it uses is ``SwapManager``'s, commented there.
@@ -126,7 +126,7 @@ class _GroupOps:
 
     def _boundary(self, seq: int) -> None:
         """A module boundary: the one capture query until the next; the offloads since
-        the last boundary are closed as a batch; offloads of groups ``offload_lag``
+        the last boundary are closed as a batch; offloads of forwards ``offload_lag``
         forwards back are fenced (their producing stream waits for the newest of them,
         which ends all before it) and their sources dropped; finished ones too."""
         engines = self._engines.values()
@@ -190,9 +190,9 @@ class _GroupOps:
                 stacklevel=2,
             )
 
-    def _pack(self, group: _Group, t: torch.Tensor) -> Any:
-        index = group.saves
-        group.saves = index + 1
+    def _pack(self, fwd: _Forward, t: torch.Tensor) -> Any:
+        index = fwd.saves
+        fwd.saves = index + 1
         local = t if type(t) is torch.Tensor else local_tensor(t)
         if (
             type(local) is torch.Tensor
@@ -202,49 +202,49 @@ class _GroupOps:
         ):
             storage = local.untyped_storage()
             key = storage._cdata
-            entry = group.entries.get(key)
+            entry = fwd.entries.get(key)
             if entry is not None and entry.buf is None:
                 entry = None  # every handle of its copy died: its host buffer went back
             version = t._version
             if entry is None:
-                slot = group.slot
+                slot = fwd.slot
                 decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
                 if decision is not CheckpointPolicy.MUST_SWAP:
                     if decision is not CheckpointPolicy.MUST_SAVE:
                         raise _bad_decision(slot, decision)
-                    return _Kept(t, group)
-                if group.is_protected(key):
-                    return _Kept(t, group)
+                    return _Kept(t, fwd)
+                if fwd.is_protected(key):
+                    return _Kept(t, fwd)
             elif version != entry.version:
-                return self._keep_changed(group, t, entry)
+                return self._keep_changed(fwd, t, entry)
             layout = (local.dtype, local.size(), local.stride())
             if entry is None:
-                entry = self._offload(group, local, storage, layout)
+                entry = self._offload(fwd, local, storage, layout)
                 if entry is None:
-                    return _Kept(t, group)
+                    return _Kept(t, fwd)
                 entry.version = version
-            return _Swapped(group, entry, t, local, layout, version)
-        return _Kept(t, group)
+            return _Swapped(fwd, entry, t, local, layout, version)
+        return _Kept(t, fwd)
 
-    def _keep_changed(self, group: _Group, t: torch.Tensor, entry: _Entry) -> _Kept:
+    def _keep_changed(self, fwd: _Forward, t: torch.Tensor, entry: _Entry) -> _Kept:
         """A storage saved again after an in-place change since its copy was issued: that
         copy may hold either version, so this save keeps its own bytes on device."""
         with self._lock:
-            stats = group.stats
+            stats = fwd.stats
             stats.kept_tensors += 1
             stats.kept_bytes += entry.nbytes
             stats.kept_changed += 1
-        return _Kept(t, group)
+        return _Kept(t, fwd)
 
     def _offload(
-        self, group: _Group, local: torch.Tensor, storage: torch.UntypedStorage, layout: Layout
+        self, fwd: _Forward, local: torch.Tensor, storage: torch.UntypedStorage, layout: Layout
     ) -> _Entry | None:
         nbytes = storage.nbytes()
         device = local.device
         engine = self._device_engines.get(device) or self._first_engine(device)
         reason: str | None = None
         buf: HostBuffer | Refusal | None = None
-        if group.keep:
+        if fwd.keep:
             reason = "kept_last_layer"
         elif self._capturing:
             reason = "kept_capturing"
@@ -252,7 +252,7 @@ class _GroupOps:
             buf = self._pool.acquire(device, nbytes, engine)
             if isinstance(buf, Refusal):
                 reason = buf.value
-        stats = group.stats
+        stats = fwd.stats
         if reason is not None or not isinstance(buf, HostBuffer):
             with self._lock:
                 stats.kept_tensors += 1
@@ -273,26 +273,24 @@ class _GroupOps:
             host = buf.view(torch.uint8, src.shape, nbytes)
             layout = (torch.uint8, src.shape, (1,))
         copy = engine.offload(src, host, buf.last_use)
-        entry = _Entry(
-            self, group.slot.name, stats, device, engine, nbytes, buf, host, layout, copy
-        )
-        group.entries[storage._cdata] = entry
+        entry = _Entry(self, fwd.slot.name, stats, device, engine, nbytes, buf, host, layout, copy)
+        fwd.entries[storage._cdata] = entry
         with self._lock:
             queue = self._in_flight.get(device)
             if queue is None:
                 queue = self._in_flight[device] = collections.deque()
-            queue.append((group.seq, copy, weakref.ref(entry)))
+            queue.append((fwd.seq, copy, weakref.ref(entry)))
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
         return entry
 
-    def _prefetch(self, group: _Group) -> None:
-        """Reload ``group``'s swapped storages as one batch, first needed first: backward
+    def _prefetch(self, fwd: _Forward) -> None:
+        """Reload ``fwd``'s swapped storages as one batch, first needed first: backward
         consumes them in reverse saving order, and each waits only for its own copy."""
         with self._lock:
             due = [
                 entry
-                for entry in reversed(group.entries.values())
+                for entry in reversed(fwd.entries.values())
                 if entry.load is None and entry.buf is not None and entry.refs
             ]
             if not due:
