@@ -18,7 +18,9 @@ VOCAB = 512
 
 
 def rewritten(tiny_model, seed: int = 0) -> tuple[torch.nn.Module, graphswap.SwapManager]:
-    model = tiny_model(seed, attn_implementation="sdpa")
+    """A real model through ``graphswap.rewrite``: two layers, the first swapping, linked
+    to the last, which keeps its tensors on device."""
+    model = tiny_model(seed, attn_implementation="sdpa", num_hidden_layers=2)
     report = graphswap.rewrite(model, rules=["qwen3_attn_swap"])
     return model, report.manager
 
@@ -28,7 +30,8 @@ def train(model: torch.nn.Module, steps: int = 2) -> tuple[list[float], dict]:
     gen = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (2, 1024), generator=gen)
+        # At seq 512 the attention's queries (three stages) and output, 1 MiB each, swap.
+        ids = torch.randint(0, VOCAB, (2, 512), generator=gen)
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         losses.append(loss.item())

@@ -18,9 +18,10 @@ from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime import _pool as pool_module
 
 BLOCKS = 6
-WIDTH = 512
-ROWS = 1024
-"""A block saves its input and its output, 2 MiB each in fp32."""
+WIDTH = 256
+ROWS = 512
+"""A block saves its input and its output, 512 KiB each in fp32: the host path counts
+calls and allocations, which do not depend on the size."""
 
 
 def swap_all(t: torch.Tensor) -> CheckpointPolicy:
@@ -200,11 +201,11 @@ def resident_after_forward(swap: bool) -> tuple[int, SwapManager | None]:
     """A wrapped ``Linear + ReLU`` block under bf16 autocast, whose weight cast autocast
     caches: activation bytes alive after forward, by the independent tracker."""
     torch.manual_seed(0)
-    block = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU())
+    block = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())
     manager = SwapManager(keep_last=False) if swap else None
     if manager is not None:
         swap_wrapper(block, manager=manager, policy=swap_all, name="block")
-    x = torch.randn(1024, 1024)
+    x = torch.randn(ROWS, WIDTH)
     tracker = ResidentActivationTracker("cpu")
     with tracker.track(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = block(x)
@@ -219,7 +220,7 @@ def test_autocast_weight_cache_is_counted_as_copied_but_not_freed() -> None:
         swapped, manager = resident_after_forward(swap=True)
     assert manager is not None
     stats = manager.stats
-    weight_cast = 1024 * 1024 * 2
+    weight_cast = WIDTH * WIDTH * 2
     assert stats.offloaded_not_freed_bytes >= weight_cast
     assert plain - swapped == stats.offloaded_bytes - stats.offloaded_not_freed_bytes
     assert plain - swapped > 0

@@ -1,5 +1,6 @@
 """Off the happy path: graphs never backpropagated, forwards that raise, in-place changes
-to kept tensors, tensors saved by several nodes, varying shapes, graph capture."""
+to kept tensors, tensors saved by several nodes, varying shapes, graph capture; on the
+toy transformer of this folder's ``conftest.py`` and blocks of a few operators."""
 
 from __future__ import annotations
 
@@ -7,42 +8,23 @@ import copy
 import gc
 import itertools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from graphswap import SwapManager, swap_wrapper
 from graphswap.errors import SwapExclusionError, SwapIntegrityError
-from graphswap.hf.checkpoints import build_model
-from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime._handles import _Entry
-from graphswap.runtime.policy import SwapPolicy, size_threshold_policy, swap_large_activations
+from graphswap.runtime.policy import size_threshold_policy
 
 VOCAB = 512
+SEQ = 256
+"""The toy's sequence length: its attention probabilities (2 MiB) swap, the rest stays."""
 
 
-def make_model(layers: int, attn: str = "eager", seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return build_model(qwen3_moe_config("tiny", attn_implementation=attn, num_hidden_layers=layers))
-
-
-def wrap(
-    model: torch.nn.Module, policy: SwapPolicy = swap_large_activations, **manager_kwargs
-) -> SwapManager:
-    manager = SwapManager(**manager_kwargs)
-    attns = [
-        swap_wrapper(
-            layer.self_attn, manager=manager, name=f"model.layers.{i}.self_attn", policy=policy
-        )
-        for i, layer in enumerate(model.model.layers)
-    ]
-    for prev, nxt in itertools.pairwise(attns):
-        manager.link(prev, nxt)
-    return manager
-
-
-def ids(seq: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
+def ids(seq: int = SEQ, batch: int = 2, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
@@ -61,25 +43,25 @@ def live_entries() -> int:
     return sum(type(o) is _Entry for o in gc.get_objects())
 
 
-def test_forwards_without_backward_free_everything_by_refcount(no_gc) -> None:
-    model = make_model(layers=3, attn="sdpa")
-    manager = wrap(model)
-    x = ids(1024)
+def test_forwards_without_backward_free_everything_by_refcount(toy_model, no_gc) -> None:
+    manager = SwapManager()
+    model = toy_model(layers=3, manager=manager)
+    x = ids()
     for _ in range(5):
         model(input_ids=x, labels=x)
         assert manager.stats.host_in_use_bytes == 0
     stats = manager.stats
     assert stats.offloaded_bytes > 0, "the test must swap something to mean anything"
     assert stats.host_reserved_bytes <= stats.peak_host_bytes * 2
-    group = manager._latest[model.model.layers[0].self_attn]
+    group = manager._latest[model.layers[0].attn]
     assert group() is None, "a dropped graph left a swap group alive"
     assert live_entries() == 0
 
 
-def test_dropped_retain_graph_releases_host_buffers(no_gc) -> None:
-    model = make_model(layers=3, attn="sdpa")
-    manager = wrap(model)
-    x = ids(1024)
+def test_dropped_retain_graph_releases_host_buffers(toy_model, no_gc) -> None:
+    manager = SwapManager()
+    model = toy_model(layers=3, manager=manager)
+    x = ids()
     loss = model(input_ids=x, labels=x).loss
     loss.backward(retain_graph=True)
     assert manager.stats.host_in_use_bytes > 0, "a retained graph keeps its buffers"
@@ -88,15 +70,15 @@ def test_dropped_retain_graph_releases_host_buffers(no_gc) -> None:
     assert live_entries() == 0
 
 
-def test_forward_that_raises_half_way_releases_everything(no_gc) -> None:
-    model = make_model(layers=3, attn="sdpa")
-    manager = wrap(model)
+def test_forward_that_raises_half_way_releases_everything(toy_model, no_gc) -> None:
+    manager = SwapManager()
+    model = toy_model(layers=3, manager=manager)
 
     def boom(*_args) -> None:
         raise RuntimeError("boom in layer 2")
 
-    handle = model.model.layers[2].mlp.register_forward_hook(boom)
-    x = ids(1024)
+    handle = model.layers[2].mlp.register_forward_hook(boom)
+    x = ids()
     with pytest.raises(RuntimeError, match="boom in layer 2"):
         model(input_ids=x, labels=x)
     handle.remove()
@@ -105,14 +87,14 @@ def test_forward_that_raises_half_way_releases_everything(no_gc) -> None:
     assert live_entries() == 0
 
 
-def plain_and_swapped_grads(model_fn, modify) -> tuple[BaseException | None, BaseException | None]:
+def plain_and_swapped_grads(
+    toy_model: Callable[..., torch.nn.Module], modify: Callable[[Any], object]
+) -> tuple[BaseException | None, BaseException | None]:
     """Run the same forward, in-place change and backward on a plain and a wrapped model."""
     errors: list[BaseException | None] = []
-    for swapped in (False, True):
-        model = model_fn()
-        if swapped:
-            wrap(model)
-        x = ids(512)
+    for manager in (None, SwapManager()):
+        model = toy_model(layers=3, manager=manager)
+        x = ids()
         out = model(input_ids=x, labels=x, output_attentions=True)
         modify(out)
         try:
@@ -124,13 +106,11 @@ def plain_and_swapped_grads(model_fn, modify) -> tuple[BaseException | None, Bas
 
 
 @pytest.mark.parametrize("layer", [-1, 0], ids=["kept_last_layer", "swapped_layer"])
-def test_in_place_change_of_a_saved_tensor_raises_where_pytorch_does(layer) -> None:
-    plain, swapped = plain_and_swapped_grads(
-        lambda: make_model(layers=3), lambda out: out.attentions[layer].mul_(0.5)
-    )
+def test_in_place_change_of_a_saved_tensor_raises_where_pytorch_does(toy_model, layer) -> None:
+    plain, swapped = plain_and_swapped_grads(toy_model, lambda out: out.attentions[layer].mul_(0.5))
     assert plain is not None and "modified by an inplace operation" in str(plain)
     assert isinstance(swapped, SwapIntegrityError)
-    assert "self_attn" in str(swapped) and "in-place" in str(swapped)
+    assert f"'layers.{layer % 3}.attn'" in str(swapped) and "in-place" in str(swapped)
 
 
 class ReturnsWhatItSaves(torch.nn.Module):
@@ -326,18 +306,17 @@ def test_a_saved_dtensor_changed_then_dropped_raises(fake_mesh: object) -> None:
     assert isinstance(error, SwapIntegrityError) and "'d1'" in str(error)
 
 
-def test_in_place_change_of_an_unsaved_output_is_no_error() -> None:
-    plain, swapped = plain_and_swapped_grads(
-        lambda: make_model(layers=3), lambda out: out.logits.detach().mul_(1.0)
-    )
+def test_in_place_change_of_an_unsaved_output_is_no_error(toy_model) -> None:
+    plain, swapped = plain_and_swapped_grads(toy_model, lambda out: out.logits.detach().mul_(1.0))
     assert plain is None and swapped is None
 
 
-def test_a_tensor_saved_by_three_nodes_is_reloaded_once() -> None:
-    """The attention input is saved by q, k and v projections: one reload, no miss."""
-    model = make_model(layers=3, attn="sdpa")
-    manager = wrap(model)
-    x = ids(2048, batch=1)
+def test_a_tensor_saved_by_three_nodes_is_reloaded_once(toy_model) -> None:
+    """The attention input is saved by q, k and v projections: one reload, no miss.
+    At 64 KiB the input swaps, with every other activation of the attention."""
+    manager = SwapManager()
+    model = toy_model(layers=3, manager=manager, policy=size_threshold_policy(1 << 16))
+    x = ids()
     model(input_ids=x, labels=x).loss.backward()
     stats = manager.stats
     assert stats.offloaded_bytes > 0
@@ -346,10 +325,10 @@ def test_a_tensor_saved_by_three_nodes_is_reloaded_once() -> None:
     assert stats.prefetch_misses == 0
 
 
-def test_varying_sequence_lengths_keep_host_memory_within_twice_the_peak() -> None:
+def test_varying_sequence_lengths_keep_host_memory_within_twice_the_peak(toy_model) -> None:
     """Trimmed at each step boundary: when the next step's first wrapped forward begins."""
-    model = make_model(layers=3, attn="sdpa")
-    manager = wrap(model, policy=size_threshold_policy(4096))
+    manager = SwapManager()
+    model = toy_model(layers=3, manager=manager, policy=size_threshold_policy(4096))
     checked = []
 
     def at_step_start(module: torch.nn.Module, args: object) -> None:
@@ -358,7 +337,7 @@ def test_varying_sequence_lengths_keep_host_memory_within_twice_the_peak() -> No
             assert stats.host_reserved_bytes <= 2 * stats.peak_host_bytes
             checked.append(stats.host_reserved_bytes)
 
-    model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(at_step_start)
+    model.layers[0].attn.q_proj.register_forward_pre_hook(at_step_start)
     for step, seq in enumerate(range(17, 300, 11)):
         x = ids(seq, seed=step)
         model(input_ids=x, labels=x).loss.backward()
@@ -367,12 +346,12 @@ def test_varying_sequence_lengths_keep_host_memory_within_twice_the_peak() -> No
     assert len(checked) == len(range(17, 300, 11)) and max(checked) > 0
 
 
-def test_under_graph_capture_tensors_stay_on_device_and_are_counted() -> None:
-    base = make_model(layers=3, attn="sdpa")
-    model = make_model(layers=3, attn="sdpa")
+def test_under_graph_capture_tensors_stay_on_device_and_are_counted(toy_model) -> None:
+    base = toy_model(layers=3)
     engine = SimulatedAccelerator(lag=2)
-    manager = wrap(model, engine=engine)
-    x = ids(1024)
+    manager = SwapManager(engine=engine)
+    model = toy_model(layers=3, manager=manager)
+    x = ids()
     model(input_ids=x, labels=x).loss.backward()
     offloaded = manager.stats.offloaded_tensors
     with engine.capture():
@@ -429,16 +408,16 @@ def test_a_backward_under_capture_of_a_forward_outside_it_is_refused(last: str) 
             assert torch.equal(p.grad, q.grad)
 
 
-def test_failed_host_allocation_keeps_the_tensor_and_counts_it(monkeypatch) -> None:
-    model = make_model(layers=3, attn="sdpa")
+def test_failed_host_allocation_keeps_the_tensor_and_counts_it(toy_model, monkeypatch) -> None:
     engine = SimulatedAccelerator()
-    manager = wrap(model, engine=engine)
+    manager = SwapManager(engine=engine)
+    model = toy_model(layers=3, manager=manager)
 
     def fail(device: torch.device, nbytes: int) -> torch.Tensor:
         raise torch.OutOfMemoryError("pinned allocation failed")
 
     monkeypatch.setattr(engine, "host_buffer", fail)
-    x = ids(1024)
+    x = ids()
     model(input_ids=x, labels=x).loss.backward()
     stats = manager.stats
     assert stats.offloaded_tensors == 0

@@ -1,20 +1,21 @@
 """A wrapped model behaves exactly as the plain one, whatever users do in whatever order.
 
-A stateful property test drives a swap-wrapped tiny Qwen3-MoE and an unwrapped copy
-through random sequences of forwards (with and without grad, new sequence lengths),
-backwards (with and without ``retain_graph``), dropped graphs, forwards that raise and
-in-place changes to saved tensors, also changes after which the caller drops every
-reference to the changed tensor (directly or through a view) while its copy may still
-be in flight; with the default CPU engine and with simulated accelerators that lag up
-to 50 module boundaries, at ``offload_lag`` up to 3. After every action the two agree
-bit for bit, raise together, and once no graph is alive the swap holds no host buffer
-and no object of its own.
+A stateful property test drives a swap-wrapped toy transformer (this folder's
+``conftest.py``) and an unwrapped copy through random sequences of forwards (with and
+without grad, new sequence lengths), backwards (with and without ``retain_graph``),
+dropped graphs, forwards that raise and in-place changes to saved tensors, also
+changes after which the caller drops every reference to the changed tensor (directly
+or through a view) while its copy may still be in flight; with the default CPU engine
+and with simulated accelerators that lag up to 50 module boundaries, at
+``offload_lag`` up to 3. After every action the two agree bit for bit, raise
+together, and once no graph is alive the swap holds no host buffer and no object of
+its own.
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,40 +30,28 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from graphswap import SwapManager, swap_wrapper
+from graphswap import SwapManager
 from graphswap.errors import SwapIntegrityError
-from graphswap.hf.checkpoints import build_model
-from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime.policy import size_threshold_policy
 
 LAYERS = 2
-swap_above_1k = size_threshold_policy(1024)
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return build_model(
-        qwen3_moe_config("tiny", attn_implementation="eager", num_hidden_layers=LAYERS)
-    )
+swap_from_4k = size_threshold_policy(4096)
+"""At seq 16 to 40 the attention's probabilities swap, its 2-5 KiB input, queries, keys
+and values swap from seq 32 and stay on device below: both kinds in one group."""
 
 
 class SwapVsPlain(RuleBasedStateMachine):
     engine_lag: int | None = None
     offload_lag: int = 1
+    make_model: Callable[..., torch.nn.Module]
 
     def __init__(self) -> None:
         super().__init__()
-        self.plain = make_model()
-        self.swap = make_model()
+        self.plain = self.make_model(layers=LAYERS)
         engine = None if self.engine_lag is None else SimulatedAccelerator(lag=self.engine_lag)
         self.manager = SwapManager(engine=engine, offload_lag=self.offload_lag)
-        attns = [
-            swap_wrapper(layer.self_attn, manager=self.manager, name=f"l{i}", policy=swap_above_1k)
-            for i, layer in enumerate(self.swap.model.layers)
-        ]
-        for prev, nxt in itertools.pairwise(attns):
-            self.manager.link(prev, nxt)
+        self.swap = self.make_model(layers=LAYERS, manager=self.manager, policy=swap_from_4k)
         self.graphs: list[tuple] = []
         self.entries: list[weakref.ref] = []
         offload = self.manager._offload
@@ -106,9 +95,7 @@ class SwapVsPlain(RuleBasedStateMachine):
     @rule(seq=st.integers(16, 40), seed=st.integers(0, 3))
     def forward(self, seq: int, seed: int) -> None:
         ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(seed))
-        plain, swap = self.run_both(
-            lambda m: m(input_ids=ids, labels=ids, output_attentions=True, use_cache=False)
-        )
+        plain, swap = self.run_both(lambda m: m(input_ids=ids, labels=ids, output_attentions=True))
         assert torch.equal(plain.loss, swap.loss)
         self.graphs.append((plain, swap))
 
@@ -116,7 +103,7 @@ class SwapVsPlain(RuleBasedStateMachine):
     def forward_no_grad(self, seq: int) -> None:
         ids = torch.arange(seq).remainder(512)[None]
         with torch.no_grad():
-            plain, swap = self.run_both(lambda m: m(input_ids=ids, use_cache=False).logits)
+            plain, swap = self.run_both(lambda m: m(input_ids=ids).logits)
         assert torch.equal(plain, swap)
 
     @rule(layer=st.integers(0, LAYERS - 1))
@@ -124,12 +111,10 @@ class SwapVsPlain(RuleBasedStateMachine):
         def boom(*_args) -> None:
             raise RuntimeError("boom")
 
-        hooks = [
-            m.model.layers[layer].mlp.register_forward_hook(boom) for m in (self.plain, self.swap)
-        ]
+        hooks = [m.layers[layer].mlp.register_forward_hook(boom) for m in (self.plain, self.swap)]
         ids = torch.arange(32)[None]
         try:
-            plain, swap = self.run_both(lambda m: m(input_ids=ids, labels=ids, use_cache=False))
+            plain, swap = self.run_both(lambda m: m(input_ids=ids, labels=ids))
         finally:
             for hook in hooks:
                 hook.remove()
@@ -173,7 +158,7 @@ class SwapVsPlain(RuleBasedStateMachine):
             for layer in layers:
                 saved = out.attentions[layer]
                 (saved[..., 1:] if through_view else saved).add_(1.0)
-            out["attentions"] = None  # attribute assignment of None keeps the dict entry
+            out.attentions = None
 
     def modify_saved_tensors_in_place(self, index: int, layers: set[int]) -> None:
         for out in self.graphs[index]:
@@ -195,11 +180,17 @@ class SwapVsPlain(RuleBasedStateMachine):
     [(None, 1), (3, 1), (50, 0), (50, 2), (50, 3)],
     ids=["cpu", "sim3", "sim50-offload0", "sim50-offload2", "sim50-offload3"],
 )
-def test_swap_behaves_as_plain_pytorch(engine_lag: int | None, offload_lag: int) -> None:
+def test_swap_behaves_as_plain_pytorch(
+    toy_model: Callable[..., torch.nn.Module], engine_lag: int | None, offload_lag: int
+) -> None:
     machine = type(
         f"SwapVsPlain_{engine_lag}_{offload_lag}",
         (SwapVsPlain,),
-        {"engine_lag": engine_lag, "offload_lag": offload_lag},
+        {
+            "engine_lag": engine_lag,
+            "offload_lag": offload_lag,
+            "make_model": staticmethod(toy_model),
+        },
     )
     run_state_machine_as_test(
         machine,

@@ -1,4 +1,5 @@
-"""The schedule a GPU runs, on CPU: a simulated device that lags behind the host."""
+"""The schedule a GPU runs, on CPU: a simulated device that lags behind the host; on the
+toy transformer of this folder's ``conftest.py`` and blocks of a few operators."""
 
 from __future__ import annotations
 
@@ -10,21 +11,22 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
-from graphswap.hf.checkpoints import build_model
-from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import HazardError, SimulatedAccelerator
 from graphswap.runtime._engines import _Offload
-from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
+from graphswap.runtime.policy import size_threshold_policy
 
 LAYERS = 6
+swap_from_64k = size_threshold_policy(1 << 16)
+"""Swaps every activation the toy attention saves, its 64 KiB ones with its probabilities:
+several tensors per layer, so that a fence must free all of a layer's, not only its last."""
 
 
 def recording(record: list[tuple[StorageWeakRef, int]]) -> Callable:
-    """The stock policy, noting what it chose to swap: weak references to the storages,
-    an account of residency that does not ask the runtime."""
+    """A size policy, noting what it chose to swap: weak references to the storages, an
+    account of residency that does not ask the runtime."""
 
     def policy(t: torch.Tensor) -> CheckpointPolicy:
-        decision = swap_large_activations(t)
+        decision = swap_from_64k(t)
         if decision is CheckpointPolicy.MUST_SWAP:
             storage = t.untyped_storage()
             record.append((StorageWeakRef(storage), storage.nbytes()))
@@ -33,21 +35,15 @@ def recording(record: list[tuple[StorageWeakRef, int]]) -> Callable:
     return policy
 
 
-def resident_at_each_layer(engine_lag: int, offload_lag: int) -> tuple[list[int], int, int]:
+def resident_at_each_layer(
+    toy_model: Callable[..., torch.nn.Module], engine_lag: int, offload_lag: int
+) -> tuple[list[int], int, int]:
     """Swapped bytes of earlier layers still alive when each attention's forward is
     called, and the largest and smallest layer's swappable bytes."""
-    torch.manual_seed(0)
-    model = build_model(
-        qwen3_moe_config("tiny", attn_implementation="sdpa", num_hidden_layers=LAYERS)
-    )
     manager = SwapManager(engine=SimulatedAccelerator(lag=engine_lag), offload_lag=offload_lag)
     records: list[list[tuple[StorageWeakRef, int]]] = [[] for _ in range(LAYERS)]
-    attns = [
-        swap_wrapper(layer.self_attn, manager=manager, name=f"l{i}", policy=recording(records[i]))
-        for i, layer in enumerate(model.model.layers)
-    ]
-    for prev, nxt in itertools.pairwise(attns):
-        manager.link(prev, nxt)
+    model = toy_model(layers=LAYERS, manager=manager, policy=[recording(r) for r in records])
+    attns = [layer.attn for layer in model.layers]
     resident: list[int] = []
 
     def measure(index: int) -> Callable:
@@ -60,9 +56,8 @@ def resident_at_each_layer(engine_lag: int, offload_lag: int) -> tuple[list[int]
 
     for i, attn in enumerate(attns):
         attn.register_forward_pre_hook(measure(i))
-    ids = torch.randint(0, 512, (2, 1024), generator=torch.Generator().manual_seed(1))
-    # use_cache=False: a KV cache would hold keys and values whatever the swap does.
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
     sizes = [sum(n for _, n in layer) for layer in records[:-1]]
     loss.backward()
     stats = manager.stats
@@ -73,8 +68,10 @@ def resident_at_each_layer(engine_lag: int, offload_lag: int) -> tuple[list[int]
 
 @pytest.mark.parametrize("engine_lag", [0, 3, 100])
 @pytest.mark.parametrize("offload_lag", [0, 1, 2])
-def test_swapped_bytes_leave_within_the_offload_lag(engine_lag: int, offload_lag: int) -> None:
-    resident, largest, smallest = resident_at_each_layer(engine_lag, offload_lag)
+def test_swapped_bytes_leave_within_the_offload_lag(
+    toy_model, engine_lag: int, offload_lag: int
+) -> None:
+    resident, largest, smallest = resident_at_each_layer(toy_model, engine_lag, offload_lag)
     assert max(resident) <= (offload_lag + 1) * largest
     if engine_lag == 100:
         # The device never finishes on its own: only the lag bound frees memory, and
@@ -83,9 +80,11 @@ def test_swapped_bytes_leave_within_the_offload_lag(engine_lag: int, offload_lag
         assert resident[LAYERS - 1] <= offload_lag * largest
 
 
-def test_without_fences_a_lagging_device_frees_nothing_during_forward() -> None:
+def test_without_fences_a_lagging_device_frees_nothing_during_forward(toy_model) -> None:
     """What the bound prevents: with an unbounded lag every layer stays resident."""
-    resident, _, smallest = resident_at_each_layer(engine_lag=100, offload_lag=LAYERS + 10)
+    resident, _, smallest = resident_at_each_layer(
+        toy_model, engine_lag=100, offload_lag=LAYERS + 10
+    )
     assert resident[LAYERS - 1] >= (LAYERS - 1) * smallest
 
 
