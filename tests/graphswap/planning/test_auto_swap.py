@@ -5,8 +5,9 @@ plan says (measured by the independent tracker and by the swap's own stats)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import MemoryPlan, plan_memory
+from graphswap.planning import MemoryPlan, StepTrace, plan_step
 from graphswap.planning.auto_swap import (
     AutoSwap,
     AutoSwapMismatchError,
@@ -46,18 +47,11 @@ def _build(mode: str, **settings: Any) -> BuiltModel:
     return build(TrainerConfig(activation_swap=mode, **settings))  # type: ignore[arg-type]
 
 
-def _cpu_plan(swap: str, *, layers: int = 4, attn: str = "sdpa", **kwargs: Any) -> MemoryPlan:
-    config = qwen3_moe_config("tiny", num_hidden_layers=layers, attn_implementation=attn)
-    return plan_memory(
-        config,
-        seq=SEQ,
-        batch=2,
-        dtype=torch.float32,
-        attn_implementation=attn,
-        device="cpu",
-        activation_swap=swap,  # type: ignore[arg-type]
-        **kwargs,
-    )
+@pytest.fixture(scope="module")
+def fast_link_plan(slow_compute_at: Callable[[float], StepTrace]) -> MemoryPlan:
+    """``auto`` on the tiny step (4 layers, sdpa, batch 2 x seq 512, float32, CPU) at a link
+    so fast that it swaps what layer swap would."""
+    return plan_step(qwen3_moe_config("tiny"), slow_compute_at(1e9), activation_swap="auto")
 
 
 class _Recorder:
@@ -75,7 +69,7 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_the_runtime_numbers_saves_as_the_trace_does(attn: str) -> None:
+def test_the_runtime_numbers_saves_as_the_trace_does(attn: str, one_thread: None) -> None:
     """Every pack call counts, parameters and repeated saves of one storage too: the
     index a policy is told finds the traced save, with its shape and dtype."""
     config = qwen3_moe_config("tiny", num_hidden_layers=2, attn_implementation=attn)
@@ -116,7 +110,7 @@ def _train_steps(mode: str, attn: str, steps: int = 2) -> tuple[list[torch.Tenso
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_layer_and_auto_train_bitwise_equal_to_none(attn: str) -> None:
+def test_layer_and_auto_train_bitwise_equal_to_none(attn: str, one_thread: None) -> None:
     plain_losses, plain_grads = _train_steps("none", attn)
     for mode in ("layer", "auto"):
         losses, grads = _train_steps(mode, attn)
@@ -142,32 +136,30 @@ def _resident_and_stats(built: BuiltModel) -> tuple[int, dict[str, int]]:
     return resident, {k: v.offloaded_bytes for k, v in manager.stats.per_group.items()}
 
 
-@pytest.fixture(scope="module")
-def none_resident() -> int:
-    return _resident_and_stats(_build("none"))[0]
+Run = Callable[[str], tuple[int, dict[str, int]]]
 
 
 @pytest.fixture(scope="module")
-def layer_run() -> tuple[int, dict[str, int]]:
-    return _resident_and_stats(_build("layer"))
+def run() -> Run:
+    """``run(mode)``: :func:`_resident_and_stats` of the default model with ``mode``, made
+    once for the module (called from tests, which run it on one thread)."""
+    return functools.cache(lambda mode: _resident_and_stats(_build(mode)))
 
 
 def test_layer_frees_every_swappable_byte_but_the_last_layers(
-    none_resident: int, layer_run: tuple[int, dict[str, int]]
+    run: Run, tiny_trace: StepTrace, one_thread: None
 ) -> None:
-    none, (layer, offloaded) = none_resident, layer_run
-    attention, _ = _resident_and_stats(_build("attention"))
-    plan = _cpu_plan("layer")
+    (none, _), (layer, offloaded) = run("none"), run("layer")
+    attention, _ = run("attention")
+    plan = plan_step(qwen3_moe_config("tiny"), tiny_trace, activation_swap="layer")
     assert none - layer >= none - attention > 0
     assert none - layer == pytest.approx(plan.swapped_bytes, rel=0.01)
     assert sum(offloaded.values()) == plan.swapped_bytes
     assert offloaded["model.layers.3"] == 0  # kept: its backward starts at once
 
 
-def test_auto_with_a_very_fast_link_swaps_what_layer_swaps(
-    layer_run: tuple[int, dict[str, int]],
-) -> None:
-    layer = layer_run[1]
+def test_auto_with_a_very_fast_link_swaps_what_layer_swaps(run: Run, one_thread: None) -> None:
+    layer = run("layer")[1]
     built = _build("auto", swap_bandwidth_gbps=1e9)
     _, auto = _resident_and_stats(built)
     assert auto == layer and sum(auto.values()) > 0
@@ -175,10 +167,10 @@ def test_auto_with_a_very_fast_link_swaps_what_layer_swaps(
     assert built.auto_swap.plan.swapped_bytes == built.auto_swap.plan.layer_swappable_bytes
 
 
-def test_auto_with_a_very_slow_link_swaps_nothing_and_says_so(none_resident: int) -> None:
+def test_auto_with_a_very_slow_link_swaps_nothing_and_says_so(run: Run, one_thread: None) -> None:
     built = _build("auto", swap_bandwidth_gbps=1e-3)
     resident, offloaded = _resident_and_stats(built)
-    assert resident == none_resident and sum(offloaded.values()) == 0
+    assert resident == run("none")[0] and sum(offloaded.values()) == 0
     assert built.auto_swap is not None
     report = format_auto_report(built.auto_swap.to_dict())
     assert "auto swaps nothing: the smallest swappable tensor (1.00 MiB, model.layers.0)" in report
@@ -186,7 +178,7 @@ def test_auto_with_a_very_slow_link_swaps_nothing_and_says_so(none_resident: int
 
 
 def test_auto_in_between_swaps_exactly_the_planned_bytes_and_every_copy_hides(
-    none_resident: int,
+    run: Run, one_thread: None
 ) -> None:
     built = _build("auto", **MIDDLE)
     resident, offloaded = _resident_and_stats(built)
@@ -198,7 +190,7 @@ def test_auto_in_between_swaps_exactly_the_planned_bytes_and_every_copy_hides(
         assert layer.copy_seconds <= 0.9 * layer.forward_window
         assert layer.forward_stall == layer.backward_stall == 0
         assert offloaded[layer.name] == pytest.approx(layer.swappable_bytes, rel=0.01)
-    assert none_resident - resident == pytest.approx(plan.swapped_bytes, rel=0.01)
+    assert run("none")[0] - resident == pytest.approx(plan.swapped_bytes, rel=0.01)
     built.auto_swap.check()
 
 
@@ -218,7 +210,9 @@ def _check_names_both_shapes(message: str) -> None:
     assert "is (2, 256, 4, 64) float32" in message and "expects (2, 512, 4, 64) float32" in message
 
 
-def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_settings() -> None:
+def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_settings(
+    one_thread: None,
+) -> None:
     built = _build("auto", num_layers=2, swap_bandwidth_gbps=1e9)
     caught = _run_at_another_shape(built.model)
     assert built.swap_manager is not None and built.auto_swap is not None
@@ -232,7 +226,9 @@ def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_sett
     _check_names_both_shapes(str(info.value))
 
 
-def test_a_model_from_the_builders_run_at_another_shape_is_reported(tmp_path: Any) -> None:
+def test_a_model_from_the_builders_run_at_another_shape_is_reported(
+    tmp_path: Any, one_thread: None
+) -> None:
     """from_config / from_pretrained hand back only the model: the user learns of the
     mismatch from a warning, the stats, and the rewrite report's check()."""
     from graphswap import rewrite_report
@@ -258,7 +254,7 @@ def test_a_model_from_the_builders_run_at_another_shape_is_reported(tmp_path: An
         _check_names_both_shapes(str(info.value))
 
 
-def test_a_model_run_at_its_planned_shape_passes_the_report_check() -> None:
+def test_a_model_run_at_its_planned_shape_passes_the_report_check(one_thread: None) -> None:
     built = _build("auto", num_layers=2, swap_bandwidth_gbps=1e9)
     with warnings.catch_warnings():
         warnings.simplefilter("error", AutoSwapMismatchWarning)
@@ -284,7 +280,9 @@ def fake_tp_mesh() -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def test_auto_under_tensor_parallel_plans_one_ranks_saves(fake_tp_mesh: Any) -> None:
+def test_auto_under_tensor_parallel_plans_one_ranks_saves(
+    fake_tp_mesh: Any, one_thread: None
+) -> None:
     config = TrainerConfig(
         activation_swap="auto",
         tp_size=2,
@@ -320,8 +318,8 @@ def test_the_plan_is_in_the_prefetch_graph_nodes() -> None:
     assert (last["auto_swapped_saves"], last["auto_verdict"]) == ("-", "kept on device")
 
 
-def test_the_policy_needs_the_save_index() -> None:
-    policy = AutoSwapPolicy(_cpu_plan("auto", layers=2, bandwidth_gbps=1e9).layers[0])
+def test_the_policy_needs_the_save_index(fast_link_plan: MemoryPlan) -> None:
+    policy = AutoSwapPolicy(fast_link_plan.layers[0])
     with pytest.raises(TypeError, match=r"calls decide\(t, index\)"):
         policy(torch.zeros(2))
     assert policy.decide(torch.zeros(2), 0) is CheckpointPolicy.MUST_SAVE  # not planned
@@ -332,12 +330,14 @@ def test_the_policy_needs_the_save_index() -> None:
     assert policy.mismatched_tensors == 1
 
 
-def test_a_plan_for_another_depth_is_refused_before_anything_changes() -> None:
+def test_a_plan_for_another_depth_is_refused_before_anything_changes(
+    fast_link_plan: MemoryPlan,
+) -> None:
     from graphswap.rewriting.apply import HierarchyError, rewrite
 
-    auto = AutoSwap(_cpu_plan("auto", layers=2), made_for="a test")
+    auto = AutoSwap(fast_link_plan, made_for="a test")
     model = build_model(qwen3_moe_config("tiny", num_hidden_layers=3))
-    with pytest.raises(HierarchyError, match=r"has 3 decoder layers but the auto plan .* for 2"):
+    with pytest.raises(HierarchyError, match=r"has 3 decoder layers but the auto plan .* for 4"):
         rewrite(model, [auto.rule()])
     assert not any(type(m).__name__.startswith("Swap") for m in model.modules())
 

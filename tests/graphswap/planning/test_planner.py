@@ -3,6 +3,8 @@ against both windows, what each mode swaps, and the errors for bad settings."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -14,8 +16,10 @@ from graphswap.planning import (
     MemoryPlan,
     PlanSettingError,
     ProfileError,
+    StepTrace,
     layer_candidates,
     plan_memory,
+    plan_step,
 )
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import trace_saved_tensors
@@ -35,27 +39,38 @@ def _measure_resident(model: torch.nn.Module, ids: torch.Tensor, manager: object
 
 
 @pytest.fixture(scope="module")
-def tiny_plan() -> MemoryPlan:
-    return plan_memory(
-        qwen3_moe_config("tiny"), seq=SEQ, batch=BATCH, dtype=torch.float32, device="cpu"
-    )
+def tiny_plan(tiny_trace: StepTrace) -> MemoryPlan:
+    """Attention swap of the tiny step (batch 2 x seq 512, float32, CPU)."""
+    return plan_step(qwen3_moe_config("tiny"), tiny_trace, activation_swap="attention")
+
+
+@pytest.fixture(scope="module")
+def layer_plan(tiny_trace: StepTrace) -> MemoryPlan:
+    """Whole-layer swap of the same step."""
+    return plan_step(qwen3_moe_config("tiny"), tiny_trace, activation_swap="layer")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("seq", [512, 2048])
+@pytest.mark.parametrize(("seq", "batch"), [(512, 1), (1024, 2)])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_cpu_prediction_matches_the_independent_tracker(
-    attn_implementation: str, seq: int, dtype: torch.dtype
+    attn_implementation: str, seq: int, batch: int, dtype: torch.dtype, one_thread: None
 ) -> None:
-    """Two layers (one swapped, the last kept), batch 1: the attention tensors fall on both
-    sides of the 1 MiB threshold across these shapes, and sdpa runs the CPU flash kernel."""
+    """Two layers (one swapped, the last kept): the attention tensors fall on both sides of
+    the 1 MiB threshold across these shapes (2048 tokens make sdpa's query 1 MiB in
+    bfloat16; 512 leave it below), and sdpa runs the CPU flash kernel."""
     config = qwen3_moe_config("tiny", attn_implementation=attn_implementation, num_hidden_layers=2)
     plan = plan_memory(
-        config, seq=seq, dtype=dtype, attn_implementation=attn_implementation, device="cpu"
+        config,
+        seq=seq,
+        batch=batch,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        device="cpu",
     )
     torch.manual_seed(0)
     model = build_model(config, dtype=dtype).train()
-    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
     without_swap = _measure_resident(model, ids)
     manager = rewrite(model, rules=["qwen3_attn_swap"]).manager
     with_swap = _measure_resident(model, ids, manager)
@@ -92,10 +107,16 @@ def test_cuda_prediction_matches_the_tracker_for_each_kernel(kernel: str) -> Non
     )
 
 
-def test_sdpa_saves_less_than_eager_and_only_sdpa_names_a_kernel() -> None:
-    config = qwen3_moe_config("tiny")
-    sdpa = plan_memory(config, seq=SEQ, device="cpu")
-    eager = plan_memory(config, seq=SEQ, device="cpu", attn_implementation="eager")
+def test_sdpa_saves_less_than_eager_and_only_sdpa_names_a_kernel(tiny_plan: MemoryPlan) -> None:
+    sdpa = tiny_plan
+    eager = plan_memory(
+        qwen3_moe_config("tiny"),
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        device="cpu",
+        attn_implementation="eager",
+    )
     assert sdpa.attn_kernel == "flash" and eager.attn_kernel is None
     assert sdpa.total_saved_bytes < eager.total_saved_bytes
     assert any("_scaled_dot_product_flash_attention_for_cpu" in a for a in sdpa.assumptions)
@@ -140,10 +161,22 @@ def test_keep_last_accounting(tiny_plan: MemoryPlan) -> None:
     assert last.kept_bytes == last.saved_bytes
 
 
-def test_copy_time_is_at_the_link_and_stalls_decide_hiding() -> None:
+def test_copy_time_is_at_the_link_and_stalls_decide_hiding(
+    slow_compute_at: Callable[[float], StepTrace],
+) -> None:
+    """The slow plan is traced by ``plan_memory`` on its link and compute; the fast one is
+    the same step on another link."""
     config = qwen3_moe_config("tiny")
-    slow = plan_memory(config, seq=SEQ, batch=BATCH, bandwidth_gbps=0.001, tflops=1.0)
-    fast = plan_memory(config, seq=SEQ, batch=BATCH, bandwidth_gbps=1e6, tflops=1.0)
+    slow = plan_memory(
+        config,
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        device="cpu",
+        bandwidth_gbps=0.001,
+        tflops=1.0,
+    )
+    fast = plan_step(config, slow_compute_at(1e6), activation_swap="attention")
     first_slow, first_fast = slow.layers[0], fast.layers[0]
     assert first_slow.offloaded_bytes == first_slow.swappable_bytes > 0
     assert first_slow.copy_seconds == pytest.approx(first_slow.offloaded_bytes / 1e6)
@@ -237,18 +270,6 @@ def test_eager_experts_are_refused_with_the_fix() -> None:
         plan_memory(config, seq=8)
 
 
-def _cpu(swap: str, **kwargs: object) -> MemoryPlan:
-    return plan_memory(
-        qwen3_moe_config("tiny"),
-        seq=SEQ,
-        batch=BATCH,
-        dtype=torch.float32,
-        device="cpu",
-        activation_swap=swap,  # type: ignore[arg-type]
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
 def test_layer_candidates_leave_storages_other_layers_save() -> None:
     trace = trace_saved_tensors(
         qwen3_moe_config("tiny", num_hidden_layers=2),
@@ -264,8 +285,10 @@ def test_layer_candidates_leave_storages_other_layers_save() -> None:
     assert all(s.policy_swaps for c in first for s in c.saves)
 
 
-def test_layer_swaps_every_tensor_of_the_layer_the_policy_would() -> None:
-    attention, layer = _cpu("attention"), _cpu("layer")
+def test_layer_swaps_every_tensor_of_the_layer_the_policy_would(
+    tiny_plan: MemoryPlan, layer_plan: MemoryPlan
+) -> None:
+    attention, layer = tiny_plan, layer_plan
     for a, w in zip(attention.layers, layer.layers, strict=True):
         assert w.swappable_bytes > a.swappable_bytes
         assert w.saved_bytes == a.saved_bytes
@@ -283,11 +306,21 @@ def test_layer_swaps_every_tensor_of_the_layer_the_policy_would() -> None:
     ]
 
 
-def test_auto_between_the_extremes() -> None:
-    layer = _cpu("layer")
-    fast = _cpu("auto", bandwidth_gbps=1e9, tflops=1.0)
-    slow = _cpu("auto", bandwidth_gbps=1e-3, tflops=1.0)
-    middle = _cpu("auto", bandwidth_gbps=2.0, tflops=1.0, hide_margin=0.1)
+def test_auto_between_the_extremes(
+    layer_plan: MemoryPlan, slow_compute_at: Callable[[float], StepTrace]
+) -> None:
+    """At 1 TFLOP/s, on links from far too slow to far faster than any copy needs."""
+
+    def auto(gbps: float, hide_margin: float = 0.1) -> MemoryPlan:
+        return plan_step(
+            qwen3_moe_config("tiny"),
+            slow_compute_at(gbps),
+            activation_swap="auto",
+            hide_margin=hide_margin,
+        )
+
+    layer = layer_plan
+    fast, slow, middle = auto(1e9), auto(1e-3), auto(2.0)
     assert fast.swapped_bytes == fast.layer_swappable_bytes == layer.swapped_bytes
     assert [x.swapped_saves for x in fast.layers] == [x.swapped_saves for x in layer.layers]
     assert slow.swapped_bytes == 0 and auto_verdict(slow.to_dict()).startswith("auto swaps nothing")
@@ -297,7 +330,7 @@ def test_auto_between_the_extremes() -> None:
         assert planned.forward_stall == planned.backward_stall == 0
         assert planned.verdict() == "hides"
     assert middle.timeline.stall_seconds == 0 and middle.step_ratio == pytest.approx(1.0)
-    no_margin = _cpu("auto", bandwidth_gbps=2.0, tflops=1.0, hide_margin=0.0)
+    no_margin = auto(2.0, hide_margin=0.0)
     assert no_margin.swapped_bytes >= middle.swapped_bytes
     table = format_plan(middle.to_dict())
     assert "swap=auto" in table and "margin=0.1" in table and "swapped saves (#)" in table

@@ -4,20 +4,33 @@ The same tiny Qwen3-MoE step (forward, backward, AdamW) is planned on the meta d
 and run for real on CPU over the simulated accelerator with the same device profile;
 step time, stalls and the device-memory peak must agree within 3% in every mode and
 at two offload lags. The profile's compute is slow enough that attention and layer
-swap stall at ``offload_lag`` 1, and ``auto`` must then plan no stall at all.
+swap stall at ``offload_lag`` 1, and ``auto`` must then plan no stall at all. The step
+is traced once (neither the mode nor the lag changes what runs), and each clocked run
+is made once for the tests that assert on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import pytest
 import torch
+from transformers import PretrainedConfig
 
 from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import DEFAULT_HIDE_MARGIN, MemoryPlan, plan_memory
+from graphswap.planning import (
+    DEFAULT_HIDE_MARGIN,
+    MemoryPlan,
+    StepTrace,
+    SwapMode,
+    plan_step,
+    trace_step,
+)
 from graphswap.planning.auto_swap import AutoSwap
+from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import device_profile
@@ -32,25 +45,27 @@ TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module")
-def config():  # type: ignore[no-untyped-def]
+def config() -> PretrainedConfig:
     return qwen3_moe_config("tiny", attn_implementation="eager")
 
 
-def predict(config, mode: str, offload_lag: int) -> MemoryPlan:  # type: ignore[no-untyped-def]
-    return plan_memory(
-        config,
-        seq=SEQ,
-        batch=BATCH,
-        dtype=torch.float32,
-        attn_implementation="eager",
-        device="cpu",
-        activation_swap=mode,
-        profile=PROFILE,
-        offload_lag=offload_lag,
+@pytest.fixture(scope="module")
+def trace(config: PretrainedConfig) -> StepTrace:
+    meta = build_meta_model(
+        config, seq=SEQ, batch=BATCH, dtype=torch.float32, attn_implementation="eager", device="cpu"
     )
+    return trace_step(meta, PROFILE)
 
 
-def measure(config, plan: MemoryPlan, mode: str, offload_lag: int) -> tuple[StepTimeline, float]:  # type: ignore[no-untyped-def]
+def predict(
+    config: PretrainedConfig, trace: StepTrace, mode: SwapMode, offload_lag: int
+) -> MemoryPlan:
+    return plan_step(config, trace, activation_swap=mode, offload_lag=offload_lag)
+
+
+def measure(
+    config: PretrainedConfig, plan: MemoryPlan, mode: SwapMode, offload_lag: int
+) -> tuple[StepTimeline, float]:
     """The second step (the first makes the optimizer state and the host buffers) of the
     real runtime on the clocked simulated accelerator, and its loss."""
     torch.manual_seed(0)
@@ -81,11 +96,27 @@ def measure(config, plan: MemoryPlan, mode: str, offload_lag: int) -> tuple[Step
     return clock.timeline, loss
 
 
+Clocked = Callable[[SwapMode, int], tuple[MemoryPlan, StepTimeline, float]]
+
+
+@pytest.fixture(scope="module")
+def clocked(config: PretrainedConfig, trace: StepTrace) -> Clocked:
+    """``clocked(mode, offload_lag)``: the plan, and the clocked run of it with its loss."""
+
+    @functools.cache
+    def run(mode: SwapMode, offload_lag: int) -> tuple[MemoryPlan, StepTimeline, float]:
+        plan = predict(config, trace, mode, offload_lag)
+        return (plan, *measure(config, plan, mode, offload_lag))
+
+    return run
+
+
 @pytest.mark.parametrize("offload_lag", [1, 2])
 @pytest.mark.parametrize("mode", ["none", "attention", "layer", "auto"])
-def test_the_plan_agrees_with_the_clocked_runtime(config, mode: str, offload_lag: int) -> None:  # type: ignore[no-untyped-def]
-    plan = predict(config, mode, offload_lag)
-    measured, _ = measure(config, plan, mode, offload_lag)
+def test_the_plan_agrees_with_the_clocked_runtime(
+    clocked: Clocked, mode: SwapMode, offload_lag: int, one_thread: None
+) -> None:
+    plan, measured, _ = clocked(mode, offload_lag)
     predicted = plan.timeline
     assert predicted.step_seconds == pytest.approx(measured.step_seconds, rel=TOLERANCE)
     assert predicted.compute_seconds == pytest.approx(measured.compute_seconds, rel=TOLERANCE)
@@ -102,30 +133,33 @@ def test_the_plan_agrees_with_the_clocked_runtime(config, mode: str, offload_lag
         assert predicted.peak_bytes <= plan.baseline.peak_bytes
 
 
-def test_auto_swaps_part_of_a_layer_stack_without_a_stall_where_layer_stalls(config) -> None:  # type: ignore[no-untyped-def]
+def test_auto_swaps_part_of_a_layer_stack_without_a_stall_where_layer_stalls(
+    config: PretrainedConfig, trace: StepTrace, clocked: Clocked, one_thread: None
+) -> None:
     """At offload_lag 2 the first two layers' copies stall (layer 1's by 9 us), the last
     swappable layer's does not: auto takes only what hides, and the run of that choice
     on the clocked device does not stall either."""
-    layer, auto = predict(config, "layer", 2), predict(config, "auto", 2)
-    measured, _ = measure(config, auto, "auto", 2)
+    layer = predict(config, trace, "layer", 2)
+    auto, measured, _ = clocked("auto", 2)
     assert 0 < auto.swapped_bytes < layer.swapped_bytes
     assert layer.timeline.stall_seconds > 0 == measured.stall_seconds
 
 
-def test_losses_are_bitwise_equal_with_and_without_swap_on_the_clocked_device(config) -> None:  # type: ignore[no-untyped-def]
-    losses = {
-        mode: measure(config, predict(config, mode, 1), mode, 1)[1]
-        for mode in ("none", "attention", "layer")
-    }
+def test_losses_are_bitwise_equal_with_and_without_swap_on_the_clocked_device(
+    clocked: Clocked, one_thread: None
+) -> None:
+    losses = {mode: clocked(mode, 1)[2] for mode in ("none", "attention", "layer")}
     assert losses["none"] == losses["attention"] == losses["layer"]
 
 
-def test_a_plan_budgeted_against_backward_alone_stalls_the_simulated_forward(config) -> None:  # type: ignore[no-untyped-def]
+def test_a_plan_budgeted_against_backward_alone_stalls_the_simulated_forward(
+    config: PretrainedConfig, trace: StepTrace, one_thread: None
+) -> None:
     """The old rule took per layer what copies in 90% of the backward its prefetch
     overlaps. Each tiny layer has one swappable storage, so that rule swaps a layer's
     storage whole or not at all; carried out on the clocked device, its fences stall
     forward, where auto's own plan does not."""
-    layer, auto = predict(config, "layer", 1), predict(config, "auto", 1)
+    layer, auto = predict(config, trace, "layer", 1), predict(config, trace, "auto", 1)
     old_layers = tuple(
         dataclasses.replace(
             mine,

@@ -134,7 +134,7 @@ def _traced(**kwargs: Any) -> tuple[list[list[Save]], list[int]]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_saving_order_shapes_and_dtypes_match_a_real_cpu_run(
-    attn_implementation: str, dtype: torch.dtype
+    attn_implementation: str, dtype: torch.dtype, one_thread: None
 ) -> None:
     """What a runtime hook relies on to find a planned save by its index."""
     config = qwen3_moe_config("tiny", num_hidden_layers=2, attn_implementation=attn_implementation)
@@ -161,7 +161,7 @@ def fake_world() -> Iterator[Any]:
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_one_rank_under_the_tensor_parallel_plan_matches_the_trace(
-    fake_world: Any, attn_implementation: str
+    fake_world: Any, attn_implementation: str, one_thread: None
 ) -> None:
     from passes.tensor_parallel import apply_tensor_parallel
 
