@@ -48,19 +48,23 @@ say() { echo "[device_check] $*" | tee -a "$LOG"; }
 
 say "environment ($OUT/environment.txt)"
 DRY_RUN=$DRY_RUN "$PY" - >"$OUT/environment.txt" 2>&1 <<'EOF'
-import importlib, os, sys
+import importlib, importlib.util, os, sys
 
-missing = []
-for name in ("torch", "transformers", "networkx", "yaml", "tqdm", "pytest", "hypothesis"):
-    try:
-        module = importlib.import_module(name)
-        print(name, getattr(module, "__version__", "?"))
-    except ImportError as error:
-        missing.append(f"{name} ({error})")
+names = ("torch", "transformers", "networkx", "yaml", "tqdm", "pytest", "hypothesis")
 print("python", sys.executable, sys.version.split()[0])
+# Found before any is imported: a missing package is reported in a second, not after
+# torch's and transformers' imports.
+missing = [name for name in names if importlib.util.find_spec(name) is None]
 if missing:
     print("error: missing packages:", ", ".join(missing))
     sys.exit(2)
+for name in names:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as error:
+        print(f"error: {name} is installed but does not import: {error}")
+        sys.exit(2)
+    print(name, getattr(module, "__version__", "?"))
 import torch
 
 print("cuda", torch.version.cuda, "available", torch.cuda.is_available())
