@@ -50,9 +50,19 @@ def layer_plan(tiny_trace: StepTrace) -> MemoryPlan:
     return plan_step(qwen3_moe_config("tiny"), tiny_trace, activation_swap="layer")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("seq", "batch"), [(512, 1), (1024, 2)])
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+TRACKED_SHAPES = [
+    (attn, seq, batch, dtype)
+    for attn in ("eager", "sdpa")
+    for seq, batch in ((512, 1), (1024, 2))
+    for dtype in (torch.float32, torch.bfloat16)
+    # Eager bfloat16 at 2048 tokens is left out: its probabilities are far above the
+    # threshold at either length, so it shows nothing the other cases do not, and this
+    # CPU's bfloat16 matmuls made it the slowest case by five times.
+    if (attn, seq, dtype) != ("eager", 1024, torch.bfloat16)
+]
+
+
+@pytest.mark.parametrize(("attn_implementation", "seq", "batch", "dtype"), TRACKED_SHAPES, ids=str)
 def test_cpu_prediction_matches_the_independent_tracker(
     attn_implementation: str, seq: int, batch: int, dtype: torch.dtype, one_thread: None
 ) -> None:
