@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +14,10 @@ from graphswap.hf.presets import qwen3_moe_config
 from graphswap.train.cli import _graph
 
 GOLDEN = Path(__file__).parents[2] / "rewriting" / "golden" / "prefetch_graph_default.dot"
-REPO = Path(__file__).parents[4]
+
+CONSOLE_TEST = "test_subprocess_default_dot_matches_golden"
+CONSOLE_ARGV = ["graph"]
+"""The console-script run of this module (the ``console`` fixture)."""
 
 
 def run_graph(argv: list[str]) -> int:
@@ -22,16 +25,6 @@ def run_graph(argv: list[str]) -> int:
     _graph.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["graph", *argv])
     return args.run(args)
-
-
-def cli(*argv: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "graphswap.train.cli", "graph", *argv],
-        cwd=REPO,
-        capture_output=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_json_with_layers(capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,13 +90,6 @@ def test_image_without_graphviz_names_the_package(
     assert "install the graphviz package" in capsys.readouterr().err
 
 
-def test_subprocess_default_dot_matches_golden() -> None:
-    result = cli()
-    assert result.returncode == 0, result.stderr.decode()
-    assert result.stdout.decode() == GOLDEN.read_text()
-    assert b"48 modules wrapped, 47 prefetch links" in result.stderr
-
-
 def test_json_to_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "graph.json"
     assert run_graph(["--format", "json", "--layers", "4", "-o", str(out_file)]) == 0
@@ -119,3 +105,10 @@ def test_png_without_graphviz_fails_clearly(
     assert run_graph(["--format", "png", "-o", str(tmp_path / "g.png")]) == 2
     assert "graphviz" in capsys.readouterr().err
     assert not (tmp_path / "g.png").exists()
+
+
+def test_subprocess_default_dot_matches_golden(console: Any) -> None:
+    result = console.done()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == GOLDEN.read_text()
+    assert "48 modules wrapped, 47 prefetch links" in result.stderr

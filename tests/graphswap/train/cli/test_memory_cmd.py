@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,37 +18,12 @@ from graphswap.hf.presets import PRESETS
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.train.cli import _memory
 
-
-def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "graphswap.train.cli", "plan-memory", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def test_json_output_parses_and_counts_every_layer() -> None:
-    """The console script, once: 2048 tokens make sdpa's bfloat16 query 1 MiB, the swap
-    threshold, and the first of the two layers swaps it."""
-    done = _run(
-        "--preset", "tiny", "--seq", "1024", "--batch", "2", "--layers", "2", "--format", "json"
-    )
-    assert done.returncode == 0, done.stderr
-    plan = json.loads(done.stdout)
-    assert [layer["name"] for layer in plan["layers"]] == ["model.layers.0", "model.layers.1"]
-    assert plan["timeline"]["peak_bytes"] < plan["baseline"]["peak_bytes"]
-    assert plan["profile"]["d2h_gbps"] == 50.0 and plan["dtype"] == "bfloat16"
-    assert (plan["offload_lag"], plan["prefetch_depth"], plan["state_shards"]) == (1, 1, 1)
-    defaults = ("sdpa", "cuda", "flash", 1)
-    assert (
-        plan["attn_implementation"],
-        plan["device"],
-        plan["attn_kernel"],
-        plan["tp"],
-    ) == defaults
-    assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])
+CONSOLE_TEST = "test_json_output_parses_and_counts_every_layer"
+CONSOLE_ARGV = [
+    "plan-memory", "--preset", "tiny", "--seq", "1024", "--batch", "2", "--layers", "2",
+    "--format", "json",
+]  # fmt: skip
+"""The console-script run of this module (the ``console`` fixture)."""
 
 
 def test_text_output_from_a_checkpoint_folder(tmp_path: Path, graphswap_cmd) -> None:
@@ -431,3 +405,23 @@ def test_a_checkpoint_folder_of_each_family_plans_what_the_runtime_frees(
     offloaded = sum(layer["offloaded_bytes"] for layer in plan["layers"])
     assert report.manager.stats.offloaded_bytes == offloaded > 0
     assert resident[0] - resident[1] == pytest.approx(plan["swapped_bytes"], rel=0.01)
+
+
+def test_json_output_parses_and_counts_every_layer(console: Any) -> None:
+    """The console script, once: 2048 tokens make sdpa's bfloat16 query 1 MiB, the swap
+    threshold, and the first of the two layers swaps it."""
+    done = console.done()
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert [layer["name"] for layer in plan["layers"]] == ["model.layers.0", "model.layers.1"]
+    assert plan["timeline"]["peak_bytes"] < plan["baseline"]["peak_bytes"]
+    assert plan["profile"]["d2h_gbps"] == 50.0 and plan["dtype"] == "bfloat16"
+    assert (plan["offload_lag"], plan["prefetch_depth"], plan["state_shards"]) == (1, 1, 1)
+    defaults = ("sdpa", "cuda", "flash", 1)
+    assert (
+        plan["attn_implementation"],
+        plan["device"],
+        plan["attn_kernel"],
+        plan["tp"],
+    ) == defaults
+    assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from graphswap.train.cli import _plan
 
 EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "train.yaml"
+
+CONSOLE_TEST = "test_console_script_runs_plan"
+CONSOLE_ARGV = ["plan", "activation_swap=attention", "pp_size=2"]
+"""The console-script run of this module (the ``console`` fixture)."""
 
 
 def run_plan(argv: list[str]) -> int:
@@ -65,28 +68,6 @@ def test_config_errors_exit_non_zero(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "did you mean 'activation_swap'" in capsys.readouterr().err
 
 
-def test_console_script_runs_plan(tmp_path: Path) -> None:
-    """Through ``python -m graphswap.train.cli`` from another folder, as a user runs it: the
-    installed ``passes`` package must be the regular package, not a namespace."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "graphswap.train.cli",
-            "plan",
-            "activation_swap=attention",
-            "pp_size=2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 2, done.stderr
-    assert "activation_swap: attention excludes pp_size: 2" in done.stderr
-
-
 def test_order_is_checked_as_given(capsys: pytest.CaptureFixture[str]) -> None:
     settings = ["activation_swap=attention", "tp_size=2", "fsdp=true"]
     assert run_plan(["--order", "swap,tensor_parallel,fsdp", "--format", "json", *settings]) == 0
@@ -118,3 +99,11 @@ def test_order_overrides_the_config_file(
         "graphswap plan: error: pass_order: unknown pass 'swapp'; declared passes:"
         " pipeline_parallel,"
     )
+
+
+def test_console_script_runs_plan(console: Any) -> None:
+    """Through ``python -m graphswap.train.cli`` from another folder, as a user runs it: the
+    installed ``passes`` package must be the regular package, not a namespace."""
+    done = console.done()
+    assert done.returncode == 2, done.stderr
+    assert "activation_swap: attention excludes pp_size: 2" in done.stderr

@@ -2,8 +2,6 @@
 script in a subprocess."""
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +10,10 @@ import pytest
 
 from graphswap.hf.checkpoints import build_model
 
+CONSOLE_TEST = "test_console_script_trains_the_embedded_default"
+CONSOLE_ARGV = ["train", "--no-progress", "steps=2", "num_layers=2", "output_dir=."]
+"""The console-script run of this module (the ``console`` fixture)."""
+
 
 @pytest.fixture
 def run_cli(graphswap_cmd: Callable[..., Any]) -> Callable[..., Any]:
@@ -19,18 +21,6 @@ def run_cli(graphswap_cmd: Callable[..., Any]) -> Callable[..., Any]:
         return graphswap_cmd("train", "--no-progress", *args, cwd=cwd)
 
     return run
-
-
-def test_console_script_trains_the_embedded_default(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "graphswap.train.cli", "train", "--no-progress",
-         "steps=2", "num_layers=2", f"output_dir={tmp_path}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "activation_swap" in done.stdout and "attention" in done.stdout
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary[0]["swap"]["offloaded_bytes"] > 0
 
 
 def test_train_compare_prints_both_rows_with_equal_losses(tmp_path: Path, run_cli) -> None:
@@ -163,3 +153,11 @@ def test_two_ranks_without_a_distributed_pass_are_refused_before_they_meet(
     )
     assert "set fsdp: true" in done.stderr and "Traceback" not in done.stderr
     assert not dist.is_initialized()
+
+
+def test_console_script_trains_the_embedded_default(console: Any) -> None:
+    done = console.done()
+    assert done.returncode == 0, done.stderr
+    assert "activation_swap" in done.stdout and "attention" in done.stdout
+    summary = json.loads((console.cwd / "summary.json").read_text())
+    assert summary[0]["swap"]["offloaded_bytes"] > 0
