@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny models built from a config (never downloaded)."""
+"""Shared fixtures: tiny models built from a config (never downloaded), and console-script
+runs started in the background."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +92,58 @@ def world(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class ConsoleRun:
+    """``python -m graphswap.train.cli ARGV`` in ``cwd``, running in the background."""
+
+    def __init__(self, argv: Sequence[str], cwd: Path) -> None:
+        self.argv = list(argv)
+        self.cwd = cwd
+        self._process = subprocess.Popen(
+            # At a low priority: it takes the cycles the suite leaves idle, not its threads'.
+            ["nice", "-n", "10", sys.executable, "-m", "graphswap.train.cli", *argv],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def done(self, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """Wait for the command to end; what it left."""
+        out, err = self._process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(self.argv, self._process.returncode, out, err)
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.communicate()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def console_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ConsoleRun]]:
+    """The console-script run of every test module that names one (``CONSOLE_ARGV``,
+    checked by its test ``CONSOLE_TEST``) whose test is selected, started before the
+    first test: a new interpreter spends seconds importing torch and transformers,
+    which this way run on the core the in-process tests leave idle."""
+    runs: dict[str, ConsoleRun] = {}
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        test = getattr(module, "CONSOLE_TEST", None)
+        if test is not None and test == getattr(item, "originalname", None):
+            runs[module.__name__] = ConsoleRun(
+                module.CONSOLE_ARGV, tmp_path_factory.mktemp("console")
+            )
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
+@pytest.fixture
+def console(console_runs: dict[str, ConsoleRun], request: pytest.FixtureRequest) -> ConsoleRun:
+    """This test module's console-script run."""
+    return console_runs[request.module.__name__]

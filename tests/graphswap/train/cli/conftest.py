@@ -1,12 +1,10 @@
 """Run ``graphswap`` commands in this process, through the entry point the console
-script calls; each command's module keeps one subprocess test of the script itself,
-started in the background when the module's tests begin (:func:`console_run`)."""
+script calls; each command's module keeps one subprocess test of the script itself
+(``CONSOLE_TEST`` and ``CONSOLE_ARGV``: the ``console`` fixture of tests/conftest.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,51 +41,3 @@ def graphswap_cmd(
         return Done(code, out, err)
 
     return run
-
-
-class ConsoleRun:
-    """``python -m graphswap.train.cli ARGV`` in ``cwd``, running in the background."""
-
-    def __init__(self, argv: Sequence[str], cwd: Path) -> None:
-        self.cwd = cwd
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "graphswap.train.cli", *argv],
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def done(self, timeout: float = 300) -> Done:
-        """Wait for the command to end; what it left."""
-        out, err = self._process.communicate(timeout=timeout)
-        return Done(self._process.returncode, out, err)
-
-    def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.communicate()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def console(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ConsoleRun | None]:
-    """The console-script run of a module that names one: ``CONSOLE_ARGV``, which its test
-    ``CONSOLE_TEST`` checks. Started as the module's first test begins, when that test is
-    selected: a new interpreter spends seconds importing torch and transformers, and
-    begun early it does so on the core the in-process tests leave idle."""
-    test = getattr(request.module, "CONSOLE_TEST", None)
-    selected = test is not None and any(
-        item.module is request.module and item.originalname == test
-        for item in request.session.items
-        if isinstance(item, pytest.Function)
-    )
-    if not selected:
-        yield None
-        return
-    run = ConsoleRun(request.module.CONSOLE_ARGV, tmp_path_factory.mktemp("console"))
-    try:
-        yield run
-    finally:
-        run.stop()
