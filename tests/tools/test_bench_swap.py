@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -19,15 +19,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Done:
-    """What a finished run left: its exit status and what it printed."""
-
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 @pytest.fixture
@@ -41,7 +32,7 @@ def bench_swap(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 @pytest.fixture
 def run_bench(
     bench_swap: ModuleType, capsys: pytest.CaptureFixture[str]
-) -> Iterator[Callable[..., Done]]:
+) -> Iterator[Callable[..., subprocess.CompletedProcess[str]]]:
     """``run_bench(*argv)``: ``bench_swap.py --device cpu ARGV``; the process-wide
     settings a run makes (threads, deterministic kernels, a frozen collector) are
     restored after the test."""
@@ -50,11 +41,11 @@ def run_bench(
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
 
-    def run(*argv: str) -> Done:
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
         capsys.readouterr()
         code = bench_swap.main(["--device", "cpu", *argv])
         out, err = capsys.readouterr()
-        return Done(code, out, err)
+        return subprocess.CompletedProcess(list(argv), code, out, err)
 
     try:
         yield run
@@ -66,7 +57,7 @@ def run_bench(
 
 
 def test_bench_writes_every_mode_with_identical_numbers(
-    run_bench: Callable[..., Done], tmp_path: Path
+    run_bench: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
     done = run_bench(
         "--out-dir", str(tmp_path), "--attn", "eager", "--seq", "256", "--layers", "3",
@@ -123,7 +114,7 @@ def test_bench_writes_every_mode_with_identical_numbers(
 
 
 def test_overhead_reports_microseconds_per_swapped_tensor(
-    run_bench: Callable[..., Done], tmp_path: Path
+    run_bench: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
     done = run_bench(
         "--overhead", "--out-dir", str(tmp_path), "--blocks", "4", "--steps", "3", "--warmup", "1"

@@ -4,8 +4,8 @@ script calls; each command's module keeps one subprocess test of the script itse
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,23 +13,15 @@ import pytest
 from graphswap.train.cli import main
 
 
-@dataclass(frozen=True)
-class Done:
-    """What a finished command left: the names of ``subprocess.CompletedProcess``."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
 def graphswap_cmd(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> Callable[..., Done]:
+) -> Callable[..., subprocess.CompletedProcess[str]]:
     """``graphswap_cmd(*argv, cwd=None)``: ``graphswap ARGV`` in process; argparse's and
-    the commands' exits through ``SystemExit`` become the return code."""
+    the commands' exits through ``SystemExit`` become the return code, and what it
+    printed the process's output, as if the console script had run."""
 
-    def run(*argv: str, cwd: Path | None = None) -> Done:
+    def run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
         if cwd is not None:
             monkeypatch.chdir(cwd)
         capsys.readouterr()
@@ -38,6 +30,6 @@ def graphswap_cmd(
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else 1
         out, err = capsys.readouterr()
-        return Done(code, out, err)
+        return subprocess.CompletedProcess(list(argv), code, out, err)
 
     return run
