@@ -20,6 +20,7 @@ FLOOR_PACKAGES := torch==2.9.0 transformers==5.4.0 networkx==3.0 pyyaml==6.0 tqd
 # the oldest versions pyproject.toml claims.
 COMPAT_TESTS := tests/graphswap/runtime tests/graphswap/train/test_build.py \
 	tests/graphswap/hf/test_checkpoints.py tests/graphswap/hf/test_families.py \
+	tests/graphswap/hf/test_qwen3_moe.py \
 	tests/graphswap/rewriting/test_transforms.py tests/graphswap/rewriting/test_apply.py \
 	tests/graphswap/rewriting/test_rules.py tests/graphswap/planning/test_planner.py \
 	tests/graphswap/planning/test_measure.py tests/passes/test_infrastructure.py
