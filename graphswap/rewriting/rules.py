@@ -296,11 +296,12 @@ class _StackValidator:
 
 
 def _register_swap(
-    name: str, what: str, attr: str | None, classes: _DeclaredClasses | _Qwen3MoeClasses
+    what: str, attr: str | None, classes: _DeclaredClasses | _Qwen3MoeClasses
 ) -> Rule:
-    """A built-in swap rule: every decoder layer (``attr`` ``None``) or every layer's
-    ``attr`` child, of exactly one of ``classes``, wrapped with the size policy and
-    linked layer to layer."""
+    """A built-in swap rule, named as ``classes`` names it: every decoder layer (``attr``
+    ``None``) or every layer's ``attr`` child, of exactly one of ``classes``, wrapped
+    with the size policy and linked layer to layer."""
+    name = classes.rule_name
     return register_rule(
         Rule(
             name=name,
@@ -319,18 +320,10 @@ def _register_swap(
 
 
 QWEN3_ATTN_SWAP = _register_swap(
-    "qwen3_attn_swap",
-    "attention",
-    "self_attn",
-    _Qwen3MoeClasses("qwen3_attn_swap", "Qwen3MoeAttention"),
+    "attention", "self_attn", _Qwen3MoeClasses("qwen3_attn_swap", "Qwen3MoeAttention")
 )
 QWEN3_MOE_LAYER_SWAP = _register_swap(
-    "qwen3_moe_layer_swap",
-    "decoder layer",
-    None,
-    _Qwen3MoeClasses("qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer"),
+    "decoder layer", None, _Qwen3MoeClasses("qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer")
 )
-ATTN_SWAP = _register_swap(
-    "attn_swap", "attention", "self_attn", _DeclaredClasses("attn_swap", "self_attn")
-)
-LAYER_SWAP = _register_swap("layer_swap", "layer", None, _DeclaredClasses("layer_swap", None))
+ATTN_SWAP = _register_swap("attention", "self_attn", _DeclaredClasses("attn_swap", "self_attn"))
+LAYER_SWAP = _register_swap("layer", None, _DeclaredClasses("layer_swap", None))

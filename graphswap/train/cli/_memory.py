@@ -90,9 +90,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "and without swap and where it falls. Attention runs the kernel the training "
             "device runs; with --tp the prediction is one rank's. --activation-swap auto "
             "shows what activation_swap: auto would swap: per layer the saved tensors whose "
-            "copies hide "
-            "in both windows. --fit finds the longest sequence each mode fits in a device's "
-            "memory."
+            "copies hide in both windows. --fit finds the longest sequence each mode fits in "
+            "a device's memory."
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
