@@ -18,6 +18,7 @@ from graphswap.runtime import (
     CopyEngine,
     SimulatedAccelerator,
     SwapManager,
+    host_budget,
     is_swap_wrapped,
     swap_manager_of,
 )
@@ -47,13 +48,14 @@ def apply_swap(
     *,
     activation_swap: SwapMode = "attention",
     prefetch_depth: int = 1,
-    offload_lag: int = 1,
+    offload_lag: int | None = None,
     engine: CopyEngine | None = None,
     auto: AutoSwap | None = None,
 ) -> RewriteReport:
     """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
     the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
-    (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own)."""
+    (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own).
+    ``offload_lag`` unset: the lag the ``auto`` plan was made at, else 1."""
     if activation_swap not in SWAP_RULES:
         raise ValueError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
@@ -61,6 +63,8 @@ def apply_swap(
     if (activation_swap == "auto") != (auto is not None):
         raise ValueError("apply_swap: an auto plan goes with activation_swap: auto, and only there")
     rule = auto.rule() if auto is not None else SWAP_RULES[activation_swap]
+    if offload_lag is None:
+        offload_lag = 1 if auto is None else auto.plan.offload_lag
     manager = SwapManager(prefetch_depth=prefetch_depth, offload_lag=offload_lag, engine=engine)
     report = rewrite(model, [rule], manager=manager)
     verify_swap(model, report, prefetch_depth=prefetch_depth, activation_swap=activation_swap)
@@ -110,8 +114,10 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
     link hides: ``seq_len``, ``batch_size``, ``tp_size`` and the ``swap_*`` keys from
     ``config`` (the bandwidth and TFLOP/s, when set, override the device profile: the
     simulated device's, else the planner's default; ``swap_prefetch_depth`` and
-    ``swap_offload_lag`` are the manager's); dtype, attention and device from the model
-    as built. A bandwidth of ``measure`` is timed here, on the model's device."""
+    ``swap_offload_lag`` are the manager's, the lag chosen by the plan when unset; the host
+    budget the manager takes on this node); dtype, attention and device from the model as
+    built. A bandwidth of ``measure`` is timed
+    here, on the model's device."""
     param = next(model.parameters())
     device = param.device
     hf_config = model.config
@@ -136,6 +142,7 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
             hide_margin=config.swap_hide_margin,
             prefetch_depth=config.swap_prefetch_depth,
             offload_lag=config.swap_offload_lag,
+            max_host_bytes=host_budget(),
             profile=simulated_profile(config.device) or DEFAULT_PROFILE,
         )
     except PlanSettingError as error:

@@ -20,6 +20,7 @@ from graphswap.planning._replay import Replay, SwapChoice, replay
 from graphswap.planning._trace import StepTrace
 from graphswap.planning._windows import StepTimes, step_times
 from graphswap.planning.saved_tensors import LAYER_SCOPE, SavedTensor, SavedTensorTrace
+from graphswap.runtime._pool import size_class
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,11 @@ def plan_auto(
     prefetch_depth: int,
     hide_margin: float,
     state_shards: int = 1,
+    host_budget: int | None = None,
 ) -> AutoPlan:
-    """Choose, per layer, from ``candidates`` (per layer, :func:`layer_candidates`)."""
+    """Choose, per layer, from ``candidates`` (per layer, :func:`layer_candidates`);
+    ``host_budget``: what the chosen storages' host buffers may hold together (every
+    offload of a step is alive at the end of its forward)."""
     times = step_times(trace, LAYER_SCOPE, offload_lag=offload_lag, prefetch_depth=prefetch_depth)
     index = {(s.layer, s.save.index): i for i, s in enumerate(trace.saves)}
     layers = trace.num_layers
@@ -151,12 +155,15 @@ def plan_auto(
     d2h_rate = (1 - hide_margin) * trace.profile.d2h_gbps * 1e9
     h2d_rate = (1 - hide_margin) * trace.profile.h2d_gbps * 1e9
 
+    pinned = trace.device == "cuda"
     forward: list[list[_Timed]] = []
     offload_ends: dict[int, float] = {}
     queue = 0.0
+    host = 0
     for g, pool in enumerate(timed):
         fence = times.groups[g].fence_seconds
         start = queue
+        held = host
 
         def offloads(
             items: list[_Timed], start: float = start, fence: float = fence
@@ -164,11 +171,19 @@ def plan_auto(
             order = sorted(items, key=lambda i: i.issued)
             return _fifo(order, start, lambda i: i.issued, lambda i: fence, d2h_rate, offload_ends)
 
-        chosen = _greedy(pool, lambda items: offloads(items) is not None)
+        def fits(items: list[_Timed], held: int = held) -> bool:
+            if host_budget is not None:
+                buffers = sum(size_class(t.candidate.nbytes, pinned=pinned) for t in items)
+                if held + buffers > host_budget:
+                    return False
+            return offloads(items) is not None
+
+        chosen = _greedy(pool, fits)
         forward.append(chosen)
         free = offloads(chosen)
         assert free is not None
         queue = free
+        host += sum(size_class(t.candidate.nbytes, pinned=pinned) for t in chosen)
 
     backward: list[list[_Timed]] = [[] for _ in timed]
     queue = 0.0
@@ -205,6 +220,7 @@ def plan_auto(
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,
             state_shards=state_shards,
+            host_budget=host_budget,
         )
         stalled = [
             g

@@ -1,24 +1,26 @@
 """The longest sequence each swap mode fits in a device's memory, and its step ratio.
 
-A sequence length fits when the replayed step's device peak (parameters, gradients
-and optimizer state included) is at most the memory. Lengths are searched in steps
-of ``seq_step`` up to the model's ``max_position_embeddings``; every length is traced
-once and replayed for every mode. The search brackets each mode's answer from a
-fitting and a failing length and probes between them where a straight line through
-the two peaks crosses the memory (halfway when that stops narrowing), so a peak that
-grows about linearly with the sequence is found in few traces.
+A length fits when the replayed step's device peak (parameters, gradients and
+optimizer state included) is at most the memory. With swap the peak does not grow
+monotonically with the sequence (the copy windows grow as seq², the bytes as seq, so
+``auto`` moves a larger share of a longer step, and a host budget refuses more of it),
+so every multiple of ``seq_step`` up to the model's ``max_position_embeddings`` is
+planned: a mode's answer is the longest length below which every length fits, and the
+lengths that fit are reported as intervals when they are not one. A few traces give
+every length's step (:mod:`graphswap.planning._lengths`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._plan import (
     DEFAULT_HIDE_MARGIN,
     DEFAULT_PROFILE,
@@ -32,6 +34,8 @@ from graphswap.planning._plan import (
 from graphswap.planning._replay import SwapChoice, replay
 from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
+from graphswap.runtime.policy import MIN_SWAP_TENSOR_BYTES, SwapPolicy, policy_name
+from graphswap.runtime.policy import swap_large_activations as default_policy
 from graphswap.runtime.profile import DeviceProfile
 
 if TYPE_CHECKING:
@@ -42,17 +46,42 @@ DEFAULT_SEQ_STEP = 512
 
 
 @dataclass(frozen=True)
+class LengthPoint:
+    """One mode's step at one length of the fit's grid."""
+
+    seq: int
+    """Tokens per sequence."""
+    peak_bytes: int
+    """The step's device peak."""
+    step_ratio: float
+    """Its time against the step without swap."""
+    host_peak_bytes: int
+    """The most pinned host memory its swap holds at once."""
+
+
+@dataclass(frozen=True)
 class ModeFit:
-    """One mode's longest sequence."""
+    """One mode's longest sequence, and every length of the grid it fits at."""
 
     activation_swap: SwapMode
     """The mode: ``none``, ``attention``, ``layer`` or ``auto``."""
     seq: int | None
-    """The longest multiple of the step that fits; ``None``: not even one step."""
+    """The longest multiple of the step at and below which every multiple fits; ``None``:
+    not even one step."""
     plan: MemoryPlan | None
     """The plan at that length."""
     capped: bool
     """It fits even at the longest length searched (the model's ``max_position_embeddings``)."""
+    fits: tuple[tuple[int, int], ...] = ()
+    """The lengths that fit, as ``(first, last)`` runs of consecutive multiples; more than
+    one run: the peak came back under the memory at a longer length."""
+    points: tuple[LengthPoint, ...] = ()
+    """The mode's step at every length planned, in order."""
+
+    @property
+    def contiguous(self) -> bool:
+        """The lengths that fit are one run from the step up (or there are none)."""
+        return len(self.fits) <= 1
 
 
 @dataclass(frozen=True)
@@ -79,10 +108,15 @@ class FitResult:
     """One rank's share of AdamW's two moments (twice the parameters, in their dtype)."""
     buffer_bytes: int
     """The model's buffers (replicated)."""
+    max_host_bytes: int
+    """The host pool's budget per rank the swaps were planned against."""
     modes: tuple[ModeFit, ...]
     """Empty when the state alone does not fit."""
     traced: tuple[int, ...]
-    """The sequence lengths traced, in order."""
+    """The sequence lengths traced, in order; every other length planned was
+    interpolated from them."""
+    planned: int = 0
+    """The lengths planned: every multiple of the step up to ``max_seq``."""
 
     @property
     def state_bytes(self) -> int:
@@ -120,6 +154,7 @@ class FitResult:
             "gradient_bytes": self.gradient_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "buffer_bytes": self.buffer_bytes,
+            "max_host_bytes": self.max_host_bytes,
             "state_bytes": self.state_bytes,
             "state_fits": self.state_fits,
             "shards_needed": self.shards_needed,
@@ -128,11 +163,14 @@ class FitResult:
                     "activation_swap": mode.activation_swap,
                     "seq": mode.seq,
                     "capped": mode.capped,
+                    "fits": [list(run) for run in mode.fits],
                     "plan": None if mode.plan is None else mode.plan.to_dict(),
+                    "points": [dataclasses.asdict(point) for point in mode.points],
                 }
                 for mode in self.modes
             ],
             "traced": list(self.traced),
+            "planned": self.planned,
         }
 
 
@@ -150,14 +188,16 @@ def fit_sequence(
     profile: str | DeviceProfile = DEFAULT_PROFILE,
     bandwidth_gbps: float | None = None,
     tflops: float | None = None,
-    offload_lag: int = 1,
+    offload_lag: int | None = None,
     prefetch_depth: int = 1,
     state_shards: int = 1,
+    max_host_bytes: int | None = None,
     seq_step: int = DEFAULT_SEQ_STEP,
     modes: Sequence[SwapMode] = SWAP_MODES,
 ) -> FitResult:
     """The longest sequence (a multiple of ``seq_step``) each of ``modes`` fits in
-    ``memory_bytes`` (default: the profile's memory), with the plan at that length.
+    ``memory_bytes`` (default: the profile's memory) at every multiple up to it, with the
+    plan at that length and every length that fits.
 
     The settings are :func:`~graphswap.planning.plan_memory`'s. When parameters,
     gradients and AdamW state alone leave no memory, nothing is traced and
@@ -170,6 +210,7 @@ def fit_sequence(
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,
             state_shards=state_shards,
+            max_host_bytes=max_host_bytes,
         )
     resolved = resolve_profile(profile, bandwidth_gbps=bandwidth_gbps, tflops=tflops)
     memory = resolved.memory_bytes if memory_bytes is None else memory_bytes
@@ -205,38 +246,79 @@ def fit_sequence(
         gradient_bytes=share,
         optimizer_state_bytes=2 * share,
         buffer_bytes=storage_bytes(list(first.model.buffers())),
+        max_host_bytes=resolved.host_budget_bytes if max_host_bytes is None else max_host_bytes,
         modes=(),
         traced=(),
     )
     if not empty.state_fits:
         return empty
-    probe = _Probe(
-        lambda steps: first if steps == 1 else meta_model(steps * seq_step),
-        lambda meta: _plan_modes(
+
+    def trace(seq: int, policy: SwapPolicy) -> StepTrace:
+        return trace_step(first if seq == seq_step else meta_model(seq), resolved, policy)
+
+    lengths = [steps * seq_step for steps in range(1, max_seq // seq_step + 1)]
+    series = TraceLengths(
+        trace, lengths, min_bytes=MIN_SWAP_TENSOR_BYTES, name=policy_name(default_policy)
+    )
+    scans = {mode: _Scan(mode) for mode in modes}
+    for seq in lengths:
+        plans = _plan_modes(
             config,
-            trace_step(meta, resolved),
+            series(seq),
             modes,
             hide_margin=hide_margin,
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,
             state_shards=state_shards,
-        ),
-    )
-    limit = max_seq // seq_step
-    answers = {mode: _search(mode, probe, memory, limit) for mode in modes}
+            max_host_bytes=max_host_bytes,
+        )
+        for mode, plan in plans.items():
+            scans[mode].add(plan, memory)
     return dataclasses.replace(
         empty,
-        modes=tuple(
-            ModeFit(
-                mode,
-                None if steps == 0 else steps * seq_step,
-                None if steps == 0 else probe.plans[steps][mode],
-                steps == limit,
-            )
-            for mode, steps in answers.items()
-        ),
-        traced=tuple(steps * seq_step for steps in probe.plans),
+        modes=tuple(scan.result() for scan in scans.values()),
+        traced=series.traced,
+        planned=len(lengths),
     )
+
+
+class _Scan:
+    """One mode's plans over the grid, in order: what fits, and the answer's plan."""
+
+    def __init__(self, mode: SwapMode) -> None:
+        self.mode = mode
+        self.points: list[LengthPoint] = []
+        self.fits: list[list[int]] = []
+        """Runs of fitting lengths, ``[first, last]``."""
+        self.answer: MemoryPlan | None = None
+        """The plan at the last length of the run that starts at the step."""
+        self._last_fits = False
+        """The length before this one fit."""
+
+    def add(self, plan: MemoryPlan, memory: int) -> None:
+        timeline = plan.timeline
+        self.points.append(
+            LengthPoint(plan.seq, timeline.peak_bytes, plan.step_ratio, plan.host_peak_bytes)
+        )
+        fits = timeline.peak_bytes <= memory
+        if fits and self._last_fits:
+            self.fits[-1][1] = plan.seq
+        elif fits:
+            self.fits.append([plan.seq, plan.seq])
+        self._last_fits = fits
+        if fits and len(self.fits) == 1 and self.fits[0][0] == self.points[0].seq:
+            self.answer = plan
+
+    def result(self) -> ModeFit:
+        answer = self.answer
+        return ModeFit(
+            self.mode,
+            None if answer is None else answer.seq,
+            answer,
+            answer is not None and answer.seq == self.points[-1].seq,
+            tuple((first, last) for first, last in self.fits),
+            tuple(self.points),
+        )
 
 
 def _plan_modes(
@@ -245,15 +327,16 @@ def _plan_modes(
     modes: Sequence[str],
     *,
     hide_margin: float,
-    offload_lag: int,
+    offload_lag: int | None,
     prefetch_depth: int,
     state_shards: int,
+    max_host_bytes: int | None,
 ) -> dict[str, MemoryPlan]:
     """Every mode's plan on one trace (every rule runs ``swap_large_activations``)."""
     baseline = replay(
         trace,
         SwapChoice(None, frozenset()),
-        offload_lag=offload_lag,
+        offload_lag=1 if offload_lag is None else offload_lag,
         prefetch_depth=prefetch_depth,
         state_shards=state_shards,
     )
@@ -261,71 +344,13 @@ def _plan_modes(
         mode: plan_step(
             config,
             trace,
-            activation_swap=mode,
+            activation_swap=mode,  # type: ignore[arg-type]
             hide_margin=hide_margin,
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,
             state_shards=state_shards,
+            max_host_bytes=max_host_bytes,
             baseline=baseline,
         )
         for mode in modes
     }
-
-
-class _Probe:
-    """Plans every mode at a length (in steps), tracing each length once."""
-
-    def __init__(
-        self,
-        build: Callable[[int], MetaModel],
-        plan: Callable[[MetaModel], dict[str, MemoryPlan]],
-    ) -> None:
-        self._build = build
-        self._plan = plan
-        self.plans: dict[int, dict[str, MemoryPlan]] = {}
-        """Per length traced, in order, every mode's plan."""
-
-    def peaks(self, mode: str) -> dict[int, int]:
-        return {steps: plans[mode].timeline.peak_bytes for steps, plans in self.plans.items()}
-
-    def fits(self, mode: str, steps: int, memory: int) -> bool:
-        plans = self.plans.get(steps)
-        if plans is None:
-            plans = self.plans[steps] = self._plan(self._build(steps))
-        return plans[mode].timeline.peak_bytes <= memory
-
-
-def _search(mode: str, probe: _Probe, memory: int, limit: int) -> int:
-    """The most steps (1 to ``limit``) whose plan of ``mode`` fits ``memory``; 0: none."""
-    if not probe.fits(mode, 1, memory):
-        return 0
-    width: int | None = None
-    while True:
-        peaks = probe.peaks(mode)
-        lo = max(steps for steps, peak in peaks.items() if peak <= memory)
-        hi = min((s for s, peak in peaks.items() if peak > memory and s > lo), default=None)
-        if hi is None and lo == limit:
-            return lo
-        if hi is not None and hi - lo <= 1:
-            return lo
-        if hi is None:
-            below = max((s for s in peaks if s < lo), default=None)
-            guess = 2 * lo
-            if below is not None:
-                guess = _crossing(below, peaks[below], lo, peaks[lo], memory, guess)
-            guess = min(limit, max(lo + 1, guess))
-        elif width is not None and 2 * (hi - lo) > width:
-            guess = (lo + hi) // 2  # the line stopped narrowing the bracket: halve it
-        else:
-            guess = _crossing(lo, peaks[lo], hi, peaks[hi], memory, (lo + hi) // 2)
-            guess = min(hi - 1, max(lo + 1, guess))
-        width = None if hi is None else hi - lo
-        probe.fits(mode, guess, memory)
-
-
-def _crossing(a: int, peak_a: int, b: int, peak_b: int, memory: int, fallback: int) -> int:
-    """Where the line through ``(a, peak_a)`` and ``(b, peak_b)`` reaches ``memory``
-    (rounded down); ``fallback`` when the line is flat."""
-    if peak_a == peak_b or a == b:
-        return fallback
-    return int(a + (memory - peak_a) * (b - a) / (peak_b - peak_a))

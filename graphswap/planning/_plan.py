@@ -51,8 +51,8 @@ _ASSUMPTIONS = (
     "one steady-state training step: forward, loss.backward(), AdamW step (foreach on cuda, "
     "per tensor on cpu) with its state made beforehand, zero_grad(set_to_none=True)",
     "time: every operator the step runs costs max(FLOPs / TFLOP/s, bytes / HBM GB/s) on the "
-    "compute stream (graphswap.runtime.profile); attention counts every score (no causal "
-    "skipping); no launch latency, no contention between copies and compute",
+    "compute stream (graphswap.runtime.profile); no launch latency, no contention between "
+    "copies and compute",
     "MoE experts: every token is routed to top_k experts; the grouped_mm experts path saves "
     "tokens*top_k rows whatever the routing, so saved bytes do not depend on it; expert FLOPs "
     "assume uniform routing (no dropped tokens)",
@@ -110,6 +110,8 @@ class LayerPlan:
     """Compute waiting for its reloads in the replayed step."""
     kept: bool
     """Last layer in forward order: stays on device, nothing is copied."""
+    refused_bytes: int = 0
+    """Chosen for swap but kept on device: the host pool's budget had no room."""
     saved_tensors: tuple[SavedTensor, ...] = field(default=(), repr=False, compare=False)
     """Every save of the layer's forward, in saving order (see
     ``graphswap.planning.saved_tensors``)."""
@@ -135,6 +137,10 @@ class LayerPlan:
             return "none swapped"
         return "hides" if self.hides else "STALLS"
 
+
+_AUTO_LAGS = (1, 2)
+"""The offload lags ``auto`` plans at when the lag is not set: a layer's copies get one or
+two later layers' forward to finish; the lag with the lower peak is kept."""
 
 _LAYER_SUMMARY_FIELDS = tuple(
     f for f in dataclasses.fields(LayerPlan) if f.name not in ("saved_tensors", "swapped_saves")
@@ -173,6 +179,15 @@ class MemoryPlan:
     """The ``SwapManager``'s: reloads are issued that many modules ahead."""
     state_shards: int
     """Ranks the parameters, gradients and optimizer state are sharded over."""
+    max_host_bytes: int
+    """The host pool's budget per rank the plan was made against (``max_host_bytes``;
+    by default the profile's node's share)."""
+    host_peak_bytes: int
+    """The most pinned host memory the swap holds at once on this rank, in the pool's
+    size classes."""
+    attention_timing: tuple[str, ...]
+    """How the fused attention kernels were timed: ``causal``, ``full``, both, or none
+    (eager attention)."""
     layers: tuple[LayerPlan, ...]
     """Per decoder layer, in forward order."""
     embed_saved_bytes: int
@@ -194,6 +209,8 @@ class MemoryPlan:
     message when nothing is chosen."""
     auto_dropped: int = 0
     """``auto``: tensors the verifying replays took back from the simulated choice."""
+    offload_lag_chosen: bool = False
+    """``auto``: the plan chose ``offload_lag`` (of :data:`_AUTO_LAGS`), the user did not."""
 
     @property
     def total_saved_bytes(self) -> int:
@@ -207,6 +224,11 @@ class MemoryPlan:
     def swapped_bytes(self) -> int:
         """Bytes that leave the device during forward: every layer's but the kept one."""
         return sum(layer.swappable_bytes for layer in self.layers if not layer.kept)
+
+    @property
+    def refused_bytes(self) -> int:
+        """Chosen for swap but kept on device because the host budget was full."""
+        return sum(layer.refused_bytes for layer in self.layers)
 
     @property
     def end_of_forward_with_swap_bytes(self) -> int:
@@ -239,6 +261,10 @@ class MemoryPlan:
             "offload_lag": self.offload_lag,
             "prefetch_depth": self.prefetch_depth,
             "state_shards": self.state_shards,
+            "max_host_bytes": self.max_host_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
+            "refused_bytes": self.refused_bytes,
+            "attention_timing": list(self.attention_timing),
             "layers": self.layer_dicts(),
             "embed_saved_bytes": self.embed_saved_bytes,
             "head_saved_bytes": self.head_saved_bytes,
@@ -261,6 +287,7 @@ class MemoryPlan:
                         "nbytes": self.smallest_swappable[1],
                     },
                     "auto_dropped": self.auto_dropped,
+                    "offload_lag_chosen": self.offload_lag_chosen,
                 }
                 if self.activation_swap == "auto"
                 else {}
@@ -307,9 +334,10 @@ def check_settings(
     *,
     activation_swap: str,
     hide_margin: float,
-    offload_lag: int,
+    offload_lag: int | None,
     prefetch_depth: int,
     state_shards: int,
+    max_host_bytes: int | None = None,
 ) -> None:
     """Raise :class:`PlanSettingError` for a setting no plan can be made with."""
     if activation_swap not in SWAP_MODES:
@@ -320,9 +348,12 @@ def check_settings(
         raise PlanSettingError(
             "hide_margin", hide_margin, "must be in [0, 1): the share of each window left free"
         )
-    _check_int("offload_lag", offload_lag, 0, "as SwapManager takes it")
+    if offload_lag is not None:
+        _check_int("offload_lag", offload_lag, 0, "as SwapManager takes it (unset: the plan's)")
     _check_int("prefetch_depth", prefetch_depth, 1, "as SwapManager takes it")
     _check_int("state_shards", state_shards, 1, "1 keeps all the state on one device")
+    if max_host_bytes is not None:
+        _check_int("max_host_bytes", max_host_bytes, 0, "the host pool's budget per rank")
 
 
 def resolve_profile(
@@ -369,9 +400,10 @@ def plan_memory(
     profile: str | DeviceProfile = DEFAULT_PROFILE,
     bandwidth_gbps: float | None = None,
     tflops: float | None = None,
-    offload_lag: int = 1,
+    offload_lag: int | None = None,
     prefetch_depth: int = 1,
     state_shards: int = 1,
+    max_host_bytes: int | None = None,
     optimizer: bool = True,
 ) -> MemoryPlan:
     """Trace one training step of ``config`` on meta and predict it for one rank, with
@@ -382,13 +414,16 @@ def plan_memory(
     :data:`~graphswap.runtime.profile.PRESETS` name, a spec such as
     ``h200,link_gbps=25``, or a :class:`DeviceProfile`); ``bandwidth_gbps`` (both link
     directions) and ``tflops`` override its figures. ``offload_lag`` and
-    ``prefetch_depth`` are the ``SwapManager``'s. ``policy`` defaults to the one the
-    mode's rule runs. ``hide_margin``: ``auto`` fills at most ``1 - hide_margin`` of
-    each copy's window. ``state_shards``: parameters, gradients and AdamW state sharded
-    FSDP-style over that many ranks (an approximation, see the assumptions).
-    ``optimizer=False``: the step without AdamW (forward and backward after
-    ``zero_grad``; no optimizer state on the device). A bad setting raises
-    :class:`PlanSettingError` or :class:`ProfileError` before any model is built.
+    ``prefetch_depth`` are the ``SwapManager``'s; unset, ``auto`` plans at lags 1 and 2
+    and keeps the lower peak, the other modes take 1. ``max_host_bytes``: the host pool's
+    budget per rank (default: the profile's node's share, as the runtime takes it on
+    that node). ``policy`` defaults to the one the mode's rule runs. ``hide_margin``:
+    ``auto`` fills at most ``1 - hide_margin`` of each copy's window. ``state_shards``:
+    parameters, gradients and AdamW state sharded FSDP-style over that many ranks (an
+    approximation, see the assumptions). ``optimizer=False``: the step without AdamW
+    (forward and backward after ``zero_grad``; no optimizer state on the device). A bad
+    setting raises :class:`PlanSettingError` or :class:`ProfileError` before any model
+    is built.
     """
     check_settings(
         activation_swap=activation_swap,
@@ -396,6 +431,7 @@ def plan_memory(
         offload_lag=offload_lag,
         prefetch_depth=prefetch_depth,
         state_shards=state_shards,
+        max_host_bytes=max_host_bytes,
     )
     resolved = resolve_profile(profile, bandwidth_gbps=bandwidth_gbps, tflops=tflops)
     meta = build_meta_model(
@@ -418,6 +454,7 @@ def plan_memory(
         offload_lag=offload_lag,
         prefetch_depth=prefetch_depth,
         state_shards=state_shards,
+        max_host_bytes=max_host_bytes,
     )
 
 
@@ -427,9 +464,10 @@ def plan_step(
     *,
     activation_swap: SwapMode,
     hide_margin: float = DEFAULT_HIDE_MARGIN,
-    offload_lag: int = 1,
+    offload_lag: int | None = None,
     prefetch_depth: int = 1,
     state_shards: int = 1,
+    max_host_bytes: int | None = None,
     baseline: Replay | None = None,
 ) -> MemoryPlan:
     """The plan of ``activation_swap`` on a traced step, with the policy it was traced with;
@@ -441,34 +479,39 @@ def plan_step(
         offload_lag=offload_lag,
         prefetch_depth=prefetch_depth,
         state_shards=state_shards,
+        max_host_bytes=max_host_bytes,
     )
     saved = trace.saved
     scope = _SCOPES[activation_swap]
+    host_budget = trace.profile.host_budget_bytes if max_host_bytes is None else max_host_bytes
+    schedule = {"prefetch_depth": prefetch_depth, "state_shards": state_shards}
+    lag = 1 if offload_lag is None else offload_lag
     if baseline is None:
-        baseline = replay(
-            trace,
-            SwapChoice(None, frozenset()),
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
-        )
+        baseline = replay(trace, SwapChoice(None, frozenset()), offload_lag=lag, **schedule)
     candidates = layer_candidates(saved)
     per_layer = [candidates[layer.name] for layer in saved.layers]
     auto_fields: dict[str, Any] = {}
     if activation_swap == "auto":
-        auto = plan_auto(
-            trace,
-            per_layer,
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            hide_margin=hide_margin,
-            state_shards=state_shards,
-        )
+        lags = _AUTO_LAGS if offload_lag is None else (offload_lag,)
+        plans = [
+            plan_auto(
+                trace,
+                per_layer,
+                offload_lag=candidate,
+                hide_margin=hide_margin,
+                host_budget=host_budget,
+                **schedule,
+            )
+            for candidate in lags
+        ]
+        best = min(range(len(lags)), key=lambda i: plans[i].replay.timeline.peak_bytes)
+        auto, lag = plans[best], lags[best]
         chosen: list[Sequence[SwapCandidate]] = list(auto.chosen)
         replayed = auto.replay
         auto_fields = {
             "hide_margin": float(hide_margin),
             "auto_dropped": auto.dropped,
+            "offload_lag_chosen": offload_lag is None,
             **_auto_fields(per_layer, saved.layers),
         }
     elif scope is None:
@@ -482,18 +525,12 @@ def plan_step(
             if s.save.policy_swaps and group_of(s, scope) is not None
         )
         replayed = replay(
-            trace,
-            SwapChoice(scope, swaps),
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
+            trace, SwapChoice(scope, swaps), offload_lag=lag, host_budget=host_budget, **schedule
         )
     windows = None
     if scope is not None:
-        windows = step_times(
-            trace, scope, offload_lag=offload_lag, prefetch_depth=prefetch_depth
-        ).groups
-    whole = step_times(trace, LAYER_SCOPE, offload_lag=offload_lag, prefetch_depth=prefetch_depth)
+        windows = step_times(trace, scope, offload_lag=lag, prefetch_depth=prefetch_depth).groups
+    whole = step_times(trace, LAYER_SCOPE, offload_lag=lag, prefetch_depth=prefetch_depth)
     by_scope = saved.bytes_by_scope()
     profile = trace.profile
     layers = []
@@ -523,6 +560,7 @@ def plan_step(
                 forward_stall=group.forward_stall,
                 backward_stall=group.backward_stall,
                 kept=kept,
+                refused_bytes=group.refused_bytes,
                 saved_tensors=layer.saves,
                 swapped_saves=moved,
             )
@@ -539,9 +577,12 @@ def plan_step(
         activation_swap=activation_swap,
         policy="none" if scope is None else trace.policy,
         profile=profile,
-        offload_lag=offload_lag,
+        offload_lag=lag,
         prefetch_depth=prefetch_depth,
         state_shards=state_shards,
+        max_host_bytes=host_budget,
+        host_peak_bytes=replayed.host_peak_bytes,
+        attention_timing=trace.attention_timing,
         layers=tuple(layers),
         embed_saved_bytes=by_scope.get(EMBED, (0, 0))[0],
         head_saved_bytes=by_scope.get(HEAD, (0, 0))[0],
@@ -549,7 +590,8 @@ def plan_step(
         baseline=baseline.timeline,
         assumptions=(_ASSUMPTIONS if trace.optimizer else _NO_OPTIMIZER_ASSUMPTIONS)
         + _trace_assumptions(trace, config)
-        + _swap_assumptions(activation_swap, offload_lag, prefetch_depth)
+        + _swap_assumptions(activation_swap, lag, prefetch_depth, offload_lag is None)
+        + _host_assumptions(activation_swap, trace, host_budget, max_host_bytes is None)
         + _shard_assumptions(state_shards),
         **auto_fields,
     )
@@ -577,7 +619,7 @@ def _auto_fields(
 
 
 def _swap_assumptions(
-    activation_swap: SwapMode, offload_lag: int, prefetch_depth: int
+    activation_swap: SwapMode, offload_lag: int, prefetch_depth: int, lag_chosen: bool
 ) -> tuple[str, ...]:
     if activation_swap == "none":
         return ()
@@ -603,9 +645,40 @@ def _swap_assumptions(
         + whole
         + (
             "auto: per layer, largest first, the tensors whose offload meets its fence and whose "
-            "reload meets its unpack, both queues simulated at (1 - margin) of the link; then "
-            "replayed at the full link, dropping a stalling layer's smallest until none stalls",
+            "reload meets its unpack and whose host buffer fits the host budget, both queues "
+            "simulated at (1 - margin) of the link; then replayed at the full link, dropping a "
+            "stalling layer's smallest until none stalls"
+            + (
+                f"; planned at offload_lag {' and '.join(map(str, _AUTO_LAGS))}, keeping "
+                f"{offload_lag}, whose peak is lower"
+                if lag_chosen
+                else ""
+            ),
         )
+    )
+
+
+def _host_assumptions(
+    activation_swap: SwapMode, trace: StepTrace, host_budget: int, from_node: bool
+) -> tuple[str, ...]:
+    if activation_swap == "none":
+        return ()
+    profile = trace.profile
+    budget = (
+        f"the {profile.name} node's default: half of its {profile.host_memory_bytes / 2**40:g} "
+        f"TiB of host memory over its {profile.ranks_per_node} ranks"
+        if from_node
+        else "max_host_bytes as given"
+    )
+    classes = (
+        "powers of two (pinned, as the caching host allocator rounds them)"
+        if trace.device == "cuda"
+        else "eighths of an octave (unpinned)"
+    )
+    return (
+        f"host: each offload holds a buffer of its size class, {classes}, from a pool capped "
+        f"at {host_budget / 2**30:.1f} GiB per rank ({budget}); an offload the cap refuses "
+        "stays on device, as the runtime keeps it",
     )
 
 
@@ -621,14 +694,37 @@ def _shard_assumptions(state_shards: int) -> tuple[str, ...]:
     )
 
 
+def _attention_timing(trace: StepTrace) -> str:
+    timing = trace.attention_timing
+    if not timing:
+        return (
+            "attention time: every score is computed (eager attention and sdpa's math path "
+            "apply the mask after the scores), as the matmuls' FLOPs"
+        )
+    parts = {
+        "causal": "causal calls without a mask (is_causal) compute only the scores the mask "
+        "leaves, (s + 1) / 2s of them",
+        "full": "calls with a mask compute every score",
+    }
+    efficiency = trace.profile.attention_efficiency
+    return (
+        f"attention time ({', '.join(timing)}): "
+        + "; ".join(parts[kind] for kind in timing)
+        + f"; the fused kernels run at {efficiency:g} x the profile's TFLOP/s "
+        "(attention_efficiency, which the GPU check measures)"
+    )
+
+
 def _trace_assumptions(trace: StepTrace, config: PretrainedConfig) -> tuple[str, ...]:
     saved = trace.saved
     attention = EAGER_ASSUMPTION if saved.kernel is None else saved.kernel.describe()
+    timing = _attention_timing(trace)
     if saved.tp == 1:
-        return (attention,)
+        return (attention, timing)
     rank = saved.rank_config
     return (
         attention,
+        timing,
         f"tensor parallel over {saved.tp} ranks: bytes and FLOPs are one rank's; its "
         f"attention holds {rank.num_attention_heads} of {config.num_attention_heads} query "
         f"heads and {rank.num_key_value_heads} of {config.num_key_value_heads} key/value heads "

@@ -14,7 +14,10 @@ order, on one host-to-device queue, each after its offload; an unpack waits for 
 reload. A storage's device memory is held by its other references (until the trace
 saw it die), by every save kept on device (until autograd released it) and by its
 offload (until the source is released); a reload's destination is allocated when it
-is issued and freed when autograd has released every save that uses it.
+is issued and freed when autograd has released every save that uses it. An offload
+takes a host buffer of its size class (a power of two when pinned) from a pool capped
+at the host budget; one the cap refuses stays on device, and a buffer goes back when
+autograd has released every save of its storage.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from graphswap.planning._trace import BlockKind, Event, StepTrace
 from graphswap.planning._windows import group_of
+from graphswap.runtime._pool import size_class
 from graphswap.runtime._tape import EMBED_LABEL, OPTIMIZER_LABEL, StepTimeline
 
 
@@ -52,6 +56,9 @@ class GroupReplay:
     """Seconds compute waited for its offloads (the fence; a release in backward)."""
     backward_stall: float
     """Seconds compute waited for its reloads."""
+    refused_bytes: int = 0
+    """Chosen for swap but kept on device: the host budget had no room (each save the
+    pool refused counts its storage)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,8 @@ class Replay:
     """The step's time, stalls and device memory, as a clocked run reports them."""
     groups: tuple[GroupReplay, ...]
     """Per decoder layer, its wrapped module (all zero when nothing is wrapped)."""
+    host_peak_bytes: int = 0
+    """The most pinned host memory the swap held at once, in the pool's size classes."""
 
 
 class _Batch:
@@ -84,6 +93,7 @@ class _Entry:
         "dsts",
         "gen",
         "group",
+        "host",
         "load_end",
         "nbytes",
         "offload_end",
@@ -93,11 +103,13 @@ class _Entry:
     )
 
     def __init__(
-        self, group: int, block: int, nbytes: int, offload_end: float, batch: _Batch
+        self, group: int, block: int, nbytes: int, host: int, offload_end: float, batch: _Batch
     ) -> None:
         self.group = group
         self.block = block
         self.nbytes = nbytes
+        self.host = host
+        """Its host buffer's size class."""
         self.offload_end = offload_end
         self.batch = batch
         batch.end = offload_end
@@ -131,11 +143,15 @@ def replay(
     offload_lag: int,
     prefetch_depth: int,
     state_shards: int = 1,
+    host_budget: int | None = None,
 ) -> Replay:
     """Replay ``trace`` with ``choice`` swapped, under the runtime's ``offload_lag`` and
     ``prefetch_depth``. ``state_shards``: parameters, gradients and the optimizer's
-    state and work are divided over that many ranks (FSDP-style)."""
+    state and work are divided over that many ranks (FSDP-style). ``host_budget``: the
+    host pool's cap (``max_host_bytes``), None for none; buffers are pinned on a CUDA
+    device, as the runtime's engine pins them there."""
     profile = trace.profile
+    pinned = trace.device == "cuda"
     d2h_rate = profile.d2h_gbps * 1e9
     h2d_rate = profile.h2d_gbps * 1e9
     layers = trace.num_layers
@@ -158,6 +174,8 @@ def replay(
     backward_stall = [0.0] * layers
     offloaded = [0] * layers
     reloaded = [0] * layers
+    refused = [0] * layers
+    host = host_peak = 0
     stalls: dict[str, float] = {}
 
     base = state_bytes(trace, state_shards)
@@ -247,13 +265,21 @@ def replay(
             if group is not None and block is not None and not traced.save.parameter:
                 entry = entries[group].get(block)
                 if entry is None and payload in swaps and group != kept_group:
-                    seconds = sizes[block] / d2h_rate
-                    d2h = max(d2h, t) + seconds
-                    d2h_busy += seconds
-                    offloaded[group] += sizes[block]
-                    entry = entries[group][block] = _Entry(group, block, sizes[block], d2h, batch)
-                    holders[block] += 1
-                    in_flight.append(entry)
+                    nbytes = sizes[block]
+                    buffer = size_class(nbytes, pinned=pinned)
+                    if host_budget is not None and host + buffer > host_budget:
+                        refused[group] += nbytes
+                    else:
+                        host += buffer
+                        host_peak = max(host_peak, host)
+                        seconds = nbytes / d2h_rate
+                        d2h = max(d2h, t) + seconds
+                        d2h_busy += seconds
+                        offloaded[group] += nbytes
+                        entry = _Entry(group, block, nbytes, buffer, d2h, batch)
+                        entries[group][block] = entry
+                        holders[block] += 1
+                        in_flight.append(entry)
             if entry is None:
                 if block is not None:
                     holders[block] += 1
@@ -291,6 +317,8 @@ def replay(
                 if entry.source_held:
                     wait(entry.offload_end, forward_stall, entry.group)
                     release_source(entry)
+                host -= entry.host
+                entry.host = 0
                 if entry.dsts:
                     mem -= entry.nbytes * entry.dsts
                     entry.dsts = 0
@@ -317,7 +345,8 @@ def replay(
     return Replay(
         timeline,
         tuple(
-            GroupReplay(offloaded[g], reloaded[g], forward_stall[g], backward_stall[g])
+            GroupReplay(offloaded[g], reloaded[g], forward_stall[g], backward_stall[g], refused[g])
             for g in range(layers)
         ),
+        host_peak,
     )

@@ -35,14 +35,15 @@ from graphswap.planning.saved_tensors import (
 )
 from graphswap.runtime._tape import OPTIMIZER_LABEL, OpTape, step_labels
 from graphswap.runtime.policy import SwapPolicy, policy_name, swap_large_activations
-from graphswap.runtime.profile import DeviceProfile
+from graphswap.runtime.profile import DeviceProfile, OpCost
 
 
 class Event(enum.IntEnum):
     """What one entry of :attr:`StepTrace.events` says; its payload follows it."""
 
     COMPUTE = 0
-    """Operators ran on the compute stream: seconds (consecutive operators merged)."""
+    """Operators ran on the compute stream: seconds (consecutive operators merged; their
+    costs are the event's entry in :attr:`StepTrace.costs`)."""
     LABEL = 1
     """The step moved on to the label given (``F<i>``, ``B<i>``, ``optimizer``...)."""
     ALLOC = 2
@@ -133,6 +134,14 @@ class StepTrace:
     without the optimizer."""
     optimizer: bool = True
     """The step ends with AdamW's step; ``False``: forward and backward only."""
+    attention_timing: tuple[str, ...] = ()
+    """How the fused attention kernels of the step were timed: ``causal`` (the scores
+    a causal mask leaves), ``full`` (every score), both, or neither (eager attention,
+    sdpa's math path)."""
+    costs: tuple[tuple[OpCost, ...], ...] = ()
+    """Per ``COMPUTE`` event in order, the operators it merges: what times the step at
+    another length (:mod:`graphswap.planning._lengths`); empty in a trace made by hand or
+    interpolated."""
 
     @property
     def num_layers(self) -> int:
@@ -168,6 +177,10 @@ class _StepRecorder(SavedTensorCollector):
         self._label = ""
         self._seconds = 0.0
         """Operator time not yet written as a ``COMPUTE`` event."""
+        self._costs: list[OpCost] = []
+        """The operators of that time."""
+        self.costs: list[tuple[OpCost, ...]] = []
+        """Per ``COMPUTE`` event written, its operators."""
         self._live: dict[int, int] = {}
         """Block of each live storage, by ``_cdata``."""
         self._unpacking = False
@@ -175,10 +188,12 @@ class _StepRecorder(SavedTensorCollector):
         """Storages made by unpack: stand-ins for saved tensors, not device memory."""
 
     # The tape's listener.
-    def on_op(self, func: Any, seconds: float) -> None:
+    def on_op(self, cost: OpCost | None, seconds: float) -> None:
         if seconds:
+            assert cost is not None
             self._sync_label()
             self._seconds += seconds
+            self._costs.append(cost)
 
     def on_alloc(self, key: int, nbytes: int) -> None:
         if self._unpacking:
@@ -214,7 +229,9 @@ class _StepRecorder(SavedTensorCollector):
         """Write the operator time not yet written."""
         if self._seconds:
             self.events.append((Event.COMPUTE, self._seconds))
+            self.costs.append(tuple(self._costs))
             self._seconds = 0.0
+            self._costs = []
 
     def mark_gradients(self) -> None:
         for p in self.model.parameters():
@@ -326,6 +343,10 @@ def trace_step(
         attn_implementation=meta.rank_config._attn_implementation,
         device=meta.device,
         events=tuple(recorder.events),
+        costs=tuple(recorder.costs),
+        attention_timing=tuple(
+            sorted({c.attention for cs in recorder.costs for c in cs if c.attention is not None})
+        ),
         blocks=tuple(kinds),
         saves=tuple(recorder.traced),
         saved=meta.saved_tensor_trace(recorder.saves),

@@ -7,6 +7,7 @@ from graphswap.runtime._engines import (
     SimulatedAccelerator,
 )
 from graphswap.runtime._manager import SwapManager
+from graphswap.runtime._pool import host_budget
 from graphswap.runtime._slot import GroupInfo
 from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime._wrapper import (
@@ -25,6 +26,7 @@ __all__ = [
     "SimulatedAccelerator",
     "SwapManager",
     "SwapStats",
+    "host_budget",
     "is_swap_wrapped",
     "swap_manager_of",
     "swap_wrapper",

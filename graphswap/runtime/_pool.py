@@ -32,13 +32,9 @@ from pathlib import Path
 import torch
 
 from graphswap.runtime._engines import Copy, CopyEngine
+from graphswap.runtime.profile import HOST_SHARE
 
 _MIN_CLASS = 4096
-
-HOST_SHARE = 0.5
-"""The share of the memory available to this process's container or node that the
-default host budget takes, divided among the ranks on the node: the other half is
-left to the processes themselves, their data loaders and the page cache."""
 
 REUSE_SLACK = 4
 """A buffer up to this many times larger than asked for is lent rather than a new one

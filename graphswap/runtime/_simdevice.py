@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from graphswap.runtime._device import Device, HazardError
 from graphswap.runtime._tape import OpTape, StepTimeline
-from graphswap.runtime.profile import DeviceProfile
+from graphswap.runtime.profile import DeviceProfile, OpCost
 
 Point = tuple["SimStream", int]
 """A position on a stream: what an event marks, a write or a read happened at."""
@@ -622,7 +622,7 @@ class Clock:
     def label(self, name: str) -> None:
         self.tape.label = name
 
-    def on_op(self, func: Any, seconds: float) -> None:
+    def on_op(self, cost: OpCost | None, seconds: float) -> None:
         self._device.current.busy_until += seconds
         self.timeline.compute_seconds += seconds
 

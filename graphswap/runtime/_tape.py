@@ -1,10 +1,11 @@
 """The op tape: every operator a step runs on one device, with its time and memory.
 
 A dispatch mode sees each operator once, below autograd, in the order the device
-would run it. For each it reports the roofline time (:func:`op_seconds`) and the
-storages it allocated; a finalizer on each storage reports when it dies (PyTorch
-keeps a storage's Python object alive with the storage, so the finalizer runs
-when the last reference, Python or C++, is dropped). The simulated device drives
+would run it. For each it reports the kernel's cost and roofline time
+(:func:`~graphswap.runtime.profile.op_cost`) and the storages it allocated; a
+finalizer on each storage reports when it dies (PyTorch keeps a storage's Python
+object alive with the storage, so the finalizer runs when the last reference, Python
+or C++, is dropped). The simulated device drives
 its clock from a live tape of the real run; the planner records a tape of the same
 step traced on the meta device. Both label it with :func:`step_labels`, so a
 stall or a peak is attributed to the same layer and phase on both sides.
@@ -22,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from graphswap.runtime.profile import DeviceProfile, op_seconds
+from graphswap.runtime.profile import DeviceProfile, OpCost, op_cost
 
 EMBED_LABEL = "embed"
 HEAD_LABEL = "head"
@@ -40,8 +41,9 @@ def backward_label(index: int) -> str:
 class TapeListener(Protocol):
     """What a tape reports to: the simulated device's clock, or the planner's recorder."""
 
-    def on_op(self, func: Any, seconds: float) -> None:
-        """An operator ran; its kernel takes ``seconds`` on the compute stream."""
+    def on_op(self, cost: OpCost | None, seconds: float) -> None:
+        """An operator ran; its kernel (``None``: it launches none) takes ``seconds`` on the
+        compute stream."""
 
     def on_alloc(self, key: int, nbytes: int) -> None:
         """A device storage was born (after the operator that made it)."""
@@ -96,7 +98,8 @@ class OpTape(TorchDispatchMode):
             for t in tree_leaves((args, kwargs))
         ):
             return out
-        self.listener.on_op(func, op_seconds(self.profile, func, args, kwargs, out))
+        cost = op_cost(func, args, kwargs, out)
+        self.listener.on_op(cost, 0.0 if cost is None else cost.seconds(self.profile))
         live = self._live
         fresh = [s for s in (t.untyped_storage() for t in outputs) if s._cdata not in live]
         if fresh and _may_alias(func):

@@ -23,6 +23,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+HOST_SHARE = 0.5
+"""The share of a node's host memory the swap's host pools take by default, divided
+among the ranks on the node: the other half is left to the processes themselves, their
+data loaders and the page cache."""
+
 
 class ProfileError(ValueError):
     """A device profile name or figure that cannot describe a device."""
@@ -46,11 +51,19 @@ class DeviceProfile:
     bytes than it has FLOPs to hide them."""
     memory_bytes: int
     """Device memory: what ``plan-memory --fit`` fits a step into when not told."""
+    attention_efficiency: float = 1.0
+    """The share of ``tflops`` a fused attention kernel (flash, efficient, cuDNN) reaches on
+    the scores it computes; the GPU check measures it (``tools/device_check.sh``)."""
+    host_memory_bytes: int = 2 << 40
+    """Host memory of a typical node that holds this device: what the host pool's default
+    budget is a share of (``graphswap.runtime._pool.host_budget``)."""
+    ranks_per_node: int = 8
+    """Devices (ranks) per such node: they share its host memory."""
     source: str = ""
     """Where the figures come from."""
 
     def __post_init__(self) -> None:
-        for key in ("d2h_gbps", "h2d_gbps", "tflops", "hbm_gbps", "memory_bytes"):
+        for key in FIGURES:
             value = getattr(self, key)
             if (
                 isinstance(value, bool)
@@ -62,6 +75,12 @@ class DeviceProfile:
                     f"device profile {self.name!r}: {key} must be a finite number > 0, got "
                     f"{value!r}"
                 )
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """The host pool's default budget per rank on such a node (``max_host_bytes``):
+        :data:`HOST_SHARE` of its host memory, divided among its ranks."""
+        return int(self.host_memory_bytes * HOST_SHARE) // self.ranks_per_node
 
     def with_figures(self, **figures: Any) -> DeviceProfile:
         """This profile with some figures replaced (``link_gbps`` sets both directions)."""
@@ -77,8 +96,19 @@ class DeviceProfile:
         return dataclasses.replace(self, name=f"{self.name} (custom)", **figures)
 
 
-FIGURES = ("d2h_gbps", "h2d_gbps", "tflops", "hbm_gbps", "memory_bytes")
+FIGURES = (
+    "d2h_gbps",
+    "h2d_gbps",
+    "tflops",
+    "hbm_gbps",
+    "memory_bytes",
+    "attention_efficiency",
+    "host_memory_bytes",
+    "ranks_per_node",
+)
 """The figures a profile spec may set, besides ``link_gbps`` (both directions)."""
+
+_INTEGER_FIGURES = ("memory_bytes", "host_memory_bytes", "ranks_per_node")
 
 _PCIE5 = (
     "host link: PCIe Gen5 x16, 64 GB/s per direction nominal, about 50 GB/s sustained "
@@ -87,6 +117,11 @@ _PCIE5 = (
 _COMPUTE = (
     "compute: 400 TFLOP/s, about 40% of the 989 TFLOP/s dense bf16 peak of the Hopper SXM "
     "datasheet (the model FLOP utilisation large training runs report); "
+    "attention kernels at the same rate until the GPU check measures them; "
+)
+_NODE = (
+    "node: 8 GPUs and 2 TiB of host memory, the HGX H100/H200 8-GPU servers' common "
+    "configuration (DGX H100: 2 TB)"
 )
 
 PRESETS: Mapping[str, DeviceProfile] = {
@@ -99,7 +134,8 @@ PRESETS: Mapping[str, DeviceProfile] = {
         memory_bytes=80 * 10**9,
         source=_PCIE5
         + _COMPUTE
-        + "HBM: 85% of the 3.35 TB/s HBM3 of the H100 SXM datasheet; memory: its 80 GB",
+        + "HBM: 85% of the 3.35 TB/s HBM3 of the H100 SXM datasheet; memory: its 80 GB; "
+        + _NODE,
     ),
     "h200": DeviceProfile(
         name="h200",
@@ -110,7 +146,8 @@ PRESETS: Mapping[str, DeviceProfile] = {
         memory_bytes=141 * 10**9,
         source=_PCIE5
         + _COMPUTE
-        + "HBM: 85% of the 4.8 TB/s HBM3e of the H200 SXM datasheet; memory: its 141 GB",
+        + "HBM: 85% of the 4.8 TB/s HBM3e of the H200 SXM datasheet; memory: its 141 GB; "
+        + _NODE,
     ),
 }
 """Hopper GPUs on a PCIe Gen5 host; the first GPU run calibrates them
@@ -141,8 +178,12 @@ def device_profile(spec: str | DeviceProfile) -> DeviceProfile:
             raise ProfileError(
                 f"device profile {spec!r}: {key.strip()} must be a number, got {value!r}"
             ) from None
-    if "memory_bytes" in figures:
-        figures["memory_bytes"] = int(figures["memory_bytes"])
+    for key in _INTEGER_FIGURES:
+        if key in figures:
+            value = figures[key]
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ProfileError(f"device profile {spec!r}: {key} must be finite, got {value}")
+            figures[key] = int(value)
     return PRESETS[name].with_figures(**figures) if figures else PRESETS[name]
 
 
@@ -186,12 +227,44 @@ _ATTENTION_BACKWARD = frozenset(
 )
 
 
-def _attention_flops(q: torch.Tensor, k: torch.Tensor, *, backward: bool) -> float:
+def _argument(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], name: str) -> Any:
+    """The value ``func`` was called with for its schema argument ``name`` (None if absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[position] if position < len(args) else argument.default_value
+    return None
+
+
+def causal_share(queries: int, keys: int) -> float:
+    """The share of the ``queries`` x ``keys`` scores a causal mask leaves (query ``i``
+    sees keys ``0..i``, as sdpa's ``is_causal`` aligns them): about half for
+    self-attention, the work a fused kernel that skips masked tiles does."""
+    diagonal = min(queries, keys)
+    seen = diagonal * (diagonal + 1) // 2 + max(0, queries - keys) * keys
+    return seen / (queries * keys)
+
+
+def _attention_flops(
+    func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, backward: bool
+) -> tuple[float, bool]:
     """Scores and weighted sum per query head (two batched matmuls); backward recomputes
-    the scores and makes four more (2.5x), as torch's flop counter counts them."""
+    the scores and makes four more (2.5x), as torch's flop counter counts them. A causal
+    call without a mask (``is_causal``) computes only the scores the mask leaves; with a
+    mask every score is computed, as the kernels do. Also says whether it was causal."""
+    q = _argument(func, args, kwargs, "query")
+    k = _argument(func, args, kwargs, "key")
     batch_heads = math.prod(q.shape[:-2])
-    flops = 4.0 * batch_heads * q.shape[-2] * k.shape[-2] * q.shape[-1]
-    return 2.5 * flops if backward else flops
+    queries, keys = q.shape[-2], k.shape[-2]
+    flops = 4.0 * batch_heads * queries * keys * q.shape[-1]
+    mask = _argument(func, args, kwargs, "attn_mask")
+    if mask is None:
+        mask = _argument(func, args, kwargs, "attn_bias")
+    causal = mask is None and bool(_argument(func, args, kwargs, "is_causal"))
+    if causal:
+        flops *= causal_share(queries, keys)
+    return (2.5 * flops if backward else flops), causal
 
 
 def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -205,10 +278,8 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor) -> float:
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> float:
     """Multiply-add FLOPs (2 per multiply-add) of one operator; 0 for elementwise ones."""
     packet = func._overloadpacket
-    if packet in _ATTENTION_FORWARD:
-        return _attention_flops(args[0], args[1], backward=False)
-    if packet in _ATTENTION_BACKWARD:
-        return _attention_flops(args[1], args[2], backward=True)
+    if packet in _ATTENTION_FORWARD or packet in _ATTENTION_BACKWARD:
+        return _attention_flops(func, args, kwargs, backward=packet in _ATTENTION_BACKWARD)[0]
     if packet is _ops._grouped_mm:
         return _grouped_mm_flops(args[0], args[1])
     counted = flop_registry.get(packet)
@@ -224,16 +295,47 @@ def op_bytes(args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> int:
     )
 
 
+@dataclass(frozen=True)
+class OpCost:
+    """What one executed operator's kernel does: the inputs of its roofline time."""
+
+    __slots__ = ("attention", "flops", "nbytes")
+
+    flops: float
+    """Multiply-add FLOPs (2 per multiply-add)."""
+    nbytes: int
+    """Bytes it reads and writes."""
+    attention: str | None
+    """A fused attention kernel, which computes at the profile's ``attention_efficiency``:
+    ``causal`` (it computed the scores a causal mask leaves) or ``full`` (every score);
+    None for any other operator."""
+
+    def seconds(self, profile: DeviceProfile) -> float:
+        """Roofline time on ``profile``'s device."""
+        rate = profile.tflops * 1e12
+        if self.attention is not None:
+            rate *= profile.attention_efficiency
+        return max(self.flops / rate, self.nbytes / (profile.hbm_gbps * 1e9))
+
+
+def op_cost(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> OpCost | None:
+    """The cost of one executed operator; None for one that launches no kernel."""
+    packet = func._overloadpacket
+    if func.is_view or packet in _NO_KERNEL:
+        return None
+    nbytes = op_bytes(args, kwargs, out)
+    if packet in _ATTENTION_FORWARD or packet in _ATTENTION_BACKWARD:
+        flops, causal = _attention_flops(func, args, kwargs, backward=packet in _ATTENTION_BACKWARD)
+        return OpCost(flops, nbytes, "causal" if causal else "full")
+    return OpCost(op_flops(func, args, kwargs, out), nbytes, None)
+
+
 def op_seconds(
     profile: DeviceProfile, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any
 ) -> float:
     """Roofline time of one executed operator on ``profile``'s device."""
-    if func.is_view or func._overloadpacket in _NO_KERNEL:
-        return 0.0
-    flops = op_flops(func, args, kwargs, out)
-    return max(
-        flops / (profile.tflops * 1e12), op_bytes(args, kwargs, out) / (profile.hbm_gbps * 1e9)
-    )
+    cost = op_cost(func, args, kwargs, out)
+    return 0.0 if cost is None else cost.seconds(profile)
 
 
 SIM_PREFIX = "sim:"

@@ -64,9 +64,11 @@ class SwapSettings:
     ``none``. It excludes ``compile``, ``activation_checkpointing`` and ``pp_size > 1``."""
     swap_prefetch_depth: int = 1
     """Layers prefetched ahead of the backward (``SwapManager(prefetch_depth=)``), >= 1."""
-    swap_offload_lag: int = 1
+    swap_offload_lag: int | None = None
     """A layer's swapped tensors leave the device no later than when the forward of the
-    wrapped module this many forwards later begins (``SwapManager(offload_lag=)``)."""
+    wrapped module this many forwards later begins (``SwapManager(offload_lag=)``).
+    Unset: ``auto`` takes the lag its plan chose (1 or 2, the lower peak); the other
+    modes 1."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class TrainerConfig(
         for key in ("seq_len", "batch_size", "steps", "tp_size", "cp_size", "ep_size", "pp_size"):
             _check_at_least(key, getattr(self, key), 1)
         _check_at_least("swap_prefetch_depth", self.swap_prefetch_depth, 1)
-        _check_at_least("swap_offload_lag", self.swap_offload_lag, 0)
+        if self.swap_offload_lag is not None:
+            _check_at_least("swap_offload_lag", self.swap_offload_lag, 0)
         for key, default in SWAP_ONLY_SETTINGS.items():
             value = getattr(self, key)
             if value != default and self.activation_swap == "none":

@@ -40,6 +40,7 @@ _FLAGS = {
     "state_shards": "--state-shards",
     "memory_bytes": "--fit",
     "seq_step": "--seq-step",
+    "max_host_bytes": "--host-memory",
 }
 
 _UNITS = {
@@ -111,7 +112,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="NAME",
         help="device profile: h200 (default) or h100, figures may follow "
-        "(h200,link_gbps=25,tflops=300,hbm_gbps=3000,memory_bytes=8e10)",
+        "(h200,link_gbps=25,tflops=300,hbm_gbps=3000,memory_bytes=8e10,"
+        "attention_efficiency=0.7)",
+    )
+    parser.add_argument(
+        "--host-memory",
+        type=memory_size,
+        default=None,
+        metavar="SIZE",
+        help="host memory of the node training runs on (2TiB); the host pool's budget per "
+        "rank is half of it over --ranks-per-node, as the runtime takes it there (default: "
+        "the profile's node, 8 GPUs and 2 TiB for h100 and h200)",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="ranks (GPUs) per node sharing its host memory (default: the profile's, 8)",
     )
     parser.add_argument(
         "--bandwidth",
@@ -177,10 +195,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--offload-lag",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="the SwapManager's offload_lag: a module's copies to host are fenced when the "
-        "forward N modules later begins (default 1)",
+        "forward N modules later begins (default: auto plans 1 and 2 and keeps the lower "
+        "peak, the other modes 1)",
     )
     parser.add_argument(
         "--prefetch-depth",
@@ -232,6 +251,16 @@ def _refusal(args: argparse.Namespace) -> str | None:
             f"--hide-margin {args.hide_margin} applies to --activation-swap auto only (it would"
             f" change nothing for --activation-swap {mode}); add --activation-swap auto or drop it"
         )
+    if args.fit is None and mode == "none":
+        for flag, value in (
+            ("--host-memory", args.host_memory),
+            ("--ranks-per-node", args.ranks_per_node),
+        ):
+            if value is not None:
+                return (
+                    f"{flag} {value} sizes the swap's host pool, and --activation-swap none "
+                    f"swaps nothing; choose a swap mode or drop {flag}"
+                )
     if args.fit is None:
         if args.seq is None:
             return "--seq N is required (or --fit, which searches the sequence length)"
@@ -265,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         fit_sequence,
         plan_memory,
     )
+    from graphswap.runtime.profile import device_profile
 
     refusal = _refusal(args)
     if refusal is not None:
@@ -278,6 +308,20 @@ def run(args: argparse.Namespace) -> int:
         )
     except CheckpointError as error:
         return user_error("plan-memory", f"--model {args.model}: {error}")
+    node = {
+        key: value
+        for key, value in (
+            ("host_memory_bytes", args.host_memory),
+            ("ranks_per_node", args.ranks_per_node),
+        )
+        if value is not None
+    }
+    try:
+        profile = device_profile(args.profile or DEFAULT_PROFILE)
+        if node:
+            profile = profile.with_figures(**node)
+    except ProfileError as error:
+        return user_error("plan-memory", f"--profile {args.profile or DEFAULT_PROFILE}: {error}")
     settings: dict[str, Any] = {
         "batch": args.batch,
         "dtype": getattr(torch, args.dtype),
@@ -286,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
         "attn_kernel": args.attn_kernel,
         "tp": args.tp,
         "hide_margin": DEFAULT_HIDE_MARGIN if args.hide_margin is None else args.hide_margin,
-        "profile": args.profile or DEFAULT_PROFILE,
+        "profile": profile,
         "bandwidth_gbps": args.bandwidth,
         "tflops": args.tflops,
         "offload_lag": args.offload_lag,
@@ -354,14 +398,15 @@ def settings_line(plan: Mapping[str, Any]) -> str:
     margin = "" if plan.get("hide_margin") is None else f" margin={plan['hide_margin']:g}"
     kernel = "" if plan["attn_kernel"] is None else f" kernel={plan['attn_kernel']}"
     shards = "" if plan["state_shards"] == 1 else f" state_shards={plan['state_shards']}"
+    chosen = " (chosen)" if plan.get("offload_lag_chosen") else ""
     return (
         f"seq={plan['seq']} batch={plan['batch']} dtype={plan['dtype']} device={plan['device']} "
         f"attn={plan['attn_implementation']}{kernel} tp={plan['tp']} "
         f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
         f"compute={profile['tflops']:g} TFLOP/s hbm={profile['hbm_gbps']:g} GB/s "
-        f"offload_lag={plan['offload_lag']} prefetch_depth={plan['prefetch_depth']}"
-        f"{shards}{margin}"
+        f"offload_lag={plan['offload_lag']}{chosen} prefetch_depth={plan['prefetch_depth']}"
+        f"{shards}{margin} attention_timing={'+'.join(plan['attention_timing']) or 'every score'}"
     )
 
 
@@ -453,7 +498,24 @@ def step_lines(plan: Mapping[str, Any]) -> list[str]:
         f"device peak without swap: {_peak(baseline)}",
         f"held before the step (parameters, buffers, AdamW state): "
         f"{format_bytes(timeline['base_bytes'])}",
+        *host_lines(plan),
     ]
+
+
+def host_lines(plan: Mapping[str, Any]) -> list[str]:
+    """Pinned host memory against the pool's budget; what the budget kept on device."""
+    if plan["activation_swap"] == "none":
+        return []
+    line = (
+        f"pinned host memory per rank: {format_bytes(plan['host_peak_bytes'])} at the pool's "
+        f"peak, budget {format_bytes(plan['max_host_bytes'])}"
+    )
+    if plan["refused_bytes"]:
+        line += (
+            f"; {format_bytes(plan['refused_bytes'])} chosen for swap stays on device (the "
+            "pool is full; the peak above counts it)"
+        )
+    return [line]
 
 
 def format_plan(plan: Mapping[str, Any]) -> str:
@@ -512,9 +574,14 @@ def format_fit(fit: Mapping[str, Any]) -> str:
             f"{format_bytes(memory)}: no sequence fits; {fix}"
         )
         return "\n".join(lines)
+    lines.append(
+        f"host pool budget per rank: {format_bytes(fit['max_host_bytes'])} "
+        f"({fit['profile']['name']}: node of {format_bytes(fit['profile']['host_memory_bytes'])} "
+        f"over {fit['profile']['ranks_per_node']} ranks, half of it pinned at most)"
+    )
     header = (
         f"{'mode':<10} {'longest seq':>12} {'step ratio':>10} {'peak':>11}  {'peak at':<10}"
-        f"{'stalls ms':>10}"
+        f"{'stalls ms':>10} {'host peak':>11}"
     )
     lines += [header, "-" * len(header)]
     for mode in fit["modes"]:
@@ -529,10 +596,22 @@ def format_fit(fit: Mapping[str, Any]) -> str:
         lines.append(
             f"{mode['activation_swap']:<10} {seq:>12} {plan['step_ratio']:>10.4f} "
             f"{format_bytes(timeline['peak_bytes']):>11}  {timeline['peak_label']:<10}"
-            f"{timeline['stall_seconds'] * 1e3:>10.3f}"
+            f"{timeline['stall_seconds'] * 1e3:>10.3f} "
+            f"{format_bytes(plan.get('host_peak_bytes', 0)):>11}"
         )
+    lines.append("-" * len(header))
+    for mode in fit["modes"]:
+        if len(mode["fits"]) > 1:
+            runs = ", ".join(
+                f"{first}-{last}" if first != last else str(first) for first, last in mode["fits"]
+            )
+            lines.append(
+                f"{mode['activation_swap']}: the lengths that fit are not one interval: {runs} "
+                "(the longest sequence is where the first ends; the lengths between do not fit)"
+            )
     lines.append(
-        f"traced {len(fit['traced'])} sequence lengths: {', '.join(map(str, fit['traced']))}"
+        f"every multiple of {fit['seq_step']} up to {fit['max_seq']} planned ({fit['planned']} "
+        f"lengths), {len(fit['traced'])} traced: {', '.join(map(str, fit['traced']))}"
         + (
             "; >= N: fits even at the model's max_position_embeddings"
             if any(m["capped"] for m in fit["modes"])

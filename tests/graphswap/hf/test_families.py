@@ -91,10 +91,13 @@ def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int: 
 
 def _cpu_flash_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:  # type: ignore[no-untyped-def]
     """torch's sdpa formula (two batched matmuls per query head), written out: before
-    torch 2.13 its ``sdpa_flop_count`` refuses fewer key/value heads than query heads."""
+    torch 2.13 its ``sdpa_flop_count`` refuses fewer key/value heads than query heads.
+    A causal call without a mask computes, per query ``i``, the ``i + 1`` keys it sees."""
     batch, heads, q_len, head_dim = q_shape
     k_len, v_dim = k_shape[-2], v_shape[-1]
-    return 2 * batch * heads * q_len * k_len * (head_dim + v_dim)
+    causal = len(args) > 1 and args[1] and kwargs.get("attn_mask") is None
+    scores = sum(min(i + 1, k_len) for i in range(q_len)) if causal else q_len * k_len
+    return 2 * batch * heads * scores * (head_dim + v_dim)
 
 
 def _forward_flops(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:

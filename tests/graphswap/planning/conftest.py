@@ -32,10 +32,10 @@ def tiny_trace() -> StepTrace:
 
 @pytest.fixture(scope="package")
 def slow_compute_at() -> Callable[[float], StepTrace]:
-    """``slow_compute_at(gbps)``: the tiny step at 1 TFLOP/s, where each layer's forward
+    """``slow_compute_at(gbps)``: the tiny step at 0.5 TFLOP/s, where each layer's forward
     lasts long enough that at a 2 GB/s link some of its copies hide and some do not, on a
     host link of ``gbps`` each way. Traced once: no operator's time depends on the link."""
-    trace = _tiny_step(device_profile("h200").with_figures(tflops=1.0))
+    trace = _tiny_step(device_profile("h200").with_figures(tflops=0.5))
 
     def at(gbps: float) -> StepTrace:
         return dataclasses.replace(trace, profile=trace.profile.with_figures(link_gbps=float(gbps)))

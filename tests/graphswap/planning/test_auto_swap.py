@@ -34,7 +34,7 @@ from passes import PassSettingError
 SEQ = 512
 """The shortest sequence at which sdpa saves tensors of the 1 MiB swap threshold."""
 
-MIDDLE = {"swap_bandwidth_gbps": 2.0, "swap_tflops": 1.0}
+MIDDLE = {"swap_bandwidth_gbps": 2.0, "swap_tflops": 0.5}
 """A link at which each layer's copy hides for some of its swappable tensors, not all."""
 
 

@@ -2,11 +2,12 @@
 
 The same tiny Qwen3-MoE step (forward, backward, AdamW) is planned on the meta device
 and run for real on CPU over the simulated accelerator with the same device profile;
-step time, stalls and the device-memory peak must agree within 3% in every mode and
-at two offload lags. The profile's compute is slow enough that attention and layer
-swap stall at ``offload_lag`` 1, and ``auto`` must then plan no stall at all. The step
-is traced once (neither the mode nor the lag changes what runs), and each clocked run
-is made once for the tests that assert on it.
+step time, stalls, the device-memory peak and the host pool's peak must agree within
+3% in every mode and at two offload lags, with eager attention (every score computed)
+and with sdpa's causal kernel (half of them). The profile's compute is slow enough that
+attention and layer swap stall at ``offload_lag`` 1, and ``auto`` must then plan no
+stall at all. Each step is traced once (neither the mode nor the lag changes what
+runs), and each clocked run is made once for the tests that assert on it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ PROFILE = device_profile("h200,tflops=60,hbm_gbps=1980")
 """At these figures the tiny model's 2 MiB attention probabilities copy in about as
 long as a layer's forward: attention and layer swap stall at offload_lag 1."""
 SEQ, BATCH = 256, 2
+CAUSAL_SEQ = 512
+"""sdpa saves q, k, v and the output, not the probabilities: at 512 tokens they reach the
+1 MiB swap threshold."""
 TOLERANCE = 0.03
 
 
@@ -49,12 +53,21 @@ def config() -> PretrainedConfig:
     return qwen3_moe_config("tiny", attn_implementation="eager")
 
 
-@pytest.fixture(scope="module")
-def trace(config: PretrainedConfig) -> StepTrace:
+def _trace(config: PretrainedConfig, seq: int) -> StepTrace:
     meta = build_meta_model(
-        config, seq=SEQ, batch=BATCH, dtype=torch.float32, attn_implementation="eager", device="cpu"
+        config,
+        seq=seq,
+        batch=BATCH,
+        dtype=torch.float32,
+        attn_implementation=config._attn_implementation,
+        device="cpu",
     )
     return trace_step(meta, PROFILE)
+
+
+@pytest.fixture(scope="module")
+def trace(config: PretrainedConfig) -> StepTrace:
+    return _trace(config, SEQ)
 
 
 def predict(
@@ -65,18 +78,21 @@ def predict(
 
 def measure(
     config: PretrainedConfig, plan: MemoryPlan, mode: SwapMode, offload_lag: int
-) -> tuple[StepTimeline, float]:
+) -> tuple[StepTimeline, float, int]:
     """The second step (the first makes the optimizer state and the host buffers) of the
-    real runtime on the clocked simulated accelerator, and its loss."""
+    real runtime on the clocked simulated accelerator, its loss and the host pool's peak."""
     torch.manual_seed(0)
     model = build_model(config, device="cpu", dtype=torch.float32).train()
     sim = SimulatedAccelerator(profile=PROFILE)
+    report = None
     if mode != "none":
         auto = AutoSwap(plan, made_for="the agreement test") if mode == "auto" else None
-        apply_swap(model, activation_swap=mode, offload_lag=offload_lag, engine=sim, auto=auto)
+        report = apply_swap(
+            model, activation_swap=mode, offload_lag=offload_lag, engine=sim, auto=auto
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(
-        0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)
+        0, config.vocab_size, (BATCH, plan.seq), generator=torch.Generator().manual_seed(0)
     )
 
     def step() -> float:
@@ -93,30 +109,44 @@ def measure(
         clock.label(OPTIMIZER_LABEL)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return clock.timeline, loss
+    host_peak = 0 if report is None else report.manager.stats.peak_host_bytes
+    return clock.timeline, loss, host_peak
 
 
-Clocked = Callable[[SwapMode, int], tuple[MemoryPlan, StepTimeline, float]]
+Clocked = Callable[[SwapMode, int], tuple[MemoryPlan, StepTimeline, float, int]]
 
 
-@pytest.fixture(scope="module")
-def clocked(config: PretrainedConfig, trace: StepTrace) -> Clocked:
-    """``clocked(mode, offload_lag)``: the plan, and the clocked run of it with its loss."""
-
+def _clocked(config: PretrainedConfig, trace: StepTrace) -> Clocked:
     @functools.cache
-    def run(mode: SwapMode, offload_lag: int) -> tuple[MemoryPlan, StepTimeline, float]:
+    def run(mode: SwapMode, offload_lag: int) -> tuple[MemoryPlan, StepTimeline, float, int]:
         plan = predict(config, trace, mode, offload_lag)
         return (plan, *measure(config, plan, mode, offload_lag))
 
     return run
 
 
+@pytest.fixture(scope="module")
+def clocked(config: PretrainedConfig, trace: StepTrace) -> Clocked:
+    """``clocked(mode, offload_lag)``: the plan, and the clocked run of it with its loss
+    and host peak."""
+    return _clocked(config, trace)
+
+
+@pytest.fixture(scope="module", params=["eager", "sdpa"])
+def attention_clocked(request: pytest.FixtureRequest, clocked: Clocked) -> Clocked:
+    """``clocked`` with eager attention at 256 tokens, or sdpa's causal CPU kernel at 512."""
+    if request.param == "eager":
+        return clocked
+    config = qwen3_moe_config("tiny", attn_implementation="sdpa")
+    return _clocked(config, _trace(config, CAUSAL_SEQ))
+
+
 @pytest.mark.parametrize("offload_lag", [1, 2])
 @pytest.mark.parametrize("mode", ["none", "attention", "layer", "auto"])
 def test_the_plan_agrees_with_the_clocked_runtime(
-    clocked: Clocked, mode: SwapMode, offload_lag: int, one_thread: None
+    attention_clocked: Clocked, mode: SwapMode, offload_lag: int, one_thread: None
 ) -> None:
-    plan, measured, _ = clocked(mode, offload_lag)
+    plan, measured, _, host_peak = attention_clocked(mode, offload_lag)
     predicted = plan.timeline
     assert predicted.step_seconds == pytest.approx(measured.step_seconds, rel=TOLERANCE)
     assert predicted.compute_seconds == pytest.approx(measured.compute_seconds, rel=TOLERANCE)
@@ -131,6 +161,14 @@ def test_the_plan_agrees_with_the_clocked_runtime(
         assert measured.stall_seconds == predicted.stall_seconds == 0.0
     if mode != "none":
         assert predicted.peak_bytes <= plan.baseline.peak_bytes
+    assert plan.host_peak_bytes == host_peak
+
+
+def test_the_causal_kernel_is_timed_on_half_the_scores(attention_clocked: Clocked) -> None:
+    """The sdpa plan's attention is timed causal (the eager one computes every score)."""
+    plan = attention_clocked("none", 1)[0]
+    expected = ("causal",) if plan.attn_implementation == "sdpa" else ()
+    assert plan.attention_timing == expected
 
 
 def test_auto_swaps_part_of_a_layer_stack_without_a_stall_where_layer_stalls(
@@ -140,7 +178,7 @@ def test_auto_swaps_part_of_a_layer_stack_without_a_stall_where_layer_stalls(
     swappable layer's does not: auto takes only what hides, and the run of that choice
     on the clocked device does not stall either."""
     layer = predict(config, trace, "layer", 2)
-    auto, measured, _ = clocked("auto", 2)
+    auto, measured, *_ = clocked("auto", 2)
     assert 0 < auto.swapped_bytes < layer.swapped_bytes
     assert layer.timeline.stall_seconds > 0 == measured.stall_seconds
 
@@ -171,7 +209,7 @@ def test_a_plan_budgeted_against_backward_alone_stalls_the_simulated_forward(
     )
     assert any(old.swapped_saves for old in old_layers)
     old = dataclasses.replace(auto, layers=old_layers)
-    measured, _ = measure(config, old, "auto", 1)
+    measured, *_ = measure(config, old, "auto", 1)
     forward_stall = sum(s for label, s in measured.stalls.items() if label.startswith("F"))
     assert forward_stall > 0.05 * measured.compute_seconds
     assert auto.timeline.stall_seconds == 0.0

@@ -179,7 +179,7 @@ def _auto_text(capsys: pytest.CaptureFixture[str], bandwidth: str) -> list[str]:
         "--bandwidth",
         bandwidth,
         "--tflops",
-        "1",
+        "0.5",
     )
     assert args.run(args) == 0
     return capsys.readouterr().out.splitlines()
@@ -251,6 +251,32 @@ def _text(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
     return capsys.readouterr().out.splitlines()
 
 
+def test_a_smaller_node_is_a_smaller_host_budget_and_the_plan_says_what_stays(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--host-memory and --ranks-per-node size the pool as the runtime would on that node:
+    half of 16 GiB over 4 ranks is 2 GiB, less than layer swap wants at 8192 tokens."""
+    argv = ("--preset", "qwen3-30b-a3b", "--layers", "3", "--seq", "8192", "--state-shards", "8")
+    lines = _text(capsys, *argv, "--activation-swap", "layer")
+    [roomy] = [line for line in lines if line.startswith("pinned host memory per rank:")]
+    assert roomy.endswith("budget 128.00 GiB")
+    lines = _text(
+        capsys,
+        *argv,
+        "--activation-swap",
+        "layer",
+        "--host-memory",
+        "16GiB",
+        "--ranks-per-node",
+        "4",
+    )
+    [tight] = [line for line in lines if line.startswith("pinned host memory per rank:")]
+    assert "budget 2.00 GiB;" in tight and "chosen for swap stays on device" in tight
+    assert any("capped at 2.0 GiB per rank" in line for line in lines)
+    settings = lines[0]
+    assert "attention_timing=causal" in settings and "offload_lag=1 " in settings
+
+
 QWEN3_30B = ("--preset", "qwen3-30b-a3b", "--seq", "8192", "--layers", "2")
 """Qwen3-30B-A3B's layers at seq 8192 (bf16, flash, the H200 profile: 50 GB/s, 400
 TFLOP/s); two of its 48 layers, each the same: the first's row is the full model's, the
@@ -319,15 +345,18 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
     ]
     lines = _memory.format_fit(fit).splitlines()
     assert lines[0].endswith("sequences in steps of 1024 up to 2048, state_shards 2")
-    assert lines[2].split()[:3] == ["mode", "longest", "seq"]
-    rows = {line.split()[0]: line.split()[1:] for line in lines[4:8]}
+    assert lines[2].startswith("host pool budget per rank: 128.00 GiB")
+    assert lines[3].split()[:3] == ["mode", "longest", "seq"]
+    assert lines[3].split()[-2:] == ["host", "peak"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[5:9]}
     for name, mode in modes.items():
         plan = mode["plan"]
         seq = [">=", "2048"] if mode["capped"] else ["1024"]
         assert rows[name][: len(seq) + 1] == [*seq, f"{plan['step_ratio']:.4f}"]
-    assert lines[8] == (
-        "traced 2 sequence lengths: 1024, 2048; >= N: fits even at the model's "
-        "max_position_embeddings"
+        assert mode["fits"] == [[1024, mode["seq"]]]
+    assert lines[10] == (
+        "every multiple of 1024 up to 2048 planned (2 lengths), 2 traced: 1024, 2048; "
+        ">= N: fits even at the model's max_position_embeddings"
     )
 
 

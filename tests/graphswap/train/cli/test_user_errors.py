@@ -206,6 +206,34 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         ],
         "--profile h100,hbm_gbps=-1: device profile 'h100 (custom)': hbm_gbps must be",
     ),
+    (
+        "plan-memory-host-memory-without-swap",
+        lambda p: [
+            "plan-memory",
+            "--preset",
+            "tiny",
+            "--seq",
+            "8",
+            "--activation-swap",
+            "none",
+            "--host-memory",
+            "1TiB",
+        ],
+        "--host-memory 1099511627776 sizes the swap's host pool, and --activation-swap none",
+    ),
+    (
+        "plan-memory-profile-infinite-memory",
+        lambda p: [
+            "plan-memory",
+            "--preset",
+            "tiny",
+            "--seq",
+            "8",
+            "--profile",
+            "h200,memory_bytes=inf",
+        ],
+        "--profile h200,memory_bytes=inf: device profile 'h200,memory_bytes=inf': memory_bytes",
+    ),
 ]
 
 

@@ -1,0 +1,256 @@
+"""Traced steps at every length of a grid from a few traces: what makes ``--fit`` exact.
+
+A fit must know the peak at every multiple of its step, since with swap the peak does
+not grow monotonically with the sequence (the windows grow as seq², the bytes as seq,
+so ``auto`` moves more of a longer step). A 48-layer step takes seconds to trace, so
+tracing every length is too slow; but a decoder runs the same operators in the same
+order at every length, and every number of the trace (a storage's bytes, a save's
+shape, an operator's FLOPs and bytes) is a polynomial of degree at most two in the
+sequence (attention scores are seq x seq). So the steps of a range of lengths follow
+from three traces of it, by interpolation, checked exactly against a fourth; a range
+where the structure changes (a sliding window's mask appears) or the check fails is
+split, down to tracing each length.
+
+The size threshold of the swap policy is the one thing that does change along a range
+(a tensor crosses 1 MiB): the traces ask a policy without a threshold, and the
+threshold is applied to each length's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+from graphswap.planning._trace import Block, Event, StepTrace, TracedSave
+from graphswap.planning.saved_tensors import LayerTrace, SavedTensor
+from graphswap.runtime.policy import SwapPolicy, size_threshold_policy
+
+ELIGIBLE = size_threshold_policy(0, name="eligible")
+"""What the traces ask: the size policy without its threshold."""
+
+_PROBES = 4
+"""Traces that decide a range: three to interpolate through, one to check."""
+
+
+def _structure(trace: StepTrace) -> tuple[Any, ...]:
+    """Everything of ``trace`` that must not depend on the length."""
+    return (
+        tuple(p if e is not Event.COMPUTE else None for e, p in trace.events),
+        tuple(e for e, _ in trace.events),
+        tuple(len(ops) for ops in trace.costs),
+        tuple(op.attention for ops in trace.costs for op in ops),
+        tuple(b.kind for b in trace.blocks),
+        tuple((s.layer, s.block, *_save_structure(s.save)) for s in trace.saves),
+        tuple((layer.name, layer.moe, len(layer.saves)) for layer in trace.saved.layers),
+        (len(trace.saved.embed), len(trace.saved.head)),
+        (trace.parameter_bytes, trace.buffer_bytes, trace.optimizer_state_bytes),
+        (trace.batch, trace.dtype, trace.attn_implementation, trace.device, trace.optimizer),
+        trace.attention_timing,
+    )
+
+
+def _save_structure(save: SavedTensor) -> tuple[Any, ...]:
+    return (
+        save.index,
+        save.storage,
+        save.parameter,
+        save.in_attention,
+        save.policy_swaps,
+        save.dtype,
+        len(save.shape),
+    )
+
+
+def _numbers(trace: StepTrace) -> list[float]:
+    """Every number of ``trace`` that may depend on the length, in a fixed order."""
+    values: list[float] = [b.nbytes for b in trace.blocks]
+    for ops in trace.costs:
+        for op in ops:
+            values.append(op.flops)
+            values.append(op.nbytes)
+    for traced in trace.saves:
+        save = traced.save
+        values.extend(save.shape)
+        values.append(save.nbytes)
+        values.append(save.storage_nbytes)
+    return values
+
+
+def _weights(points: Sequence[int], at: int) -> tuple[Fraction, ...]:
+    """Lagrange weights of the quadratic through ``points`` evaluated at ``at``."""
+    return tuple(
+        math.prod(
+            (Fraction(at - other, point - other) for other in points if other != point),
+            start=Fraction(1),
+        )
+        for point in points
+    )
+
+
+def _interpolate(points: Sequence[int], values: Sequence[Sequence[float]], at: int) -> list[float]:
+    w0, w1, w2 = (float(w) for w in _weights(points, at))
+    a, b, c = values
+    return [w0 * x + w1 * y + w2 * z for x, y, z in zip(a, b, c, strict=True)]
+
+
+def _matches(predicted: Sequence[float], traced: Sequence[float]) -> bool:
+    return all(
+        abs(p - t) <= 1e-9 * max(1.0, abs(t)) for p, t in zip(predicted, traced, strict=True)
+    )
+
+
+def _rebuild(template: StepTrace, seq: int, values: Sequence[float]) -> StepTrace:
+    """``template`` with its length-dependent numbers replaced by ``values``
+    (:func:`_numbers`' order); compute events re-timed on its profile as
+    :meth:`~graphswap.runtime.profile.OpCost.seconds` times them."""
+    profile = template.profile
+    rate = profile.tflops * 1e12
+    attention_rate = rate * profile.attention_efficiency
+    hbm = profile.hbm_gbps * 1e9
+    it = iter(values)
+    blocks = tuple(Block(round(next(it)), block.kind) for block in template.blocks)
+    seconds: list[float] = []
+    for ops in template.costs:
+        total = 0.0
+        for op in ops:
+            flops, nbytes = next(it), round(next(it))
+            total += max(flops / (rate if op.attention is None else attention_rate), nbytes / hbm)
+        seconds.append(total)
+    saves: dict[int, SavedTensor] = {}
+    traced_saves = []
+    for traced in template.saves:
+        save = traced.save
+        shape = tuple(round(next(it)) for _ in save.shape)
+        fresh = dataclasses.replace(
+            save, shape=shape, nbytes=round(next(it)), storage_nbytes=round(next(it))
+        )
+        saves[id(save)] = fresh
+        traced_saves.append(TracedSave(fresh, traced.layer, traced.block))
+    compute = iter(seconds)
+    events = tuple(
+        (event, next(compute)) if event is Event.COMPUTE else (event, payload)
+        for event, payload in template.events
+    )
+    saved = template.saved
+    return dataclasses.replace(
+        template,
+        seq=seq,
+        events=events,
+        costs=(),
+        blocks=blocks,
+        saves=tuple(traced_saves),
+        saved=dataclasses.replace(
+            saved,
+            embed=tuple(saves[id(s)] for s in saved.embed),
+            layers=tuple(
+                LayerTrace(layer.name, layer.moe, tuple(saves[id(s)] for s in layer.saves))
+                for layer in saved.layers
+            ),
+            head=tuple(saves[id(s)] for s in saved.head),
+        ),
+    )
+
+
+def _thresholded(trace: StepTrace, min_bytes: int, name: str) -> StepTrace:
+    """``trace`` (traced with :data:`ELIGIBLE`) as the size policy of ``min_bytes``
+    would have answered it."""
+    saves: dict[int, SavedTensor] = {}
+    for traced in trace.saves:
+        save = traced.save
+        swaps = save.policy_swaps and save.nbytes >= min_bytes
+        saves[id(save)] = (
+            save if swaps == save.policy_swaps else (dataclasses.replace(save, policy_swaps=swaps))
+        )
+    saved = trace.saved
+    return dataclasses.replace(
+        trace,
+        saves=tuple(TracedSave(saves[id(t.save)], t.layer, t.block) for t in trace.saves),
+        saved=dataclasses.replace(
+            saved,
+            embed=tuple(saves[id(s)] for s in saved.embed),
+            layers=tuple(
+                LayerTrace(layer.name, layer.moe, tuple(saves[id(s)] for s in layer.saves))
+                for layer in saved.layers
+            ),
+            head=tuple(saves[id(s)] for s in saved.head),
+        ),
+        policy=name,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Range:
+    """Lengths whose steps follow from three traces."""
+
+    points: tuple[int, int, int]
+    values: tuple[list[float], list[float], list[float]]
+    template: StepTrace
+
+
+class TraceLengths:
+    """The step at every length of ``lengths`` (ascending), most of them interpolated.
+
+    ``trace(seq)`` traces one length, asking ``policy`` (:data:`ELIGIBLE`); ``min_bytes``
+    and ``name`` are the size policy the answers stand for. Ranges are decided when
+    made (a handful of traces when the model's structure holds along the grid).
+    """
+
+    def __init__(
+        self,
+        trace: Callable[[int, SwapPolicy], StepTrace],
+        lengths: Sequence[int],
+        *,
+        min_bytes: int,
+        name: str,
+    ) -> None:
+        self._trace = trace
+        self._min_bytes = min_bytes
+        self._name = name
+        self._traces: dict[int, StepTrace] = {}
+        self._ranges: list[tuple[int, int, _Range]] = []
+        self._cover(list(lengths))
+
+    @property
+    def traced(self) -> tuple[int, ...]:
+        """The lengths traced, in the order they were."""
+        return tuple(self._traces)
+
+    def _traced(self, seq: int) -> StepTrace:
+        found = self._traces.get(seq)
+        if found is None:
+            found = self._traces[seq] = self._trace(seq, ELIGIBLE)
+        return found
+
+    def _cover(self, lengths: list[int]) -> None:
+        if len(lengths) <= _PROBES:
+            for seq in lengths:
+                self._traced(seq)
+            return
+        lo, hi = lengths[0], lengths[-1]
+        mid = lengths[len(lengths) // 2]
+        check = lengths[len(lengths) // 4]
+        traces = [self._traced(seq) for seq in (lo, mid, hi, check)]
+        structure = _structure(traces[0])
+        if all(_structure(t) == structure for t in traces[1:]):
+            points = (lo, mid, hi)
+            values = (_numbers(traces[0]), _numbers(traces[1]), _numbers(traces[2]))
+            if _matches(_interpolate(points, values, check), _numbers(traces[3])):
+                self._ranges.append((lo, hi, _Range(points, values, traces[0])))
+                return
+        half = len(lengths) // 2
+        self._cover(lengths[: half + 1])
+        self._cover(lengths[half:])
+
+    def __call__(self, seq: int) -> StepTrace:
+        """The step at ``seq``: traced, or interpolated within a decided range."""
+        trace = self._traces.get(seq)
+        if trace is None:
+            found = next((r for lo, hi, r in self._ranges if lo <= seq <= hi), None)
+            if found is None:
+                raise ValueError(f"{seq} is not a length of this grid")
+            values = _interpolate(found.points, found.values, seq)
+            trace = _rebuild(found.template, seq, values)
+        return _thresholded(trace, self._min_bytes, self._name)

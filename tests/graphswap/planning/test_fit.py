@@ -1,0 +1,131 @@
+"""``fit_sequence`` answers only what is safe: every length up to a mode's answer fits,
+host memory is in the plan, and ``auto`` plans its offload lag."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from transformers import PretrainedConfig
+
+from graphswap.hf.presets import preset_config, qwen3_moe_config
+from graphswap.planning import FitResult, fit_sequence, plan_memory, plan_step, trace_step
+from graphswap.planning._fit import _Scan
+from graphswap.planning.saved_tensors import build_meta_model
+from graphswap.runtime.profile import device_profile
+
+GIB = 1 << 30
+
+
+def _short(config: PretrainedConfig) -> PretrainedConfig:
+    """Four layers, up to 24k tokens: a fit of 48 grid lengths in a few seconds."""
+    config.num_hidden_layers = 4
+    config.max_position_embeddings = 24576
+    return config
+
+
+@pytest.mark.parametrize(
+    ("name", "memory", "offload_lag"),
+    [("llama-3.1-8b", 40 * GIB, 2), ("qwen3-30b-a3b", 24 * GIB, None)],
+)
+def test_every_length_up_to_an_answer_fits(
+    name: str, memory: int, offload_lag: int | None, one_thread: None
+) -> None:
+    """Sampled below each answer (traced, not interpolated), the planned peak is within the
+    memory; the answer is where the first run of fitting lengths ends."""
+    config = _short(preset_config(name))
+    fit = fit_sequence(config, memory_bytes=memory, state_shards=8, offload_lag=offload_lag)
+    answers = {mode.activation_swap: mode for mode in fit.modes}
+    assert all(mode.seq is not None for mode in fit.modes)
+    for mode in fit.modes:
+        assert mode.fits[0] == (fit.seq_step, mode.seq)
+        beyond = [p for p in mode.points if p.seq == mode.seq + fit.seq_step]
+        assert mode.capped or beyond[0].peak_bytes > memory
+    longest = max(mode.seq for mode in fit.modes if mode.seq is not None)
+    for seq in sorted({longest // 4 // 512 * 512, longest // 2 // 512 * 512, longest}):
+        trace = trace_step(build_meta_model(config, seq=seq), fit.profile)
+        for mode, answer in answers.items():
+            if answer.seq is not None and seq <= answer.seq:
+                plan = plan_step(
+                    config,
+                    trace,
+                    activation_swap=mode,  # type: ignore[arg-type]
+                    offload_lag=offload_lag,
+                    state_shards=8,
+                )
+                assert plan.timeline.peak_bytes <= memory, (mode, seq)
+                point = next(p for p in answer.points if p.seq == seq)
+                assert point.peak_bytes == plan.timeline.peak_bytes
+
+
+def _plan(seq: int, peak: int) -> SimpleNamespace:
+    timeline = SimpleNamespace(peak_bytes=peak)
+    return SimpleNamespace(seq=seq, timeline=timeline, step_ratio=1.0, host_peak_bytes=0)
+
+
+def test_a_peak_that_comes_back_under_the_memory_is_a_second_run_not_the_answer() -> None:
+    scan = _Scan("auto")
+    for seq, peak in ((512, 10), (1024, 20), (1536, 31), (2048, 29), (2560, 30), (3072, 40)):
+        scan.add(_plan(seq, peak), 30)  # type: ignore[arg-type]
+    result = scan.result()
+    assert result.seq == 1024 and result.fits == ((512, 1024), (2048, 2560))
+    assert not result.contiguous and not result.capped
+    assert [p.seq for p in result.points] == [512, 1024, 1536, 2048, 2560, 3072]
+
+
+def test_the_fit_table_names_the_runs_of_a_broken_fit() -> None:
+    from graphswap.train.cli._memory import format_fit
+
+    config = _short(qwen3_moe_config("qwen3-30b-a3b"))
+    data = fit_sequence(config, memory_bytes=24 * GIB, state_shards=8, modes=("auto",)).to_dict()
+    data["modes"][0]["fits"] = [[512, 8192], [9216, 10240]]
+    text = format_fit(data)
+    assert "auto: the lengths that fit are not one interval: 512-8192, 9216-10240" in text
+    assert "every multiple of 512 up to 24576 planned (48 lengths), 4 traced" in text
+
+
+def test_a_host_budget_keeps_on_device_what_it_cannot_hold() -> None:
+    config = _short(qwen3_moe_config("qwen3-30b-a3b"))
+    roomy = plan_memory(config, seq=8192, activation_swap="layer", state_shards=8)
+    tight = plan_memory(
+        config, seq=8192, activation_swap="layer", state_shards=8, max_host_bytes=2 * GIB
+    )
+    assert roomy.max_host_bytes == device_profile("h200").host_budget_bytes == 128 * GIB
+    assert roomy.refused_bytes == 0 and roomy.host_peak_bytes > 2 * GIB
+    assert 0 < tight.host_peak_bytes <= 2 * GIB < tight.host_peak_bytes + tight.refused_bytes
+    assert tight.timeline.peak_bytes > roomy.timeline.peak_bytes
+    assert tight.swapped_bytes == roomy.swapped_bytes  # chosen alike; the pool refused part
+
+
+def test_a_node_with_less_host_memory_answers_shorter_and_within_its_budget() -> None:
+    config = _short(qwen3_moe_config("qwen3-30b-a3b"))
+
+    def layer_fit(profile: str) -> tuple[FitResult, int]:
+        fit = fit_sequence(
+            config, memory_bytes=24 * GIB, state_shards=8, modes=("layer",), profile=profile
+        )
+        [layer] = fit.modes
+        assert layer.plan is not None and layer.seq is not None
+        assert layer.plan.host_peak_bytes <= fit.max_host_bytes
+        return fit, layer.seq
+
+    node, default = layer_fit("h200")
+    small, shorter = layer_fit("h200,host_memory_bytes=64e9,ranks_per_node=8")
+    assert small.max_host_bytes == 4 * 10**9 < node.max_host_bytes
+    assert shorter < default
+
+
+def test_auto_plans_its_lag_and_keeps_the_lower_peak() -> None:
+    config = qwen3_moe_config("qwen3-30b-a3b", num_hidden_layers=6)
+    trace = trace_step(build_meta_model(config, seq=8192), device_profile("h200"))
+    fixed = {
+        lag: plan_step(config, trace, activation_swap="auto", offload_lag=lag, state_shards=8)
+        for lag in (1, 2)
+    }
+    chosen = plan_step(config, trace, activation_swap="auto", state_shards=8)
+    best = min((1, 2), key=lambda lag: fixed[lag].timeline.peak_bytes)
+    assert chosen.offload_lag == best and chosen.offload_lag_chosen
+    assert chosen.timeline.peak_bytes == fixed[best].timeline.peak_bytes
+    assert not fixed[1].offload_lag_chosen
+    assert chosen.timeline.stall_seconds == 0
+    assert any("planned at offload_lag 1 and 2" in a for a in chosen.assumptions)
