@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check: one call on a CUDA machine runs the CUDA tests, the benchmark and the
-# host-overhead measurement, then prints one summary line per target.
+# The GPU check: one call on a CUDA machine runs the CUDA tests, the benchmark, the
+# host-overhead measurement and the attention kernel's speed (the planner's
+# attention_efficiency), then prints one summary line per target.
 #
 #   tools/device_check.sh OUT_DIR             on the GPU machine: about 3 minutes on one H200,
-#                                             under 6 by the steps' time limits
+#                                             under 7 by the steps' time limits
 #   tools/device_check.sh OUT_DIR --dry-run   the same steps on CPU with small shapes (CI)
 #
 # It installs nothing and reaches no network: it runs this working tree (PYTHONPATH) on the
@@ -38,11 +39,14 @@ if ((DRY_RUN)); then
     TEST_LIMIT=300 BENCH_LIMIT=600 OVERHEAD_LIMIT=300
     BENCH_ARGS=(--device cpu --attn eager --layers 3 --seq 256 --steps 1 --warmup 0 --share-seq 256)
     OVERHEAD_ARGS=(--device cpu --steps 5 --warmup 1)
+    ATTENTION_ARGS=(--device cpu --seq 256 --heads 4 --kv-heads 2 --head-dim 64 --repeats 1)
 else
     TEST_LIMIT=90 BENCH_LIMIT=190 OVERHEAD_LIMIT=40
     BENCH_ARGS=(--device cuda)
     OVERHEAD_ARGS=(--device cuda)
+    ATTENTION_ARGS=(--device cuda)
 fi
+ATTENTION_LIMIT=45
 
 say() { echo "[device_check] $*" | tee -a "$LOG"; }
 
@@ -97,6 +101,9 @@ run_step "benchmark" "$BENCH_LIMIT" "$OUT/bench.log" \
     "$PY" tools/bench_swap.py "${BENCH_ARGS[@]}" --out-dir "$OUT" --tag bench
 run_step "host overhead" "$OVERHEAD_LIMIT" "$OUT/overhead.log" \
     "$PY" tools/bench_swap.py --overhead "${OVERHEAD_ARGS[@]}" --out-dir "$OUT"
+# The planner's attention_efficiency: causal sdpa's rate against the profile's TFLOP/s.
+run_step "attention speed" "$ATTENTION_LIMIT" "$OUT/attention.log" \
+    "$PY" tools/attention_speed.py "${ATTENTION_ARGS[@]}" --out-dir "$OUT"
 
 # One line per target: the tests' verdict from their JUnit XML, the others from the
 # TARGET lines the benchmark printed; a target that never printed is missed.
@@ -132,6 +139,7 @@ expected = {
         "prediction",
     ),
     "overhead.log": ("host_overhead_per_swapped_tensor", "accelerator_calls_per_swapped_tensor"),
+    "attention.log": ("attention_efficiency",),
 }
 for log, names in expected.items():
     path = out / log
