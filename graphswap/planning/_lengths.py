@@ -102,6 +102,10 @@ def _matches(predicted: Sequence[float], traced: Sequence[float]) -> bool:
     )
 
 
+def _compute_positions(trace: StepTrace) -> list[int]:
+    return [i for i, (event, _) in enumerate(trace.events) if event is Event.COMPUTE]
+
+
 def _rebuild(template: StepTrace, seq: int, values: Sequence[float]) -> StepTrace:
     """``template`` with its length-dependent numbers replaced by ``values``
     (:func:`_numbers`' order); compute events re-timed on its profile as
@@ -129,16 +133,14 @@ def _rebuild(template: StepTrace, seq: int, values: Sequence[float]) -> StepTrac
         )
         saves[id(save)] = fresh
         traced_saves.append(TracedSave(fresh, traced.layer, traced.block))
-    compute = iter(seconds)
-    events = tuple(
-        (event, next(compute)) if event is Event.COMPUTE else (event, payload)
-        for event, payload in template.events
-    )
+    events = list(template.events)
+    for position, time in zip(_compute_positions(template), seconds, strict=True):
+        events[position] = (Event.COMPUTE, time)
     saved = template.saved
     return dataclasses.replace(
         template,
         seq=seq,
-        events=events,
+        events=tuple(events),
         costs=(),
         blocks=blocks,
         saves=tuple(traced_saves),

@@ -12,6 +12,7 @@ choice of one scope: what ``auto`` budgets, and the windows ``plan-memory`` prin
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 from graphswap.planning._trace import Event, StepTrace, TracedSave
@@ -70,9 +71,27 @@ class StepTimes:
     """Per decoder layer, its wrapped module's windows."""
 
 
-def step_times(trace: StepTrace, scope: str, *, offload_lag: int, prefetch_depth: int) -> StepTimes:
-    """The windows of ``scope``'s modules in ``trace`` at ``offload_lag`` and
-    ``prefetch_depth`` (as ``SwapManager`` takes them)."""
+@dataclass(frozen=True)
+class _Pass:
+    """One scope's compute-only times in a trace, whatever the schedule."""
+
+    pack: tuple[float, ...]
+    unpack: tuple[float, ...]
+    enter: tuple[float, ...]
+    leave: tuple[float, ...]
+    begins: tuple[float, ...]
+
+
+_PASSES: dict[tuple[int, str], _Pass] = {}
+"""Per live trace (by id) and scope, its pass: every mode and lag a plan tries reads the
+same one, and a 48-layer trace has some 40,000 events."""
+
+
+def _pass(trace: StepTrace, scope: str) -> _Pass:
+    key = (id(trace), scope)
+    found = _PASSES.get(key)
+    if found is not None:
+        return found
     layers = trace.num_layers
     groups = [group_of(save, scope) for save in trace.saves]
     pack = [0.0] * len(trace.saves)
@@ -96,6 +115,19 @@ def step_times(trace: StepTrace, scope: str, *, offload_lag: int, prefetch_depth
             where, layer = payload
             if where == scope:
                 (enter if event is Event.ENTER else leave)[layer] = t
+    found = _PASSES[key] = _Pass(
+        tuple(pack), tuple(unpack), tuple(enter), tuple(leave), tuple(begins)
+    )
+    weakref.finalize(trace, _PASSES.pop, key, None)
+    return found
+
+
+def step_times(trace: StepTrace, scope: str, *, offload_lag: int, prefetch_depth: int) -> StepTimes:
+    """The windows of ``scope``'s modules in ``trace`` at ``offload_lag`` and
+    ``prefetch_depth`` (as ``SwapManager`` takes them)."""
+    layers = trace.num_layers
+    times = _pass(trace, scope)
+    enter, leave, begins = times.enter, times.leave, times.begins
     first_backward = min(begins, default=0.0)
     windows = []
     for g in range(layers):
@@ -107,4 +139,4 @@ def step_times(trace: StepTrace, scope: str, *, offload_lag: int, prefetch_depth
             fence = first_backward
         trigger = None if g == layers - 1 else begins[min(g + prefetch_depth, layers - 1)]
         windows.append(GroupWindow(enter[g], leave[g], fence, trigger, begins[g]))
-    return StepTimes(scope, tuple(pack), tuple(unpack), tuple(windows))
+    return StepTimes(scope, times.pack, times.unpack, tuple(windows))
