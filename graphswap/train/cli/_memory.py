@@ -238,7 +238,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="also draw device memory over the step (needs matplotlib)",
+        help="also draw device memory over the step; with --fit, each mode's peak and step "
+        "ratio over the sequence length, the memory as a line (needs matplotlib)",
     )
     parser.set_defaults(run=run)
 
@@ -270,7 +271,6 @@ def _refusal(args: argparse.Namespace) -> str | None:
     for flag, value in (
         ("--seq", args.seq),
         ("--activation-swap", args.activation_swap),
-        ("--plot", args.plot),
     ):
         if value is not None:
             return (
@@ -346,11 +346,10 @@ def run(args: argparse.Namespace) -> int:
                 **settings,
             )
             data = fit.to_dict()
-            print(json.dumps(data, indent=2) if args.format == "json" else format_fit(data))
-            return 0
-        plan = plan_memory(
-            config, seq=args.seq, activation_swap=args.activation_swap or "attention", **settings
-        )
+        else:
+            mode = args.activation_swap or "attention"
+            plan = plan_memory(config, seq=args.seq, activation_swap=mode, **settings)
+            data = plan.to_dict()
     except PlanSettingError as error:
         flag = _FLAGS.get(error.setting, error.setting)
         return user_error("plan-memory", f"{flag} {error.value}: {error.detail}")
@@ -358,7 +357,10 @@ def run(args: argparse.Namespace) -> int:
         return user_error("plan-memory", f"--profile {args.profile or DEFAULT_PROFILE}: {error}")
     if args.plot:
         try:
-            plot_timeline(plan, Path(args.plot))
+            if args.fit is not None:
+                plot_fit(data, Path(args.plot))
+            else:
+                plot_timeline(plan, Path(args.plot))
         except ModuleNotFoundError as error:
             if error.name != "matplotlib":
                 raise
@@ -368,11 +370,11 @@ def run(args: argparse.Namespace) -> int:
                 " install it with: pip install graphswap[plot]",
             )
     if args.format == "json":
-        print(json.dumps(plan.to_dict(), indent=2))
-    else:
-        print(format_plan(plan.to_dict()))
-        if args.plot:
-            print(f"timeline written to {args.plot}")
+        print(json.dumps(data, indent=2))
+        return 0
+    print(format_fit(data) if args.fit is not None else format_plan(data))
+    if args.plot:
+        print(f"{'fit' if args.fit is not None else 'timeline'} written to {args.plot}")
     return 0
 
 
@@ -644,6 +646,36 @@ def plot_timeline(plan: MemoryPlan, path: Path) -> None:
         f"tp={plan.tp} on {plan.profile.name}"
     )
     ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_fit(fit: Mapping[str, Any], path: Path) -> None:
+    """Per mode, the step's device peak (top) and step ratio (bottom) at every length the
+    fit planned; the memory it fits in as a line."""
+    import matplotlib  # optional (the plot extra): needed only for --plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = float(1 << 30)
+    fig, (peaks, ratios) = plt.subplots(2, 1, sharex=True, figsize=(10.0, 7.0))
+    for mode in fit["modes"]:
+        seqs = [point["seq"] for point in mode["points"]]
+        name = mode["activation_swap"]
+        peaks.plot(seqs, [point["peak_bytes"] / gib for point in mode["points"]], label=name)
+        ratios.plot(seqs, [point["step_ratio"] for point in mode["points"]], label=name)
+    peaks.axhline(fit["memory_bytes"] / gib, color="black", linestyle="--", label="memory")
+    peaks.set_ylabel("device peak [GiB]")
+    ratios.set_ylabel("step ratio (to none)")
+    ratios.set_xlabel("sequence length [tokens]")
+    peaks.set_title(
+        f"{fit['profile']['name']}, batch {fit['batch']}, state_shards {fit['state_shards']}, "
+        f"host budget {format_bytes(fit['max_host_bytes'])} per rank"
+    )
+    peaks.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -59,6 +59,19 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "timeline written" in capsys.readouterr().out
 
 
+def test_fit_plot_draws_each_modes_peak_and_ratio_over_the_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "fit.png"
+    args = _args(
+        "--preset", "tiny", "--layers", "2", "--seq-step", "1024", "--fit", "--plot", str(target)
+    )
+    assert args.run(args) == 0
+    assert target.read_bytes()[:4] == b"\x89PNG"
+    assert capsys.readouterr().out.splitlines()[-1] == f"fit written to {target}"
+
+
 def test_plot_without_matplotlib_names_the_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -366,6 +379,7 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
         ([], ["--seq N is required (or --fit"]),
         (["--fit", "--seq", "64"], ["--seq 64 with --fit: the fit searches the sequence"]),
         (["--fit", "--activation-swap", "auto"], ["--activation-swap auto with --fit"]),
+        (["--fit", "--hide-margin", "2"], ["--hide-margin 2.0: must be in [0, 1)"]),
     ],
 )
 def test_fit_and_seq_go_one_at_a_time(
