@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
+import graphswap
 from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import (
@@ -32,10 +33,11 @@ from graphswap.planning import (
 )
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.runtime import SimulatedAccelerator
+from graphswap.runtime import SimulatedAccelerator, SwapManager
 from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import device_profile
 from graphswap.train.trainer import _state_bytes
+from passes.specs import SWAP_RULES
 from passes.swap import apply_swap
 
 PROFILE = device_profile("h200,tflops=60,hbm_gbps=1980")
@@ -77,15 +79,23 @@ def predict(
 
 
 def measure(
-    config: PretrainedConfig, plan: MemoryPlan, mode: SwapMode, offload_lag: int
+    config: PretrainedConfig,
+    plan: MemoryPlan,
+    mode: SwapMode,
+    offload_lag: int,
+    max_host_bytes: int | None = None,
 ) -> tuple[StepTimeline, float, int]:
     """The second step (the first makes the optimizer state and the host buffers) of the
-    real runtime on the clocked simulated accelerator, its loss and the host pool's peak."""
+    real runtime on the clocked simulated accelerator, its loss and the host pool's peak;
+    ``max_host_bytes``: the pool's cap (the swap pass's manager takes this node's)."""
     torch.manual_seed(0)
     model = build_model(config, device="cpu", dtype=torch.float32).train()
     sim = SimulatedAccelerator(profile=PROFILE)
     report = None
-    if mode != "none":
+    if max_host_bytes is not None:
+        manager = SwapManager(offload_lag=offload_lag, engine=sim, max_host_bytes=max_host_bytes)
+        report = graphswap.rewrite(model, rules=[SWAP_RULES[mode]], manager=manager)
+    elif mode != "none":
         auto = AutoSwap(plan, made_for="the agreement test") if mode == "auto" else None
         report = apply_swap(
             model, activation_swap=mode, offload_lag=offload_lag, engine=sim, auto=auto
@@ -162,6 +172,27 @@ def test_the_plan_agrees_with_the_clocked_runtime(
     if mode != "none":
         assert predicted.peak_bytes <= plan.baseline.peak_bytes
     assert plan.host_peak_bytes == host_peak
+
+
+@pytest.mark.parametrize("mode", ["attention", "layer"])
+def test_a_full_host_pool_keeps_on_device_what_the_plan_says(
+    config: PretrainedConfig, trace: StepTrace, mode: SwapMode, one_thread: None
+) -> None:
+    """A pool of 5 MiB holds two of the three 2 MiB probabilities swap would move: the
+    third stays on device in the run and in the plan, and step, stalls, peak and the
+    pool's peak agree."""
+    budget = 5 << 20
+    plan = plan_step(config, trace, activation_swap=mode, offload_lag=1, max_host_bytes=budget)
+    measured, _, host_peak = measure(config, plan, mode, 1, max_host_bytes=budget)
+    assert plan.refused_bytes > 0 and plan.host_peak_bytes == host_peak <= budget
+    predicted = plan.timeline
+    assert predicted.step_seconds == pytest.approx(measured.step_seconds, rel=TOLERANCE)
+    assert predicted.stall_seconds == pytest.approx(
+        measured.stall_seconds, rel=TOLERANCE, abs=TOLERANCE * 1e-2 * measured.step_seconds
+    )
+    assert predicted.peak_bytes == pytest.approx(measured.peak_bytes, rel=TOLERANCE)
+    roomy = plan_step(config, trace, activation_swap=mode, offload_lag=1)
+    assert predicted.peak_bytes > roomy.timeline.peak_bytes
 
 
 def test_the_causal_kernel_is_timed_on_half_the_scores(attention_clocked: Clocked) -> None:
