@@ -69,7 +69,9 @@ class Mode:
         if name in (ATTENTION, LAYER, AUTO):
             from graphswap.runtime import SwapManager
 
-            self.manager = SwapManager()
+            # auto runs at the offload lag its plan was made at (the plan may choose 2).
+            lag = 1 if auto is None else auto.plan.offload_lag
+            self.manager = SwapManager(offload_lag=lag)
 
     def _targets(self) -> list[tuple[str, torch.nn.Module]]:
         layers = self.model.model.layers
