@@ -106,6 +106,29 @@ def _compute_positions(trace: StepTrace) -> list[int]:
     return [i for i, (event, _) in enumerate(trace.events) if event is Event.COMPUTE]
 
 
+def _with_saves(
+    trace: StepTrace, fresh: Callable[[SavedTensor], SavedTensor], **changes: Any
+) -> StepTrace:
+    """``trace`` with each save replaced by ``fresh(save)``, in its traced saves and its
+    per-scope lists alike, and ``changes`` made."""
+    saves = {id(t.save): fresh(t.save) for t in trace.saves}
+    saved = trace.saved
+    return dataclasses.replace(
+        trace,
+        saves=tuple(TracedSave(saves[id(t.save)], t.layer, t.block) for t in trace.saves),
+        saved=dataclasses.replace(
+            saved,
+            embed=tuple(saves[id(s)] for s in saved.embed),
+            layers=tuple(
+                LayerTrace(layer.name, layer.moe, tuple(saves[id(s)] for s in layer.saves))
+                for layer in saved.layers
+            ),
+            head=tuple(saves[id(s)] for s in saved.head),
+        ),
+        **changes,
+    )
+
+
 def _rebuild(template: StepTrace, seq: int, values: Sequence[float]) -> StepTrace:
     """``template`` with its length-dependent numbers replaced by ``values``
     (:func:`_numbers`' order); compute events re-timed on its profile as
@@ -123,64 +146,28 @@ def _rebuild(template: StepTrace, seq: int, values: Sequence[float]) -> StepTrac
             flops, nbytes = next(it), round(next(it))
             total += max(flops / (rate if op.attention is None else attention_rate), nbytes / hbm)
         seconds.append(total)
-    saves: dict[int, SavedTensor] = {}
-    traced_saves = []
-    for traced in template.saves:
-        save = traced.save
-        shape = tuple(round(next(it)) for _ in save.shape)
-        fresh = dataclasses.replace(
-            save, shape=shape, nbytes=round(next(it)), storage_nbytes=round(next(it))
-        )
-        saves[id(save)] = fresh
-        traced_saves.append(TracedSave(fresh, traced.layer, traced.block))
     events = list(template.events)
     for position, time in zip(_compute_positions(template), seconds, strict=True):
         events[position] = (Event.COMPUTE, time)
-    saved = template.saved
-    return dataclasses.replace(
-        template,
-        seq=seq,
-        events=tuple(events),
-        costs=(),
-        blocks=blocks,
-        saves=tuple(traced_saves),
-        saved=dataclasses.replace(
-            saved,
-            embed=tuple(saves[id(s)] for s in saved.embed),
-            layers=tuple(
-                LayerTrace(layer.name, layer.moe, tuple(saves[id(s)] for s in layer.saves))
-                for layer in saved.layers
-            ),
-            head=tuple(saves[id(s)] for s in saved.head),
-        ),
-    )
+
+    def fresh(save: SavedTensor) -> SavedTensor:
+        shape = tuple(round(next(it)) for _ in save.shape)
+        return dataclasses.replace(
+            save, shape=shape, nbytes=round(next(it)), storage_nbytes=round(next(it))
+        )
+
+    return _with_saves(template, fresh, seq=seq, events=tuple(events), costs=(), blocks=blocks)
 
 
 def _thresholded(trace: StepTrace, min_bytes: int, name: str) -> StepTrace:
     """``trace`` (traced with :data:`ELIGIBLE`) as the size policy of ``min_bytes``
     would have answered it."""
-    saves: dict[int, SavedTensor] = {}
-    for traced in trace.saves:
-        save = traced.save
+
+    def fresh(save: SavedTensor) -> SavedTensor:
         swaps = save.policy_swaps and save.nbytes >= min_bytes
-        saves[id(save)] = (
-            save if swaps == save.policy_swaps else (dataclasses.replace(save, policy_swaps=swaps))
-        )
-    saved = trace.saved
-    return dataclasses.replace(
-        trace,
-        saves=tuple(TracedSave(saves[id(t.save)], t.layer, t.block) for t in trace.saves),
-        saved=dataclasses.replace(
-            saved,
-            embed=tuple(saves[id(s)] for s in saved.embed),
-            layers=tuple(
-                LayerTrace(layer.name, layer.moe, tuple(saves[id(s)] for s in layer.saves))
-                for layer in saved.layers
-            ),
-            head=tuple(saves[id(s)] for s in saved.head),
-        ),
-        policy=name,
-    )
+        return save if swaps == save.policy_swaps else dataclasses.replace(save, policy_swaps=swaps)
+
+    return _with_saves(trace, fresh, policy=name)
 
 
 @dataclasses.dataclass(frozen=True)
