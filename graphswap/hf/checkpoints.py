@@ -66,12 +66,36 @@ def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> P
             f" transformers {transformers.__version__}; pass the checkpoint folder of a"
             ' decoder family (config.json with "model_type": "llama", "qwen3_moe", ...)'
         )
-    for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
+    # attn_implementation: what transformers writes after model.config.attn_implementation
+    # = ...; the caller's, always given, wins, as from_pretrained(attn_implementation=).
+    for key in (
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "attn_implementation",
+    ):
         values.pop(key, None)
     try:
         return AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **values)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{config_file}: {error}; fix the file") from error
+
+
+def checkpoint_dtype(path: str | Path) -> str | None:
+    """The dtype ``config.json`` of a checkpoint folder records (``dtype``, or
+    ``torch_dtype`` as older transformers wrote it), which ``from_pretrained`` loads
+    the weights in; ``None`` when it records none."""
+    config_file = Path(path) / "config.json"
+    try:
+        values = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # load_hf_config says what is wrong with the file
+    if not isinstance(values, dict):
+        return None
+    dtype = values.get("dtype") or values.get("torch_dtype")
+    return dtype if isinstance(dtype, str) else None
 
 
 def weight_files(path: str | Path) -> list[Path]:

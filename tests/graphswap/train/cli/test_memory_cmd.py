@@ -44,6 +44,24 @@ def test_a_model_source_is_required(graphswap_cmd) -> None:
     assert "--model" in done.stderr and "--preset" in done.stderr
 
 
+@pytest.mark.parametrize("command", ["plan-memory", "graph"])
+def test_a_checkpoint_whose_config_names_its_attention_is_read(
+    command: str, tmp_path: Path, graphswap_cmd
+) -> None:
+    """What transformers writes after model.config.attn_implementation = ...; the
+    command's own --attn-implementation (or default) decides, as from_pretrained's
+    argument does."""
+    from graphswap.hf.presets import preset_config
+
+    config = preset_config("tiny-llama")
+    config.attn_implementation = "eager"
+    config.save_pretrained(tmp_path)
+    assert "attn_implementation" in json.loads((tmp_path / "config.json").read_text())
+    extra = ["--seq", "64"] if command == "plan-memory" else []
+    done = graphswap_cmd(command, "--model", str(tmp_path), *extra)
+    assert done.returncode == 0, done.stderr
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     _memory.add_parser(parser.add_subparsers())
