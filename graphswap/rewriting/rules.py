@@ -130,6 +130,16 @@ def _import_class(rule_name: str, path: str) -> type:
     return cls
 
 
+def check_rule(model: nn.Module, name: str) -> None:
+    """Raise what a rewrite of ``model`` by the registered rule ``name`` would raise for
+    the model's layout (``NoMatchError``, ``HierarchyError``), changing nothing: the
+    planner refuses what the rule refuses."""
+    rule = get_rule(name)
+    rule.resolve_targets(model)
+    if rule.validate is not None:
+        rule.validate(model)
+
+
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 

@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
     import torch
 
-    from graphswap.hf.checkpoints import CheckpointError, model_config
+    from graphswap.hf.checkpoints import CheckpointError, LayerCountError, model_config
     from graphswap.planning import (
         DEFAULT_HIDE_MARGIN,
         DEFAULT_PROFILE,
@@ -269,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
     refusal = _refusal(args)
     if refusal is not None:
         return user_error("plan-memory", refusal)
+    source = f"--model {args.model}" if args.model is not None else f"--preset {args.preset}"
     try:
         config = model_config(
             args.preset,
@@ -278,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except CheckpointError as error:
         return user_error("plan-memory", f"--model {args.model}: {error}")
+    except LayerCountError as error:
+        return user_error("plan-memory", f"--layers {args.layers}: {source} has {error}")
     settings: dict[str, Any] = {
         "batch": args.batch,
         "dtype": getattr(torch, args.dtype),
@@ -308,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
             config, seq=args.seq, activation_swap=args.activation_swap or "attention", **settings
         )
     except PlanSettingError as error:
+        if error.setting == "model":
+            return user_error("plan-memory", f"{source}: {error.detail}")
         flag = _FLAGS.get(error.setting, error.setting)
         return user_error("plan-memory", f"{flag} {error.value}: {error.detail}")
     except ProfileError as error:

@@ -66,6 +66,16 @@ def test_build_refuses_a_plan_that_cannot_run_before_it_reads_the_model(tmp_path
         build(config, weights=tmp_path / "no-checkpoint-here")
 
 
+@pytest.mark.parametrize(
+    "preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3"]
+)
+def test_auto_builds_on_a_dense_family(preset: str) -> None:
+    """transformers records experts_implementation: eager on every model it builds; a
+    model without experts has nothing to route, so auto plans it."""
+    model = from_config(preset_config(preset), activation_swap="auto")
+    assert all(is_swap_wrapped(layer) for layer in model.model.layers)
+
+
 def test_a_checkpoint_whose_config_names_its_attention_loads(tmp_path) -> None:
     """What transformers writes after model.config.attn_implementation = ...; the
     trainer's attn_implementation is the one the model runs, as from_pretrained's

@@ -44,6 +44,22 @@ def test_a_model_source_is_required(graphswap_cmd) -> None:
     assert "--model" in done.stderr and "--preset" in done.stderr
 
 
+def test_a_family_whose_attention_is_not_self_attn_is_planned(
+    tmp_path: Path, tour_config, graphswap_cmd
+) -> None:
+    """GPT-NeoX: no num_key_value_heads in its config, its attention named ``attention``:
+    attention swap plans what that module saves."""
+    tour_config("gpt_neox").save_pretrained(tmp_path)
+    done = graphswap_cmd(
+        "plan-memory", "--model", str(tmp_path), "--seq", "512", "--attn-implementation",
+        "eager", "--format", "json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert len(plan["layers"]) == 2
+    assert all(layer["swappable_bytes"] > 0 for layer in plan["layers"][:-1])
+
+
 @pytest.mark.parametrize("command", ["plan-memory", "graph"])
 def test_a_checkpoint_whose_config_names_its_attention_is_read(
     command: str, tmp_path: Path, graphswap_cmd

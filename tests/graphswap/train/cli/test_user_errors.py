@@ -194,6 +194,16 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         "--profile a100: unknown device profile 'a100'; presets: h100, h200",
     ),
     (
+        "train-more-layers-than-layer-types",
+        lambda p: ["train", "model=tiny-gemma3", "num_layers=4"],
+        "num_layers: 4 layers, but the model lists the kinds of only 3",
+    ),
+    (
+        "plan-memory-more-layers-than-layer-types",
+        lambda p: ["plan-memory", "--preset", "tiny-gemma3", "--seq", "8", "--layers", "4"],
+        "--layers 4: --preset tiny-gemma3 has 4 layers, but the model lists the kinds of only 3",
+    ),
+    (
         "plan-memory-profile-without-hbm",
         lambda p: [
             "plan-memory",
@@ -295,3 +305,79 @@ def test_options_may_follow_overrides(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 0, err
     assert (tmp_path / "summary.json").is_file()
     assert err == ""
+
+
+def config_folder(tmp_path: Path, config: object) -> str:
+    """A checkpoint folder of ``config`` whose weights file is never read: the command
+    must refuse it before loading them."""
+    folder = tmp_path / "ckpt"
+    config.save_pretrained(folder)  # type: ignore[attr-defined]
+    (folder / "model.safetensors").write_bytes(b"")
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("family", "argv", "message"),
+    [
+        (
+            "jamba",
+            ["train", "activation_swap=attention"],
+            "activation_swap: attention: attn_swap: 'model.layers.0' holds no",
+        ),
+        ("gpt2", ["train", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
+        (
+            "jamba",
+            ["plan", "activation_swap=attention"],
+            "activation_swap: attention: attn_swap: 'model.layers.0' holds no",
+        ),
+        ("gpt2", ["plan", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
+        (
+            "jamba",
+            ["plan-memory", "--seq", "8", "--activation-swap", "attention"],
+            "--activation-swap attention: attn_swap: 'model.layers.0' holds no",
+        ),
+        (
+            "gpt2",
+            ["plan-memory", "--seq", "8"],
+            "--model {folder}: GPT2LMHeadModel must hold exactly one decoder layer list",
+        ),
+        (
+            "mamba",
+            ["plan-memory", "--seq", "8"],
+            "--attn-implementation sdpa: MambaForCausalLM runs eager attention only",
+        ),
+        (
+            "mamba",
+            ["plan-memory", "--seq", "8", "--attn-implementation", "eager"],
+            "--activation-swap attention: rule 'attn_swap' found no decoder attention",
+        ),
+    ],
+)
+def test_a_model_the_swap_rule_refuses_is_refused_by_every_command(
+    family: str,
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    tour_config: Callable[..., object],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What attn_swap or layer_swap refuse (a hybrid stack's attention, a model without a
+    decoder layer list) every command refuses with the rule's reason, one line, exit 2;
+    plan-memory never plans it."""
+    folder = config_folder(tmp_path, tour_config(family))
+    source = ["--model", folder] if argv[0] == "plan-memory" else [f"model_path={folder}"]
+    code, err = run([*argv, *source], capsys)
+    assert code == 2, err
+    assert err.startswith(f"graphswap {argv[0]}: error: {message.format(folder=folder)}"), err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.usefixtures("no_model_built")
+def test_plan_memory_sdpa_on_an_eager_only_family(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan-memory", "--preset", "tiny-gpt-oss", "--seq", "8"]
+    code, err = run([*argv, "--attn-implementation", "sdpa"], capsys)
+    assert code == 2
+    assert err == (
+        "graphswap plan-memory: error: --attn-implementation sdpa: GptOssForCausalLM runs"
+        " eager attention only in this transformers; use eager\n"
+    )
