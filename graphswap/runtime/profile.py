@@ -135,14 +135,17 @@ def device_profile(spec: str | DeviceProfile) -> DeviceProfile:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ProfileError(f"device profile {spec!r}: {pair!r} is not key=value")
+        if key.strip() in figures:
+            raise ProfileError(f"device profile {spec!r}: {key.strip()} given twice; keep one")
         try:
             figures[key.strip()] = float(value)
         except ValueError:
             raise ProfileError(
                 f"device profile {spec!r}: {key.strip()} must be a number, got {value!r}"
             ) from None
-    if "memory_bytes" in figures:
-        figures["memory_bytes"] = int(figures["memory_bytes"])
+    memory = figures.get("memory_bytes")
+    if memory is not None and math.isfinite(memory):  # inf, nan: refused with the figures
+        figures["memory_bytes"] = int(memory)
     return PRESETS[name].with_figures(**figures) if figures else PRESETS[name]
 
 

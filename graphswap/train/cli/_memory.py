@@ -14,7 +14,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graphswap.train.cli._args import positive_float, positive_int, user_error
+from graphswap.train.cli._args import (
+    DeprecatedAlias,
+    Once,
+    positive_float,
+    positive_int,
+    user_error,
+)
 
 if TYPE_CHECKING:
     from graphswap.planning import MemoryPlan
@@ -159,7 +165,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "shards them): predict one rank's bytes (default 1)",
     )
     parser.add_argument(
+        "--policy",
+        dest="activation_swap",
+        action=DeprecatedAlias,
+        new="--activation-swap",
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
         "--activation-swap",
+        action=Once,
         default=None,
         metavar="MODE",
         help="what is swapped, as graphswap train's activation_swap: attention (default), "

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from graphswap.train.cli._args import user_error
+from graphswap.train.cli._args import Once, user_error
 
 FORMATS = ("text", "dot", "json")
 
@@ -26,7 +26,9 @@ def add_parser(subparsers: Any) -> None:
             " the plan needs are printed to stderr."
         ),
     )
-    parser.add_argument("--config", metavar="FILE", help="training YAML (default: all defaults)")
+    parser.add_argument(
+        "--config", action=Once, metavar="FILE", help="training YAML (default: all defaults)"
+    )
     parser.add_argument(
         "--format", choices=FORMATS, default="text", help="output format (default: text)"
     )

@@ -44,6 +44,25 @@ def test_a_model_source_is_required(graphswap_cmd) -> None:
     assert "--model" in done.stderr and "--preset" in done.stderr
 
 
+def test_the_last_releases_policy_flag_still_plans_and_names_its_successor(
+    graphswap_cmd,
+) -> None:
+    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq", "64", "--policy", "layer")
+    assert done.returncode == 0, done.stderr
+    assert "activation_swap=layer" in done.stdout
+    assert done.stderr == (
+        "graphswap plan-memory: warning: --policy is deprecated and will be removed; use"
+        " --activation-swap layer\n"
+    )
+    both = ("--policy", "layer", "--activation-swap", "attention")
+    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq", "64", *both)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        "graphswap plan-memory: error: --activation-swap attention: given twice (first"
+        " layer); give it once"
+    )
+
+
 def test_a_family_whose_attention_is_not_self_attn_is_planned(
     tmp_path: Path, tour_config, graphswap_cmd
 ) -> None:
