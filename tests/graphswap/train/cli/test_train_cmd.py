@@ -163,11 +163,12 @@ def test_console_script_trains_the_embedded_default(console: Any) -> None:
     assert summary[0]["swap"]["offloaded_bytes"] > 0
 
 
-def test_train_auto_on_a_dense_family(tmp_path: Path, run_cli) -> None:
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-mistral"])
+def test_train_auto_on_a_dense_family(preset: str, tmp_path: Path, run_cli) -> None:
     """A model without experts: transformers' experts_implementation: eager, which it
     records on every model, is no reason to refuse auto."""
     done = run_cli(
-        "model=tiny-llama", "activation_swap=auto", "seq_len=64", "steps=2",
+        f"model={preset}", "activation_swap=auto", "seq_len=64", "steps=2",
         f"output_dir={tmp_path}", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
