@@ -39,11 +39,12 @@ _FIXES = {
 }
 
 _OFFLOADERS = {
-    "trl.models.activation_offloading": "TRL's activation offloading (activation_offloading=True)",
-    "torch.autograd.graph": "torch.autograd.graph.save_on_cpu",
+    ("trl.models.activation_offloading", ""): "TRL's activation offloading"
+    " (activation_offloading=True)",
+    ("torch.autograd.graph", "save_on_cpu."): "torch.autograd.graph.save_on_cpu",
 }
-"""Saved-tensor hooks that offload, by the module of their pack function: under them
-two offloaders would copy one model's activations."""
+"""Saved-tensor hooks that offload, by the module and qualified-name prefix of their
+pack function: under them two offloaders would copy one model's activations."""
 
 
 def _refuse(name: str, excluded: str, found: str) -> None:
@@ -110,8 +111,10 @@ def _excluded() -> tuple[str, str] | None:
             "activation_checkpointing",
             "torch.utils.checkpoint (non-reentrant activation checkpointing)",
         )
-    if module in _OFFLOADERS:
-        return "activation_offloading", _OFFLOADERS[module]
+    qualname = getattr(hooks[0], "__qualname__", "")
+    for (where, prefix), found in _OFFLOADERS.items():
+        if module == where and qualname.startswith(prefix):
+            return "activation_offloading", found
     return None
 
 
