@@ -295,7 +295,7 @@ class _StackValidator:
                 continue
             if found is None:
                 children = ", ".join(
-                    f"{child} ({type(module).__name__})" for child, module in layer.named_children()
+                    f"{held} ({type(module).__name__})" for held, module in layer.named_children()
                 )
                 raise HierarchyError(
                     f"{self.rule_name}: {fqn!r} holds no {wanted} (it holds {children}), so"
