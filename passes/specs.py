@@ -12,22 +12,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphswap.rewriting.rules import Rule, get_rule
+from graphswap.rewriting.rules import SWAP_MODE_RULES, Rule, get_rule
 from graphswap.rewriting.transforms import Transform
 from passes.errors import PlanError
 
 if TYPE_CHECKING:
     from passes.settings import PassSettings
 
-SWAP_RULE = "attn_swap"
+SWAP_RULE = SWAP_MODE_RULES["attention"]
 """The rewrite rule the swap pass applies for ``activation_swap: attention``: any Hugging
 Face decoder family, by the classes the model declares."""
 
-SWAP_RULES: Mapping[str, str] = {
-    "attention": SWAP_RULE,
-    "layer": "layer_swap",
-    "auto": "layer_swap",
-}
+SWAP_RULES: Mapping[str, str] = SWAP_MODE_RULES
 """The registered rule behind each ``activation_swap`` mode (``auto`` runs the layer
 rule with a planned policy per layer, see ``graphswap.planning.auto_swap``)."""
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.hf.decoder import decoder_classes
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.rewriting.apply import rewrite
@@ -89,9 +90,20 @@ def verify_swap(
     links."""
     fqn, layers = decoder_layers(model)
     manager = report.manager
+    attention = decoder_classes(model, rule=SWAP_RULES["attention"]).attention
     for index, layer in enumerate(layers):
-        name = f"{fqn}.{index}" if activation_swap != "attention" else f"{fqn}.{index}.self_attn"
-        module = layer if activation_swap != "attention" else getattr(layer, "self_attn", None)
+        name, module = f"{fqn}.{index}", layer
+        if activation_swap == "attention":
+            # The attention child, wrapped or not, whatever the family names it.
+            child = next(
+                (
+                    n
+                    for n, c in layer.named_children()
+                    if is_swap_wrapped(c) or type(c) in attention
+                ),
+                "self_attn",
+            )
+            name, module = f"{name}.{child}", getattr(layer, child, None)
         if module is None or not is_swap_wrapped(module) or swap_manager_of(module) is not manager:
             raise PassPostconditionError(
                 f"after the swap pass {name} is not swap-wrapped by the rewrite's manager"

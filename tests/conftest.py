@@ -69,6 +69,95 @@ def family_config() -> Callable[[str, str], Any]:
     return make
 
 
+_TOUR_COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
+
+TOUR_FAMILIES: dict[str, dict[str, Any]] = {
+    "jamba": {
+        **_TOUR_COMMON,
+        "num_experts": 2,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "mamba_d_state": 4,
+    },
+    "qwen3_next": {
+        **_TOUR_COMMON,
+        "head_dim": 16,
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+    },
+    "bamba": {
+        **_TOUR_COMMON,
+        "attn_layer_indices": [1, 3],
+        "mamba_n_heads": 4,
+        "mamba_d_head": 32,
+        "mamba_d_state": 8,
+        "mamba_n_groups": 1,
+    },
+    "nemotron_h": {
+        **_TOUR_COMMON,
+        "hybrid_override_pattern": "M*M*",
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 32,
+        "ssm_state_size": 8,
+        "n_groups": 1,
+        "head_dim": 16,
+    },
+    "gpt_neox": {
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 128,
+    },
+    "jetmoe": {
+        **_TOUR_COMMON,
+        "num_hidden_layers": 2,
+        "kv_channels": 16,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+    },
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128},
+    "mamba": {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 4, "vocab_size": 128},
+}
+"""Families graphswap has no preset for, as small as they build: hybrid stacks (Mamba or
+linear attention beside attention), attention under another name than ``self_attn``,
+and models without a ``layers`` list."""
+
+
+@pytest.fixture
+def tour_config() -> Callable[..., Any]:
+    """Factory: the tiny config of a :data:`TOUR_FAMILIES` family (eager attention), or a
+    skip when this transformers lacks the family or cannot build it that small."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    def make(model_type: str, **overrides: Any) -> Any:
+        if model_type not in CONFIG_MAPPING_NAMES:
+            pytest.skip(f"this transformers has no {model_type!r} models")
+        values = {**TOUR_FAMILIES[model_type], **overrides}
+        try:
+            return AutoConfig.for_model(model_type, attn_implementation="eager", **values)
+        except (TypeError, ValueError) as error:
+            pytest.skip(f"this transformers cannot build a tiny {model_type!r}: {error}")
+
+    return make
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Tiny models on one thread: they are too small for more, and on a loaded machine

@@ -66,12 +66,36 @@ def load_hf_config(path: str | Path, *, attn_implementation: str = "eager") -> P
             f" transformers {transformers.__version__}; pass the checkpoint folder of a"
             ' decoder family (config.json with "model_type": "llama", "qwen3_moe", ...)'
         )
-    for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
+    # attn_implementation: what transformers writes after model.config.attn_implementation
+    # = ...; the caller's, always given, wins, as from_pretrained(attn_implementation=).
+    for key in (
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "attn_implementation",
+    ):
         values.pop(key, None)
     try:
         return AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **values)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{config_file}: {error}; fix the file") from error
+
+
+def checkpoint_dtype(path: str | Path) -> str | None:
+    """The dtype ``config.json`` of a checkpoint folder records (``dtype``, or
+    ``torch_dtype`` as older transformers wrote it), which ``from_pretrained`` loads
+    the weights in; ``None`` when it records none."""
+    config_file = Path(path) / "config.json"
+    try:
+        values = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # load_hf_config says what is wrong with the file
+    if not isinstance(values, dict):
+        return None
+    dtype = values.get("dtype") or values.get("torch_dtype")
+    return dtype if isinstance(dtype, str) else None
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -145,13 +169,43 @@ def model_config(
 ) -> PretrainedConfig:
     """The config of the local checkpoint folder ``path`` when given, else of ``preset``;
     ``num_layers`` replaces ``num_hidden_layers`` (a shallower model of the same shape)."""
-    overrides = {} if num_layers is None else {"num_hidden_layers": num_layers}
     if path is None:
-        return preset_config(preset, attn_implementation=attn_implementation, **overrides)
-    config = load_hf_config(path, attn_implementation=attn_implementation)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+        config = preset_config(preset, attn_implementation=attn_implementation)
+    else:
+        config = load_hf_config(path, attn_implementation=attn_implementation)
+    if num_layers is not None:
+        _set_num_layers(config, num_layers)
     return config
+
+
+class LayerCountError(ValueError):
+    """A number of decoder layers the model's per-layer settings cannot follow."""
+
+
+def _set_num_layers(config: PretrainedConfig, num_layers: int) -> None:
+    """``num_hidden_layers`` replaced, and a per-layer ``layer_types`` list (Gemma 3's
+    sliding and full attention) cut to its first ``num_layers``; more layers than it
+    lists would have to invent their kinds, so they are refused."""
+    layer_types = vars(config).get("layer_types")  # not a property derived from others
+    listed = isinstance(layer_types, list)
+    if listed and num_layers > len(layer_types):
+        raise LayerCountError(
+            f"{num_layers} layers, but the model lists the kinds of only"
+            f" {len(layer_types)} (layer_types: {', '.join(layer_types)}); use at most"
+            f" {len(layer_types)}"
+        )
+    config.num_hidden_layers = num_layers
+    if listed:
+        config.layer_types = layer_types[:num_layers]
+
+
+def eager_only(config: PretrainedConfig) -> str | None:
+    """The causal LM class of ``config``'s family when it runs eager attention only in
+    this transformers (gpt-oss: its attention sinks), else ``None``."""
+    from transformers import AutoModelForCausalLM  # loaded with the config already
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return None if model_class._supports_sdpa else model_class.__name__
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:

@@ -54,6 +54,30 @@ def decoder_classes(model: nn.Module, *, rule: str) -> DecoderClasses:
     return DecoderClasses(layers=layers, attention=attention)
 
 
+def attention_child(layer: nn.Module, attention: tuple[type, ...]) -> tuple[str, nn.Module] | None:
+    """``(name, module)`` of the child of ``layer`` that is exactly one of the declared
+    ``attention`` classes, whatever the family names it (``self_attn``, GPT-NeoX's
+    ``attention``, JetMoe's ``self_attention``, NemotronH's ``mixer``); ``None`` for a
+    layer with another token mixer (Mamba, linear attention)."""
+    for name, child in layer.named_children():
+        if type(child) in attention:
+            return name, child
+    return None
+
+
+def is_hybrid(model: nn.Module) -> bool:
+    """Whether some decoder layer of ``model`` holds no declared attention (Jamba's Mamba
+    layers, Qwen3-Next's linear attention): such a stack's cache is more than keys and
+    values, and its layers compute otherwise without one. ``False`` for a model that
+    declares no classes (nothing known)."""
+    try:
+        attention = decoder_classes(model, rule="attn_swap").attention
+    except NoMatchError:
+        return False
+    _, layers = decoder_layers(model)
+    return any(attention_child(layer, attention) is None for layer in layers)
+
+
 def _record_classes(record: object) -> tuple[type, ...]:
     """The module classes of one ``_can_record_outputs`` entry: a class, an
     ``OutputRecorder`` holding one as ``target_class``, or a list of them."""

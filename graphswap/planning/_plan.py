@@ -443,6 +443,7 @@ def plan_memory(
         device=device,
         attn_kernel=attn_kernel,
         tp=tp,
+        activation_swap=activation_swap,
     )
     chosen_policy = swap_large_activations if policy is None else policy
     trace = trace_step(meta, resolved, chosen_policy, optimizer=optimizer)

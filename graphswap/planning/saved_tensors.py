@@ -25,14 +25,16 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphswap.errors import HierarchyError, NoMatchError, RewriteError
 from graphswap.hf.attention_kernels import (
     AttentionKernel,
     FusedAttentionMode,
     PlanSettingError,
     resolve_attention_kernel,
 )
-from graphswap.hf.checkpoints import build_model, decoder_layers
-from graphswap.hf.decoder import head_sharding_problem
+from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
+from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
+from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
 from graphswap.runtime.policy import (
     CheckpointPolicy,
     SwapPolicy,
@@ -238,11 +240,14 @@ class SavedTensorCollector:
     def collect(self) -> Iterator[SavedTensorCollector]:
         handles = []
         fqn, layers = decoder_layers(self.model)
+        declared = _declared_attention(self.model)
         for i, layer in enumerate(layers):
             handles.append(layer.register_forward_pre_hook(self._enter_layer(i, f"{fqn}.{i}")))
             # Prepended: a boundary at the end of a layer comes before other hooks see it end.
             handles.append(layer.register_forward_hook(self._leave_layer, prepend=True))
-            attention = getattr(layer, "self_attn", None)
+            found = attention_child(layer, declared)
+            # By the declared class whatever its name; a model that declares none: self_attn.
+            attention = found[1] if found is not None else getattr(layer, "self_attn", None)
             if attention is None:  # another token mixer (linear attention): no attention scope
                 continue
             handles.append(attention.register_forward_pre_hook(self._enter_attention))
@@ -283,6 +288,14 @@ class SavedTensorCollector:
         self._in_attention -= 1
 
 
+def _declared_attention(model: torch.nn.Module) -> tuple[type, ...]:
+    """The attention classes ``model`` declares (what ``attn_swap`` wraps), or none."""
+    try:
+        return decoder_classes(model, rule=SWAP_MODE_RULES["attention"]).attention
+    except NoMatchError:
+        return ()
+
+
 def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -297,6 +310,8 @@ def per_rank_config(config: PretrainedConfig, tp: int) -> PretrainedConfig:
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise PlanSettingError("tp", tp, "must be a positive integer; 1 plans one device")
+    if tp == 1:  # the whole model, whatever its attention (GPT-NeoX has no kv heads)
+        return copy.deepcopy(config)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % tp or kv_heads % tp:
         fitting = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
@@ -307,10 +322,9 @@ def per_rank_config(config: PretrainedConfig, tp: int) -> PretrainedConfig:
             f"({kv_heads}); use one of {', '.join(map(str, fitting))}",
         )
     rank = copy.deepcopy(config)
-    if tp > 1:
-        rank.head_dim = head_dim(config)
-        rank.num_attention_heads = heads // tp
-        rank.num_key_value_heads = kv_heads // tp
+    rank.head_dim = head_dim(config)
+    rank.num_attention_heads = heads // tp
+    rank.num_key_value_heads = kv_heads // tp
     return rank
 
 
@@ -386,13 +400,17 @@ def build_meta_model(
     device: str = "cuda",
     attn_kernel: str | None = None,
     tp: int = 1,
+    activation_swap: str | None = None,
 ) -> MetaModel:
     """One rank's model of ``config`` on meta, ready to trace at ``batch`` x ``seq``.
 
     ``device`` and ``attn_kernel`` choose the sdpa kernel (``None``: the one PyTorch
     picks first for the device and dtype). Every setting is checked before a model is
-    built, but for ``tp`` against the attention's layout, which the meta model shows; a
-    bad one raises :class:`PlanSettingError` naming it.
+    built, but those the meta model shows: ``tp`` against the attention's layout, eager
+    experts against a model that has experts, and ``activation_swap`` (when given)
+    against what its rule accepts, so that a plan is never made of a rewrite that
+    cannot run; a bad one raises :class:`PlanSettingError` naming it (``model`` for a
+    model graphswap cannot plan at all).
     """
     for name, value in (("seq", seq), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -400,7 +418,22 @@ def build_meta_model(
     kernel = resolve_attention_kernel(
         attn_implementation, device=device, dtype=dtype, attn_kernel=attn_kernel
     )
-    if getattr(config, "_experts_implementation", None) == "eager":
+    model_class = eager_only(config)
+    if attn_implementation == "sdpa" and model_class is not None:
+        raise PlanSettingError(
+            "attn_implementation",
+            "sdpa",
+            f"{model_class} runs eager attention only in this transformers; use eager",
+        )
+    rank_config = per_rank_config(config, tp)
+    rank_config._attn_implementation = attn_implementation
+    model = build_model(rank_config, device="meta", dtype=dtype).train()
+    try:
+        _, layers = decoder_layers(model)
+    except HierarchyError as error:
+        raise PlanSettingError("model", type(model).__name__, str(error)) from None
+    experts = any(name.rpartition(".")[2] == "experts" for name, _ in model.named_modules())
+    if experts and getattr(config, "_experts_implementation", None) == "eager":
         raise PlanSettingError(
             "experts_implementation",
             "eager",
@@ -408,11 +441,13 @@ def build_meta_model(
             "follow; plan with experts_implementation='grouped_mm' (the Hugging Face "
             "default), whose saved bytes match it",
         )
-    rank_config = per_rank_config(config, tp)
-    rank_config._attn_implementation = attn_implementation
-    model = build_model(rank_config, device="meta", dtype=dtype).train()
+    rule = SWAP_MODE_RULES.get(activation_swap or "none")
+    if rule is not None:
+        try:
+            check_rule(model, rule)
+        except RewriteError as error:
+            raise PlanSettingError("activation_swap", activation_swap, str(error)) from None
     if tp > 1:
-        _, layers = decoder_layers(model)
         attention = getattr(layers[0], "self_attn", None)
         problem = (
             "a layer without self_attn" if attention is None else head_sharding_problem(attention)

@@ -16,7 +16,7 @@ import fnmatch
 import itertools
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from graphswap.errors import (
     UnknownRuleError,
 )
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.hf.decoder import is_hybrid
 from graphswap.rewriting.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
 from graphswap.rewriting.rules import Rule, RuleContext, available_rules, get_rule, qualified_name
 from graphswap.rewriting.transforms import Transform, find_transforms
@@ -124,7 +125,8 @@ class _NoCacheInTraining:
 
     The key/value cache a decoder returns with ``use_cache=True`` holds every layer's
     keys and values; where attention saves those very tensors, their copies to host
-    would free nothing. An explicit ``use_cache=True`` is overridden with a warning
+    would free nothing. On a stack of attention layers the cache changes no number, so
+    it is turned off; an explicit ``use_cache=True`` is overridden with a warning
     (once); in eval mode nothing changes, so generation keeps its cache."""
 
     warned = False
@@ -145,9 +147,34 @@ class _NoCacheInTraining:
         return args, {**kwargs, "use_cache": False}
 
 
-def _cache_off_in_training(model: nn.Module) -> RemovableHandle | None:
+_CACHE_FIELDS = ("cache", "past_key_values")
+"""The output field of a decoder's cache: ``cache`` in recent transformers,
+``past_key_values`` before."""
+
+
+class _CacheNotReturnedInTraining:
+    """A forward hook on a hybrid decoder stack (Mamba or linear-attention layers beside
+    attention): in train mode the stack runs with the cache the caller asked for, since
+    those layers compute along another path without one (turning it off would change
+    the numbers), and the cache is left out of what it returns, so that nothing keeps
+    the keys and values the swap copies to host once the forward ends."""
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        if not module.training or not isinstance(output, Mapping):
+            return None
+        held = [name for name in _CACHE_FIELDS if output.get(name) is not None]
+        if not held:
+            return None
+        return type(output)(**{k: v for k, v in output.items() if k not in held})
+
+
+def _cache_off_in_training(model: nn.Module, hybrid: bool) -> RemovableHandle | None:
     """Install :class:`_NoCacheInTraining` on the decoder stack of a Hugging Face model
-    whose config has ``use_cache`` (the module that holds the layer list)."""
+    whose config has ``use_cache`` (the module that holds the layer list), or
+    :class:`_CacheNotReturnedInTraining` where the stack is ``hybrid`` (as the model was
+    before the rewrite wrapped its attention)."""
     if not hasattr(getattr(model, "config", None), "use_cache"):
         return None
     try:
@@ -155,6 +182,8 @@ def _cache_off_in_training(model: nn.Module) -> RemovableHandle | None:
     except HierarchyError:
         return None
     owner = model.get_submodule(layers_fqn.rpartition(".")[0])
+    if hybrid:
+        return owner.register_forward_hook(_CacheNotReturnedInTraining(), with_kwargs=True)
     return owner.register_forward_pre_hook(_NoCacheInTraining(), with_kwargs=True)
 
 
@@ -170,7 +199,8 @@ class RewriteReport:
     _applied: tuple[_Applied, ...] = field(repr=False)
     _model: weakref.ref[nn.Module] = field(repr=False)
     _cache_hook: RemovableHandle | None = field(default=None, repr=False)
-    """The hook that turns ``use_cache`` off in train mode (``_NoCacheInTraining``)."""
+    """The hook that keeps the cache from holding swapped tensors in train mode
+    (``_NoCacheInTraining``, ``_CacheNotReturnedInTraining``)."""
     _undone: bool = field(default=False, init=False, repr=False)
 
     def __str__(self) -> str:
@@ -256,7 +286,9 @@ def rewrite(
     fresh one by default; it must be empty (one manager per model).
     A ``torch.fx.GraphModule`` is rewritten through its submodules and recompiled.
     On a Hugging Face model, the decoder stack then runs with ``use_cache=False`` in
-    train mode (``_NoCacheInTraining``; ``undo`` removes it).
+    train mode (``_NoCacheInTraining``; a hybrid stack keeps its cache but does not return
+    it, ``_CacheNotReturnedInTraining``; ``undo`` removes it). A rewrite that matched
+    nothing (``strict=False``) leaves the model untouched: no hook, no report on it.
     """
     resolved = _resolve_rules(rules)
     _refuse_transformed(model, resolved)
@@ -270,6 +302,7 @@ def rewrite(
     modules = list(model.named_modules())
     plan = [(rule, _collect(rule, model, modules, strict)) for rule in resolved]
     _check_conflicts(plan)
+    hybrid = is_hybrid(model)
     for rule, matches in plan:
         if matches and rule.validate is not None:
             rule.validate(model)
@@ -297,8 +330,8 @@ def rewrite(
     )
     if dry_run:
         _restore_all(model, applied)
-    else:
-        report._cache_hook = _cache_off_in_training(model)
+    elif applied:
+        report._cache_hook = _cache_off_in_training(model, hybrid)
         setattr(model, _STATE_ATTR, report)
         _recompile(model)
     return report
@@ -397,7 +430,9 @@ def _nearest_types(
         in_place = rule.fqn_pattern is not None and any(
             fnmatch.fnmatchcase(f, rule.fqn_pattern) for f in fqns
         )
-        if issubclass(cls, targets):
+        if cls in targets:
+            rank, reason = 0, f"the type itself, at FQNs {rule.fqn_pattern!r} does not match"
+        elif issubclass(cls, targets):
             rank, reason = 0, f"a subclass of {', '.join(target_names)}"
         elif in_place:
             rank, reason = 1, f"at an FQN matching {rule.fqn_pattern!r}"

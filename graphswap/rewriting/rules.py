@@ -24,7 +24,7 @@ from torch import nn
 from graphswap.errors import HierarchyError, RewriteError, UnknownRuleError
 from graphswap.hf import qwen3_moe
 from graphswap.hf.checkpoints import decoder_layers
-from graphswap.hf.decoder import decoder_classes
+from graphswap.hf.decoder import attention_child, decoder_classes
 from graphswap.runtime import swap_wrapper, unwrap_swap
 from graphswap.runtime.policy import (
     SwapPolicy,
@@ -128,6 +128,16 @@ def _import_class(rule_name: str, path: str) -> type:
     if not isinstance(cls, type):
         raise RewriteError(f"rule {rule_name!r}: target {path!r} is not a class: {cls!r}")
     return cls
+
+
+def check_rule(model: nn.Module, name: str) -> None:
+    """Raise what a rewrite of ``model`` by the registered rule ``name`` would raise for
+    the model's layout (``NoMatchError``, ``HierarchyError``), changing nothing: the
+    planner refuses what the rule refuses."""
+    rule = get_rule(name)
+    rule.resolve_targets(model)
+    if rule.validate is not None:
+        rule.validate(model)
 
 
 def qualified_name(cls: type) -> str:
@@ -253,11 +263,12 @@ class _Qwen3MoeClasses:
 
 @dataclass(frozen=True)
 class _StackValidator:
-    """Every decoder layer (``attr`` ``None``) or every layer's ``attr`` child is
-    exactly one of ``classes``: one that is not (a subclass, a wrapper, a layer with
-    another token mixer) would leave a hole in the prefetch chain. The stack is found by
-    structure (:func:`graphswap.hf.checkpoints.decoder_layers`), wherever a head class
-    keeps it."""
+    """Every decoder layer (``attr`` ``None``) or every layer's attention is exactly one
+    of ``classes``: one that is not (a subclass, a wrapper, a layer with another token
+    mixer) would leave a hole in the prefetch chain. The attention is the layer's child
+    of a declared class, whatever its name (``self_attn``, ``attention``, ``mixer``);
+    ``attr`` names it where none is. The stack is found by structure
+    (:func:`graphswap.hf.checkpoints.decoder_layers`), wherever a head class keeps it."""
 
     rule_name: str
     attr: str | None
@@ -271,24 +282,29 @@ class _StackValidator:
         expected = self.classes(root)
         wanted = " or ".join(qualified_name(cls) for cls in expected)
         layers_fqn, layers = decoder_layers(root)
-        what = "layer" if self.attr is None else f"layer's {self.attr}"
+        what = "layer" if self.attr is None else "layer's attention"
         for name, layer in layers.named_children():
             fqn = f"{layers_fqn}.{name}"
-            found = layer if self.attr is None else getattr(layer, self.attr, None)
+            if self.attr is None:
+                child, found = "", layer
+            elif attention_child(layer, expected) is not None:
+                continue
+            else:
+                child, found = f".{self.attr}", getattr(layer, self.attr, None)
             if type(found) in expected:
                 continue
             if found is None:
                 children = ", ".join(
-                    f"{child} ({type(module).__name__})" for child, module in layer.named_children()
+                    f"{held} ({type(module).__name__})" for held, module in layer.named_children()
                 )
                 raise HierarchyError(
-                    f"{self.rule_name}: {fqn!r} has no {self.attr} (it holds {children}), so"
+                    f"{self.rule_name}: {fqn!r} holds no {wanted} (it holds {children}), so"
                     f" its attention cannot be swapped and the prefetch chain would skip it;"
                     f" this stack mixes attention with other layers: use layer_swap, which"
                     f" wraps every layer whatever it holds"
                 )
             raise HierarchyError(
-                f"{self.rule_name}: {fqn + ('.' + self.attr if self.attr else '')!r} must be"
+                f"{self.rule_name}: {fqn + child!r} must be"
                 f" exactly {wanted}{self.classes.source(root)}, found"
                 f" {qualified_name(type(found))}; every {what} is swapped or none is: rewrite"
                 " the model as Hugging Face builds it, before any subclass or wrapper"
@@ -296,11 +312,14 @@ class _StackValidator:
 
 
 def _register_swap(
-    what: str, attr: str | None, classes: _DeclaredClasses | _Qwen3MoeClasses
+    what: str,
+    attr: str | None,
+    classes: _DeclaredClasses | _Qwen3MoeClasses,
+    fqn_pattern: str,
 ) -> Rule:
     """A built-in swap rule, named as ``classes`` names it: every decoder layer (``attr``
-    ``None``) or every layer's ``attr`` child, of exactly one of ``classes``, wrapped
-    with the size policy and linked layer to layer."""
+    ``None``) or every layer's attention (at ``fqn_pattern``), of exactly one of
+    ``classes``, wrapped with the size policy and linked layer to layer."""
     name = classes.rule_name
     return register_rule(
         Rule(
@@ -311,7 +330,7 @@ def _register_swap(
             targets_from=classes.targets_from,
             factory=functools.partial(_swap, swap_large_activations),
             restore=unwrap_swap,
-            fqn_pattern="*layers.*" if attr is None else f"*layers.*.{attr}",
+            fqn_pattern=fqn_pattern,
             validate=_StackValidator(name, attr, classes),
             must_run_before=_SWAP_MUST_RUN_BEFORE,
             excludes=_SWAP_EXCLUDES,
@@ -320,10 +339,28 @@ def _register_swap(
 
 
 QWEN3_ATTN_SWAP = _register_swap(
-    "attention", "self_attn", _Qwen3MoeClasses("qwen3_attn_swap", "Qwen3MoeAttention")
+    "attention",
+    "self_attn",
+    _Qwen3MoeClasses("qwen3_attn_swap", "Qwen3MoeAttention"),
+    "*layers.*.self_attn",
 )
 QWEN3_MOE_LAYER_SWAP = _register_swap(
-    "decoder layer", None, _Qwen3MoeClasses("qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer")
+    "decoder layer",
+    None,
+    _Qwen3MoeClasses("qwen3_moe_layer_swap", "Qwen3MoeDecoderLayer"),
+    "*layers.*",
 )
-ATTN_SWAP = _register_swap("attention", "self_attn", _DeclaredClasses("attn_swap", "self_attn"))
-LAYER_SWAP = _register_swap("layer", None, _DeclaredClasses("layer_swap", None))
+ATTN_SWAP = _register_swap(
+    "attention", "self_attn", _DeclaredClasses("attn_swap", "self_attn"), "*layers.*.*"
+)
+"""Each layer's child of a declared attention class, whatever the family names it."""
+LAYER_SWAP = _register_swap("layer", None, _DeclaredClasses("layer_swap", None), "*layers.*")
+
+SWAP_MODE_RULES: Mapping[str, str] = {
+    "attention": ATTN_SWAP.name,
+    "layer": LAYER_SWAP.name,
+    "auto": LAYER_SWAP.name,
+}
+"""The rule behind each ``activation_swap`` mode (``auto`` runs the layer rule with a
+planned policy per layer): the swap pass rewrites with it and the planner refuses what
+it refuses."""

@@ -42,7 +42,7 @@ from graphswap.runtime._handles import (
 from graphswap.runtime._pool import HostPool, check_host_bytes, host_budget
 from graphswap.runtime._slot import (
     GroupInfo,
-    _checkpointing,
+    _excluded,
     _refuse,
     _refuse_traced,
     _Slot,
@@ -307,9 +307,9 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         slot = self._slots[module]
-        checkpointed = _checkpointing()
-        if checkpointed is not None:
-            _refuse(slot.name, "activation_checkpointing", checkpointed)
+        excluded = _excluded()
+        if excluded is not None:
+            _refuse(slot.name, *excluded)
         self._seq += 1
         seq = self._seq
         if self._pool.in_use_bytes == 0:

@@ -3,8 +3,9 @@
 One of the four modules of the swap manager (``_manager.py`` lists them). Here: what
 the manager keeps for each wrapped module (``_Slot``: module, name, index, policy;
 ``GroupInfo``, its public view), the refusals of transforms that activation swap
-excludes (torch.compile and torch.export, activation checkpointing, a backward
-captured apart from its forward: ``SwapExclusionError``), a policy's bad answer, and
+excludes (torch.compile and torch.export, activation checkpointing, another
+activation offloader, a backward captured apart from its forward:
+``SwapExclusionError``), a policy's bad answer, and
 how the manager learns that backward reached a forward (``_SlotHooks``, a base of
 ``SwapManager``).
 """
@@ -29,9 +30,21 @@ if TYPE_CHECKING:
 
 _FIXES = {
     "compile": "compile: false (by hand: call graphswap.unrewrite(model) before torch.compile)",
-    "activation_checkpointing": "activation_checkpointing: false (by hand: call"
+    "activation_checkpointing": "activation_checkpointing: false (transformers' Trainer and"
+    " TRL: gradient_checkpointing=False, which TRL's SFTConfig turns on by default;"
+    " activation_checkpointing=False from transformers 5.23 on; by hand: call"
     " graphswap.unrewrite(model) before enabling gradient checkpointing)",
+    "activation_offloading": "leave the other offloader out (TRL: activation_offloading=False;"
+    " graphswap already copies what the wrapped modules save to host)",
 }
+
+_OFFLOADERS = {
+    ("trl.models.activation_offloading", ""): "TRL's activation offloading"
+    " (activation_offloading=True)",
+    ("torch.autograd.graph", "save_on_cpu."): "torch.autograd.graph.save_on_cpu",
+}
+"""Saved-tensor hooks that offload, by the module and qualified-name prefix of their
+pack function: under them two offloaders would copy one model's activations."""
 
 
 def _refuse(name: str, excluded: str, found: str) -> None:
@@ -81,13 +94,27 @@ def _refuse_traced(name: str) -> None:
 _refuse_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _checkpointing() -> str | None:
-    """How the current forward is checkpointed, if it is."""
+def _excluded() -> tuple[str, str] | None:
+    """``(excluded, found)``: what the current forward runs under that activation swap
+    excludes (checkpointing, another offloader), and how it was found; ``None`` if nothing."""
     if torch._C._current_graph_task_id() != -1:
-        return "a recomputation during backward (reentrant activation checkpointing)"
+        return (
+            "activation_checkpointing",
+            "a recomputation during backward (reentrant activation checkpointing)",
+        )
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
-        return "torch.utils.checkpoint (non-reentrant activation checkpointing)"
+    if hooks is None:
+        return None
+    module = getattr(hooks[0], "__module__", None)
+    if module == "torch.utils.checkpoint":
+        return (
+            "activation_checkpointing",
+            "torch.utils.checkpoint (non-reentrant activation checkpointing)",
+        )
+    qualname = getattr(hooks[0], "__qualname__", "")
+    for (where, prefix), found in _OFFLOADERS.items():
+        if module == where and qualname.startswith(prefix):
+            return "activation_offloading", found
     return None
 
 

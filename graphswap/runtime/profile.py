@@ -172,6 +172,8 @@ def device_profile(spec: str | DeviceProfile) -> DeviceProfile:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ProfileError(f"device profile {spec!r}: {pair!r} is not key=value")
+        if key.strip() in figures:
+            raise ProfileError(f"device profile {spec!r}: {key.strip()} given twice; keep one")
         try:
             figures[key.strip()] = float(value)
         except ValueError:
@@ -179,10 +181,8 @@ def device_profile(spec: str | DeviceProfile) -> DeviceProfile:
                 f"device profile {spec!r}: {key.strip()} must be a number, got {value!r}"
             ) from None
     for key in _INTEGER_FIGURES:
-        if key in figures:
-            value = figures[key]
-            if value != value or value in (float("inf"), float("-inf")):
-                raise ProfileError(f"device profile {spec!r}: {key} must be finite, got {value}")
+        value = figures.get(key)
+        if value is not None and math.isfinite(value):  # inf, nan: refused with the figures
             figures[key] = int(value)
     return PRESETS[name].with_figures(**figures) if figures else PRESETS[name]
 

@@ -10,13 +10,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch
 
-from graphswap.hf.checkpoints import build_model, load_hf_config, load_weights, model_config
+from graphswap.hf.checkpoints import (
+    build_model,
+    checkpoint_dtype,
+    load_hf_config,
+    load_weights,
+    model_config,
+)
 from graphswap.planning import SwapMode
-from graphswap.train.config import TrainerConfig
+from graphswap.train.config import DType, TrainerConfig
 from passes import apply_model_infrastructure, plan
 
 if TYPE_CHECKING:
@@ -125,7 +131,14 @@ def from_pretrained(
     device: str | torch.device = "cpu",
     mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
-    """Load a local checkpoint folder (never the hub) and install the infrastructure."""
+    """Load a local checkpoint folder (never the hub) and install the infrastructure.
+
+    Without a ``trainer_config`` the weights keep the dtype the checkpoint records
+    (bfloat16 stays bfloat16, as ``transformers`` loads it) where the trainer takes it;
+    a ``trainer_config`` sets the dtype itself."""
+    recorded = checkpoint_dtype(path)
+    if trainer_config is None and recorded in get_args(DType):
+        trainer_config = TrainerConfig(dtype=recorded)  # type: ignore[arg-type]
     config = _with_swap(trainer_config, activation_swap)
     hf_config = load_hf_config(path, attn_implementation=config.attn_implementation)
     return build(config, hf_config=hf_config, weights=path, device=device, mesh=mesh).model

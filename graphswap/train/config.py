@@ -25,7 +25,7 @@ import yaml
 
 from graphswap.hf.presets import preset_names
 from graphswap.planning import DEFAULT_HIDE_MARGIN, SwapMode
-from graphswap.runtime.profile import ProfileError, simulated_profile
+from graphswap.runtime.profile import PRESETS, SIM_PREFIX, ProfileError, simulated_profile
 
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
 AttnImplementation = Literal["eager", "sdpa"]
@@ -162,8 +162,14 @@ class TrainerConfig(
         for field in dataclasses.fields(self):
             value = _checked(field.name, getattr(self, field.name), hints[field.name])
             object.__setattr__(self, field.name, value)
-        for key in ("seq_len", "batch_size", "steps", "tp_size", "cp_size", "ep_size", "pp_size"):
+        for key in ("batch_size", "steps", "tp_size", "cp_size", "ep_size", "pp_size"):
             _check_at_least(key, getattr(self, key), 1)
+        if self.seq_len < 2:
+            raise ConfigError(
+                "seq_len",
+                f"must be >= 2, got {self.seq_len}: a causal LM learns to predict each token"
+                " from those before it, so one token leaves nothing to predict (every loss nan)",
+            )
         _check_at_least("swap_prefetch_depth", self.swap_prefetch_depth, 1)
         if self.swap_offload_lag is not None:
             _check_at_least("swap_offload_lag", self.swap_offload_lag, 0)
@@ -242,8 +248,14 @@ def resolve_config(
     """Build a :class:`TrainerConfig` from a YAML file (or a mapping) plus ``key=value``
     overrides, each value read with ``yaml.safe_load``; raises :class:`ConfigError`."""
     values = dict(_load(source))
+    given: dict[str, str] = {}
     for override in overrides:
         key, value = _parse_override(override)
+        if key in given:
+            raise ConfigError(
+                key, f"given twice as an override ({given[key]} and {override}); keep one of them"
+            )
+        given[key] = override
         values[key] = value
     known = TrainerConfig.keys()
     for key in values:
@@ -325,9 +337,15 @@ def _parse_override(override: str) -> tuple[str, Any]:
         unset = f", or {key}=null to leave it at its default" if optional else ""
         raise ConfigError(key, f"override {override!r} has no value; give one{unset}")
     try:
-        return key, yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ConfigError(key, f"cannot read override value {text!r}: {error}") from error
+    annotation = _field_types().get(key)
+    if isinstance(value, dict) and str in (annotation, *typing.get_args(annotation)):
+        # YAML reads text ending in a colon (device=sim:) as a mapping; a text setting
+        # takes it as written, and its own check says what is wrong with it.
+        return key, text
+    return key, value
 
 
 def _check_known_key(key: str, known: tuple[str, ...]) -> None:
@@ -368,6 +386,12 @@ def _coerce(value: Any, annotation: Any) -> Any:
 def _check_device(device: str) -> None:
     if device in DEVICES:
         return
+    if device.strip() == SIM_PREFIX:
+        raise ConfigError(
+            "device",
+            f"{device} names no device profile; give one of {', '.join(sorted(PRESETS))}"
+            f" (sim:h200, figures may follow: sim:h200,link_gbps=25)",
+        )
     try:
         if simulated_profile(device) is not None:
             return

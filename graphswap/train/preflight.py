@@ -1,5 +1,6 @@
 """Checks of a training config against what it names (the checkpoint, the data file,
-the output folder, the device, the world) before any model is built.
+the output folder, the device, the world) before any model is built (but on the meta
+device, for the swap rule).
 
 A wrong path or an impossible setting must cost the user a second and one clear
 line, not a model build, a training run, or a traceback; ``graphswap train`` runs
@@ -18,12 +19,20 @@ from typing import TYPE_CHECKING
 import torch
 
 import passes
+from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
-from graphswap.hf.checkpoints import CheckpointError, weight_files
+from graphswap.hf.checkpoints import (
+    CheckpointError,
+    LayerCountError,
+    build_model,
+    eager_only,
+    weight_files,
+)
 from graphswap.planning.auto_swap import check_measurable
+from graphswap.rewriting.rules import check_rule
 from graphswap.train.build import trainer_hf_config
 from graphswap.train.config import ConfigError, TrainerConfig
-from passes import PassRequirementError
+from passes import SWAP_RULES, PassRequirementError
 from passes.tensor_parallel import check_head_layout, check_heads_divisible
 
 if TYPE_CHECKING:
@@ -39,6 +48,7 @@ def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> PretrainedCon
     check_world(config, world_size)
     hf_config = check_model(config)
     check_swap_bandwidth(config, resolve_device(config))
+    check_swap_rule(config, hf_config)  # last: it builds the model, on meta
     return hf_config
 
 
@@ -51,6 +61,8 @@ def check_model(config: TrainerConfig) -> PretrainedConfig:
             weight_files(config.model_path)
     except CheckpointError as error:
         raise ConfigError("model_path", str(error)) from error
+    except LayerCountError as error:
+        raise ConfigError("num_layers", str(error)) from None
     check_attention(config, hf_config)
     if config.tp_size > 1:
         check_heads_divisible(hf_config, config.tp_size)
@@ -61,15 +73,26 @@ def check_model(config: TrainerConfig) -> PretrainedConfig:
 def check_attention(config: TrainerConfig, hf_config: PretrainedConfig) -> None:
     """``attn_implementation: sdpa`` on a family whose model runs eager attention only
     (gpt-oss: its attention sinks) is refused before the build, naming the key."""
-    from transformers import AutoModelForCausalLM  # loaded with the config already
-
-    model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
-    if config.attn_implementation == "sdpa" and not model_class._supports_sdpa:
+    model_class = eager_only(hf_config)
+    if config.attn_implementation == "sdpa" and model_class is not None:
         raise ConfigError(
             "attn_implementation",
-            f"sdpa: {model_class.__name__} runs eager attention only in this transformers;"
+            f"sdpa: {model_class} runs eager attention only in this transformers;"
             " set attn_implementation: eager",
         )
+
+
+def check_swap_rule(config: TrainerConfig, hf_config: PretrainedConfig) -> None:
+    """The rule of ``activation_swap`` accepts the model (built on meta, which costs no
+    memory): a hybrid stack's attention, or a model without a decoder layer list, is
+    refused here with the rule's reason, not by a traceback after the build."""
+    rule = SWAP_RULES.get(config.activation_swap)
+    if rule is None:
+        return
+    try:
+        check_rule(build_model(hf_config, device="meta"), rule)
+    except RewriteError as error:
+        raise ConfigError("activation_swap", f"{config.activation_swap}: {error}") from None
 
 
 def resolve_device(config: TrainerConfig) -> torch.device:

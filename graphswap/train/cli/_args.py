@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Any
 
 USER_ERROR = 2
 """The exit code of every refused input, as argparse's own refusals exit."""
@@ -30,3 +31,43 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
     return value
+
+
+class Once(argparse.Action):
+    """An option given at most once: argparse keeps the last of several values, so
+    ``--config a.yaml --config b.yaml`` would drop a.yaml without a word."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None:
+            parser.error(f"{option_string} {values}: given twice (first {earlier}); give it once")
+        setattr(namespace, self.dest, values)
+
+
+class DeprecatedAlias(Once):
+    """An option's name in an earlier release (``plan-memory --policy``), still accepted
+    with a warning on stderr naming the option to use instead (``new``)."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated and will be removed;"
+            f" use {self.new} {values}",
+            file=sys.stderr,
+        )
+        super().__call__(parser, namespace, values, option_string)

@@ -14,7 +14,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graphswap.train.cli._args import positive_float, positive_int, user_error
+from graphswap.train.cli._args import (
+    DeprecatedAlias,
+    Once,
+    positive_float,
+    positive_int,
+    user_error,
+)
 
 if TYPE_CHECKING:
     from graphswap.planning import MemoryPlan
@@ -177,7 +183,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "shards them): predict one rank's bytes (default 1)",
     )
     parser.add_argument(
+        "--policy",
+        dest="activation_swap",
+        action=DeprecatedAlias,
+        new="--activation-swap",
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
         "--activation-swap",
+        action=Once,
         default=None,
         metavar="MODE",
         help="what is swapped, as graphswap train's activation_swap: attention (default), "
@@ -284,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
     import torch
 
-    from graphswap.hf.checkpoints import CheckpointError, model_config
+    from graphswap.hf.checkpoints import CheckpointError, LayerCountError, model_config
     from graphswap.planning import (
         DEFAULT_HIDE_MARGIN,
         DEFAULT_PROFILE,
@@ -299,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
     refusal = _refusal(args)
     if refusal is not None:
         return user_error("plan-memory", refusal)
+    source = f"--model {args.model}" if args.model is not None else f"--preset {args.preset}"
     try:
         config = model_config(
             args.preset,
@@ -308,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except CheckpointError as error:
         return user_error("plan-memory", f"--model {args.model}: {error}")
+    except LayerCountError as error:
+        return user_error("plan-memory", f"--layers {args.layers}: {source} has {error}")
     node = {
         key: value
         for key, value in (
@@ -351,6 +368,8 @@ def run(args: argparse.Namespace) -> int:
             plan = plan_memory(config, seq=args.seq, activation_swap=mode, **settings)
             data = plan.to_dict()
     except PlanSettingError as error:
+        if error.setting == "model":
+            return user_error("plan-memory", f"{source}: {error.detail}")
         flag = _FLAGS.get(error.setting, error.setting)
         return user_error("plan-memory", f"{flag} {error.value}: {error.detail}")
     except ProfileError as error:

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from graphswap.train.cli._args import user_error
+from graphswap.train.cli._args import Once, user_error
 
 FORMATS = ("text", "dot", "json")
 
@@ -26,7 +26,9 @@ def add_parser(subparsers: Any) -> None:
             " the plan needs are printed to stderr."
         ),
     )
-    parser.add_argument("--config", metavar="FILE", help="training YAML (default: all defaults)")
+    parser.add_argument(
+        "--config", action=Once, metavar="FILE", help="training YAML (default: all defaults)"
+    )
     parser.add_argument(
         "--format", choices=FORMATS, default="text", help="output format (default: text)"
     )
@@ -46,14 +48,14 @@ def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
     import passes
     from graphswap.train.config import ConfigError, parse_names, resolve_config
-    from graphswap.train.preflight import check_model
+    from graphswap.train.preflight import check_model, check_swap_rule
 
     try:
         config = resolve_config(args.config, args.overrides)
         if args.order is not None:
             config = dataclasses.replace(config, pass_order=parse_names(args.order))
         plan = passes.plan(config).check_runnable()
-        check_model(config)
+        check_swap_rule(config, check_model(config))
     except (ConfigError, passes.PlanError) as error:
         return user_error("plan", str(error))
     render = {"text": plan.to_text, "dot": plan.to_dot, "json": plan.to_json}[args.format]

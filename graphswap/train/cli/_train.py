@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from graphswap.train.cli._args import user_error
+from graphswap.train.cli._args import Once, user_error
 
 EMBEDDED_DEFAULT: dict[str, Any] = {
     "activation_swap": "attention",
@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         " model_type), built through the pass plan. Without --config it runs an embedded"
         " default (the tiny Qwen3-MoE, activation_swap: attention).",
     )
-    parser.add_argument("--config", help="a YAML file of TrainerConfig keys")
+    parser.add_argument("--config", action=Once, help="a YAML file of TrainerConfig keys")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override a setting")
     parser.add_argument(
         "--compare",

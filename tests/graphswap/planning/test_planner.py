@@ -282,6 +282,27 @@ def test_eager_experts_are_refused_with_the_fix() -> None:
         plan_memory(config, seq=8)
 
 
+def test_a_model_without_experts_is_planned_whatever_its_experts_implementation() -> None:
+    """transformers records experts_implementation: eager on every model it builds that
+    has no experts; the auto pass plans from that model's config."""
+    from graphswap.hf.presets import preset_config
+
+    config = build_model(preset_config("tiny-llama"), device="meta").config
+    assert config._experts_implementation == "eager"
+    assert len(plan_memory(config, seq=8, activation_swap="auto").layers) == 3
+
+
+def test_the_planner_refuses_what_the_swap_rule_refuses(tour_config: Callable[..., object]) -> None:
+    """Jamba's Mamba layers hold no attention: attn_swap refuses the model, and a plan of
+    attention swap (negative forward windows, infinite backward ones) is never made."""
+    config = tour_config("jamba")
+    with pytest.raises(
+        PlanSettingError, match=r"^activation_swap='attention': attn_swap: 'model.layers.0' holds"
+    ):
+        plan_memory(config, seq=8, activation_swap="attention", device="cpu")
+    assert len(plan_memory(config, seq=8, activation_swap="layer", device="cpu").layers) == 4
+
+
 def test_layer_candidates_leave_storages_other_layers_save() -> None:
     trace = trace_saved_tensors(
         qwen3_moe_config("tiny", num_hidden_layers=2),

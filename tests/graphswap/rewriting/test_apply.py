@@ -26,6 +26,7 @@ from graphswap.rewriting.apply import (
     RewriteReport,
     RuleConflictError,
     rewrite,
+    rewrite_report,
     unrewrite,
 )
 from graphswap.rewriting.rules import Rule, RuleContext, available_rules
@@ -304,6 +305,20 @@ def test_no_match_in_an_unrelated_model() -> None:
     report = rewrite(model, "qwen3_attn_swap", strict=False)
     assert str(report) == "qwen3_attn_swap: matched nothing (strict=False)"
     assert report.graph.number_of_nodes() == 0
+
+
+def test_a_rewrite_that_matched_nothing_leaves_the_model_untouched(one_thread: None) -> None:
+    """strict=False on a model the rule does not fit: no cache hook turns use_cache off
+    and no report is attached, so the outputs are the plain model's."""
+    torch.manual_seed(0)
+    model = build_model(qwen3_moe_config("tiny"))
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    rule = swap_rule("no_such_modules", targets=("torch.nn:Bilinear",))
+    report = rewrite(model, [rule], strict=False)
+    assert str(report) == "no_such_modules: matched nothing (strict=False)"
+    assert rewrite_report(model) is None
+    assert model(input_ids=ids, use_cache=True).past_key_values is not None
+    rewrite(model, "qwen3_attn_swap")  # not "already rewritten"
 
 
 def test_one_subclassed_layer_is_a_hierarchy_error_naming_it() -> None:

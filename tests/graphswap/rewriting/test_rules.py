@@ -3,6 +3,8 @@ attn_swap and layer_swap."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from torch import nn
 
@@ -260,9 +262,8 @@ def test_a_hybrid_stack_refuses_attn_swap_by_name_and_takes_layer_swap() -> None
     with pytest.raises(HierarchyError) as info:
         rewrite(model, rules=["attn_swap"])
     message = str(info.value)
-    assert "'model.layers.0' has no self_attn (it holds linear_attn (Qwen3NextGatedDeltaNet)" in (
-        message
-    )
+    assert "'model.layers.0' holds no transformers.models.qwen3_next" in message
+    assert "(it holds linear_attn (Qwen3NextGatedDeltaNet)" in message
     assert message.endswith("use layer_swap, which wraps every layer whatever it holds")
     assert len(rewrite(model, rules=["layer_swap"]).rules[0].fqns) == 2
 
@@ -337,5 +338,64 @@ def test_a_stack_of_two_declared_layer_classes_is_swapped_per_class(one_thread: 
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
     assert stats.offloaded_bytes == stats.reloaded_bytes > 0 and stats.prefetch_misses == 0
     report.undo()
-    with pytest.raises(HierarchyError, match=r"'model\.layers\.0' has no self_attn \(it holds"):
+    with pytest.raises(HierarchyError, match=r"'model\.layers\.0' holds no .*JambaAttention \(it"):
         rewrite(model, rules=["attn_swap"])
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "child"),
+    [
+        ("gpt_neox", {}, "attention"),
+        ("jetmoe", {}, "self_attention"),
+        ("nemotron_h", {"hybrid_override_pattern": "**"}, "mixer"),
+    ],
+)
+def test_attn_swap_finds_the_declared_attention_whatever_its_name(
+    family: str, overrides: dict[str, object], child: str, tour_config: Any, one_thread: None
+) -> None:
+    """GPT-NeoX, JetMoe and NemotronH hold exactly the attention class they declare, under
+    another name than self_attn: it is swapped at its own FQN, and no number changes."""
+    import torch
+
+    from graphswap.hf.checkpoints import build_model, decoder_layers
+    from graphswap.rewriting.rules import with_policy
+    from graphswap.runtime.policy import size_threshold_policy
+
+    config = tour_config(family, num_hidden_layers=2, **overrides)
+    torch.manual_seed(0)
+    model = build_model(config)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+    plain_loss, plain_grads = step()
+    report = rewrite(model, rules=[with_policy("attn_swap", size_threshold_policy(4 << 10))])
+    layers_fqn, _ = decoder_layers(model)
+    assert report.rules[0].fqns == (f"{layers_fqn}.0.{child}", f"{layers_fqn}.1.{child}")
+    loss, grads = step()
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    stats = report.manager.stats
+    assert stats.offloaded_bytes == stats.reloaded_bytes > 0
+
+
+def test_attn_swap_on_a_hybrid_stack_names_the_layer_without_attention(
+    tour_config: Any,
+) -> None:
+    """NemotronH's Mamba blocks hold a mixer of another class: the error says so and
+    names layer_swap, not "a subclass of" the class the model holds."""
+    import torch
+
+    from graphswap.hf.checkpoints import build_model
+
+    model = build_model(tour_config("nemotron_h"), device=torch.device("meta"))
+    with pytest.raises(HierarchyError) as info:
+        rewrite(model, rules=["attn_swap"])
+    message = str(info.value)
+    assert "'model.layers.0' holds no" in message and "NemotronHAttention" in message
+    assert "mixer (NemotronHMamba2Mixer)" in message and "use layer_swap" in message
+    assert "subclass" not in message

@@ -110,6 +110,18 @@ def toy_swapped() -> torch.nn.Sequential:
     return model
 
 
+def test_another_activation_offloader_around_the_model_is_refused() -> None:
+    """torch's save_on_cpu (TRL's activation_offloading: tests/graphswap/train/test_trl.py)
+    would copy what the wrapped modules save a second time."""
+    model = toy_swapped()
+    x = torch.randn(4, 8, requires_grad=True)
+    with (
+        torch.autograd.graph.save_on_cpu(),
+        pytest.raises(SwapExclusionError, match=r"excludes activation_offloading: 'b0' ran under"),
+    ):
+        model(x)
+
+
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
 def test_compile_by_hand_is_refused_with_the_fix_in_every_mode(fullgraph: bool) -> None:
     """Under fullgraph=True a graph break is an error of Dynamo's own: the refusal is

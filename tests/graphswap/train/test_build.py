@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-from graphswap.hf.presets import qwen3_moe_config
+from graphswap.hf.presets import preset_config, qwen3_moe_config
 from graphswap.runtime import is_swap_wrapped
 from graphswap.train.build import build, from_config, from_pretrained
 from graphswap.train.config import TrainerConfig
@@ -64,3 +64,35 @@ def test_build_refuses_a_plan_that_cannot_run_before_it_reads_the_model(tmp_path
     config = TrainerConfig(activation_swap="attention", compile=True)
     with pytest.raises(PassConflictError, match=r"^activation_swap: attention excludes compile"):
         build(config, weights=tmp_path / "no-checkpoint-here")
+
+
+@pytest.mark.parametrize(
+    "preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3"]
+)
+def test_auto_builds_on_a_dense_family(preset: str) -> None:
+    """transformers records experts_implementation: eager on every model it builds; a
+    model without experts has nothing to route, so auto plans it."""
+    model = from_config(preset_config(preset), activation_swap="auto")
+    assert all(is_swap_wrapped(layer) for layer in model.model.layers)
+
+
+def test_a_checkpoint_whose_config_names_its_attention_loads(tmp_path) -> None:
+    """What transformers writes after model.config.attn_implementation = ...; the
+    trainer's attn_implementation is the one the model runs, as from_pretrained's
+    argument wins over the file."""
+    source = from_config(preset_config("tiny-llama"))
+    source.config.attn_implementation = "eager"
+    source.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, activation_swap="layer")
+    assert loaded.config._attn_implementation == "sdpa"
+
+
+def test_from_pretrained_keeps_the_checkpoint_dtype_unless_the_config_sets_one(
+    tmp_path,
+) -> None:
+    from_config(preset_config("tiny-llama")).to(torch.bfloat16).save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, activation_swap="layer")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    config = TrainerConfig(activation_swap="layer", dtype="float32")
+    loaded = from_pretrained(tmp_path, trainer_config=config)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}

@@ -102,7 +102,7 @@ def test_wrong_type_names_the_key(mapping: dict[str, object], message: str) -> N
     [
         ({"tp_size": 0}, "tp_size: must be >= 1, got 0"),
         ({"pp_size": -2}, "pp_size: must be >= 1, got -2"),
-        ({"seq_len": 0}, "seq_len: must be >= 1, got 0"),
+        ({"seq_len": 0}, "seq_len: must be >= 2, got 0"),
         ({"swap_prefetch_depth": 0}, "swap_prefetch_depth: must be >= 1, got 0"),
         ({"swap_prefetch_depth": 2}, "swap_prefetch_depth: is 2 but activation_swap: none"),
         ({"num_layers": 0}, "num_layers: must be >= 1, got 0"),

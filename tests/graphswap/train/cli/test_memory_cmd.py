@@ -44,6 +44,59 @@ def test_a_model_source_is_required(graphswap_cmd) -> None:
     assert "--model" in done.stderr and "--preset" in done.stderr
 
 
+def test_the_last_releases_policy_flag_still_plans_and_names_its_successor(
+    graphswap_cmd,
+) -> None:
+    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq", "64", "--policy", "layer")
+    assert done.returncode == 0, done.stderr
+    assert "activation_swap=layer" in done.stdout
+    assert done.stderr == (
+        "graphswap plan-memory: warning: --policy is deprecated and will be removed; use"
+        " --activation-swap layer\n"
+    )
+    both = ("--policy", "layer", "--activation-swap", "attention")
+    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq", "64", *both)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        "graphswap plan-memory: error: --activation-swap attention: given twice (first"
+        " layer); give it once"
+    )
+
+
+def test_a_family_whose_attention_is_not_self_attn_is_planned(
+    tmp_path: Path, tour_config, graphswap_cmd
+) -> None:
+    """GPT-NeoX: no num_key_value_heads in its config, its attention named ``attention``:
+    attention swap plans what that module saves."""
+    tour_config("gpt_neox").save_pretrained(tmp_path)
+    done = graphswap_cmd(
+        "plan-memory", "--model", str(tmp_path), "--seq", "512", "--attn-implementation",
+        "eager", "--format", "json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert len(plan["layers"]) == 2
+    assert all(layer["swappable_bytes"] > 0 for layer in plan["layers"][:-1])
+
+
+@pytest.mark.parametrize("command", ["plan-memory", "graph"])
+def test_a_checkpoint_whose_config_names_its_attention_is_read(
+    command: str, tmp_path: Path, graphswap_cmd
+) -> None:
+    """What transformers writes after model.config.attn_implementation = ...; the
+    command's own --attn-implementation (or default) decides, as from_pretrained's
+    argument does."""
+    from graphswap.hf.presets import preset_config
+
+    config = preset_config("tiny-llama")
+    config.attn_implementation = "eager"
+    config.save_pretrained(tmp_path)
+    assert "attn_implementation" in json.loads((tmp_path / "config.json").read_text())
+    extra = ["--seq", "64"] if command == "plan-memory" else []
+    done = graphswap_cmd(command, "--model", str(tmp_path), *extra)
+    assert done.returncode == 0, done.stderr
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     _memory.add_parser(parser.add_subparsers())

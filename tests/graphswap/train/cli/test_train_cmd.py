@@ -163,3 +163,32 @@ def test_console_script_trains_the_embedded_default(console: Any) -> None:
     assert "activation_swap" in done.stdout and "attention" in done.stdout
     summary = json.loads((console.cwd / "summary.json").read_text())
     assert summary[0]["swap"]["offloaded_bytes"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-mistral"])
+def test_train_auto_on_a_dense_family(preset: str, tmp_path: Path, run_cli) -> None:
+    """A model without experts: transformers' experts_implementation: eager, which it
+    records on every model, is no reason to refuse auto."""
+    done = run_cli(
+        f"model={preset}", "activation_swap=auto", "seq_len=64", "steps=2",
+        f"output_dir={tmp_path}", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "activation_swap: auto, planned for seq_len: 64" in done.stdout
+
+
+def test_train_a_family_whose_attention_is_not_self_attn(
+    tmp_path: Path, tour_config, run_cli
+) -> None:
+    """GPT-NeoX holds its attention as ``attention``: attention swap wraps it there,
+    moves its probabilities (eager, above 1 MiB at seq 256) and changes no loss."""
+    folder = tmp_path / "checkpoint"
+    build_model(tour_config("gpt_neox")).save_pretrained(folder)
+    done = run_cli(
+        "--compare", f"model_path={folder}", "activation_swap=attention",
+        "attn_implementation=eager", "seq_len=256", "steps=2", f"output_dir={tmp_path}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    swapped = json.loads((tmp_path / "summary.json").read_text())[1]
+    assert swapped["swap"]["offloaded_bytes"] == swapped["swap"]["reloaded_bytes"] > 0

@@ -83,6 +83,13 @@ def read_only_dir(tmp_path: Path) -> str:
 
 NOT_A_DECODER = '{"model_type": "vit", "hidden_size": 64}'
 
+
+def yaml_file(tmp_path: Path) -> str:
+    path = tmp_path / "train.yaml"
+    path.write_text("steps: 1\n")
+    return str(path)
+
+
 # (id, argv built from tmp_path, the message after ``graphswap COMMAND: error: ``)
 CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     (
@@ -193,6 +200,54 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         lambda p: ["plan-memory", "--preset", "tiny", "--seq", "8", "--profile", "a100"],
         "--profile a100: unknown device profile 'a100'; presets: h100, h200",
     ),
+    ("train-override-twice", lambda p: ["train", "steps=3", "steps=1"], "steps: given twice"),
+    (
+        "train-profile-figure-twice",
+        lambda p: ["train", "device=sim:h200,link_gbps=25,link_gbps=1"],
+        "device: device profile 'h200,link_gbps=25,link_gbps=1': link_gbps given twice",
+    ),
+    (
+        "train-sim-without-profile",
+        lambda p: ["train", "device=sim:"],
+        "device: sim: names no device profile; give one of h100, h200",
+    ),
+    (
+        "train-seq-len-1",
+        lambda p: ["train", "seq_len=1"],
+        "seq_len: must be >= 2, got 1: a causal LM",
+    ),
+    (
+        "train-profile-memory-inf",
+        lambda p: ["train", "device=sim:h200,memory_bytes=inf"],
+        "device: device profile 'h200 (custom)': memory_bytes must be a finite number > 0",
+    ),
+    (
+        "train-more-layers-than-layer-types",
+        lambda p: ["train", "model=tiny-gemma3", "num_layers=4"],
+        "num_layers: 4 layers, but the model lists the kinds of only 3",
+    ),
+    (
+        "plan-memory-more-layers-than-layer-types",
+        lambda p: ["plan-memory", "--preset", "tiny-gemma3", "--seq", "8", "--layers", "4"],
+        "--layers 4: --preset tiny-gemma3 has 4 layers, but the model lists the kinds of only 3",
+    ),
+    *(
+        (
+            f"plan-memory-profile-memory-{value}",
+            lambda p, value=value: [
+                "plan-memory",
+                "--preset",
+                "tiny",
+                "--seq",
+                "8",
+                "--profile",
+                f"h200,memory_bytes={value}",
+            ],
+            f"--profile h200,memory_bytes={value}: device profile 'h200 (custom)': memory_bytes"
+            f" must be a finite number > 0, got {value}",
+        )
+        for value in ("inf", "nan")
+    ),
     (
         "plan-memory-profile-without-hbm",
         lambda p: [
@@ -220,19 +275,6 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
             "1TiB",
         ],
         "--host-memory 1099511627776 sizes the swap's host pool, and --activation-swap none",
-    ),
-    (
-        "plan-memory-profile-infinite-memory",
-        lambda p: [
-            "plan-memory",
-            "--preset",
-            "tiny",
-            "--seq",
-            "8",
-            "--profile",
-            "h200,memory_bytes=inf",
-        ],
-        "--profile h200,memory_bytes=inf: device profile 'h200,memory_bytes=inf': memory_bytes",
     ),
 ]
 
@@ -323,3 +365,93 @@ def test_options_may_follow_overrides(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 0, err
     assert (tmp_path / "summary.json").is_file()
     assert err == ""
+
+
+def config_folder(tmp_path: Path, config: object) -> str:
+    """A checkpoint folder of ``config`` whose weights file is never read: the command
+    must refuse it before loading them."""
+    folder = tmp_path / "ckpt"
+    config.save_pretrained(folder)  # type: ignore[attr-defined]
+    (folder / "model.safetensors").write_bytes(b"")
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("family", "argv", "message"),
+    [
+        (
+            "jamba",
+            ["train", "activation_swap=attention"],
+            "activation_swap: attention: attn_swap: 'model.layers.0' holds no",
+        ),
+        ("gpt2", ["train", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
+        (
+            "jamba",
+            ["plan", "activation_swap=attention"],
+            "activation_swap: attention: attn_swap: 'model.layers.0' holds no",
+        ),
+        ("gpt2", ["plan", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
+        (
+            "jamba",
+            ["plan-memory", "--seq", "8", "--activation-swap", "attention"],
+            "--activation-swap attention: attn_swap: 'model.layers.0' holds no",
+        ),
+        (
+            "gpt2",
+            ["plan-memory", "--seq", "8"],
+            "--model {folder}: GPT2LMHeadModel must hold exactly one decoder layer list",
+        ),
+        (
+            "mamba",
+            ["plan-memory", "--seq", "8"],
+            "--attn-implementation sdpa: MambaForCausalLM runs eager attention only",
+        ),
+        (
+            "mamba",
+            ["plan-memory", "--seq", "8", "--attn-implementation", "eager"],
+            "--activation-swap attention: rule 'attn_swap' found no decoder attention",
+        ),
+    ],
+)
+def test_a_model_the_swap_rule_refuses_is_refused_by_every_command(
+    family: str,
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    tour_config: Callable[..., object],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What attn_swap or layer_swap refuse (a hybrid stack's attention, a model without a
+    decoder layer list) every command refuses with the rule's reason, one line, exit 2;
+    plan-memory never plans it."""
+    folder = config_folder(tmp_path, tour_config(family))
+    source = ["--model", folder] if argv[0] == "plan-memory" else [f"model_path={folder}"]
+    code, err = run([*argv, *source], capsys)
+    assert code == 2, err
+    assert err.startswith(f"graphswap {argv[0]}: error: {message.format(folder=folder)}"), err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+@pytest.mark.usefixtures("no_model_built")
+def test_a_config_file_given_twice_is_refused(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse would keep the second --config and drop the first without a word."""
+    path = yaml_file(tmp_path)
+    code, err = run([command, "--config", path, "--config", path], capsys)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"graphswap {command}: error: --config {path}: given twice (first {path}); give it once"
+    )
+
+
+@pytest.mark.usefixtures("no_model_built")
+def test_plan_memory_sdpa_on_an_eager_only_family(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan-memory", "--preset", "tiny-gpt-oss", "--seq", "8"]
+    code, err = run([*argv, "--attn-implementation", "sdpa"], capsys)
+    assert code == 2
+    assert err == (
+        "graphswap plan-memory: error: --attn-implementation sdpa: GptOssForCausalLM runs"
+        " eager attention only in this transformers; use eager\n"
+    )

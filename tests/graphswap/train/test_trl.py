@@ -1,0 +1,180 @@
+"""A rewritten model under TRL's ``SFTTrainer``, as users fine-tune long contexts: the
+same losses as the ``SFTTrainer`` run without swap, and a clear refusal of what would
+handle the swapped tensors a second time (TRL's default gradient checkpointing, its
+activation offloading)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+import graphswap
+from graphswap.errors import SwapExclusionError
+from graphswap.hf.checkpoints import build_model
+from graphswap.hf.presets import preset_config
+from graphswap.planning.auto_swap import AutoSwapMismatchWarning
+from graphswap.rewriting.apply import rewrite_report
+from graphswap.train.build import from_config
+from graphswap.train.config import TrainerConfig
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+STEPS, BATCH, SEQ = 2, 2, 256
+"""Eager attention probabilities of 4 heads at 256 tokens are 1 MiB per sequence: the
+attention and every layer pass the swap threshold."""
+
+RULES = {"attention": "attn_swap", "layer": "layer_swap"}
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer built in memory: SFTTrainer wants one, nothing is downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(254)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>")
+
+
+def dataset() -> Any:
+    """Tokenized rows (SFTTrainer takes ``input_ids`` as they are)."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(2, 256, (SEQ,), generator=gen).tolist() for _ in range(STEPS * BATCH)]
+    return datasets.Dataset.from_dict({"input_ids": rows})
+
+
+def model(preset: str, mode: str) -> torch.nn.Module:
+    """``preset`` built from its config, rewritten for ``mode`` (``auto`` planned for
+    this shape, on a link fast enough that it swaps)."""
+    torch.manual_seed(0)
+    config = preset_config(preset)
+    if mode == "auto":
+        planned = TrainerConfig(
+            activation_swap="auto", seq_len=SEQ, batch_size=BATCH, swap_bandwidth_gbps=1e6
+        )
+        return from_config(config, trainer_config=planned)
+    net = build_model(config)
+    if mode != "none":
+        graphswap.rewrite(net, RULES[mode])
+    return net
+
+
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(trl.SFTConfig)}
+    else "gradient_checkpointing"
+)
+"""transformers 5.23 renamed TrainingArguments' gradient_checkpointing (which TRL's
+SFTConfig turns on by default); the old name warns."""
+
+
+def sft(
+    net: torch.nn.Module, out: Path, *, checkpointing: bool | None = False, **settings: Any
+) -> list[float]:
+    """The losses of ``STEPS`` SFTTrainer steps; ``checkpointing`` None keeps TRL's
+    default, ``settings`` override other SFTConfig values."""
+    if checkpointing is not None:
+        settings[CHECKPOINTING] = checkpointing
+    args = trl.SFTConfig(
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **settings,
+    )
+    trainer = trl.SFTTrainer(
+        model=net, args=args, train_dataset=dataset(), processing_class=tokenizer()
+    )
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.fixture(scope="module")
+def plain_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    """Per preset, the SFTTrainer run without swap (computed once)."""
+    return {
+        preset: sft(model(preset, "none"), tmp_path_factory.mktemp(preset))
+        for preset in ("tiny", "tiny-llama")
+    }
+
+
+@pytest.mark.parametrize("mode", ["attention", "layer", "auto"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_sft_trainer_trains_a_rewritten_model_like_the_plain_one(
+    preset: str,
+    mode: str,
+    plain_losses: dict[str, list[float]],
+    tmp_path: Path,
+    one_thread: None,
+) -> None:
+    """Qwen3-MoE (``tiny``) and Llama under SFTConfig's defaults but checkpointing (bf16
+    autocast included): bit-for-bit the losses of the run without swap. An auto plan
+    made for float32 meets bfloat16 saves there: each stays on device, warned about."""
+    net = model(preset, mode)
+    if mode == "auto":
+        with pytest.warns(AutoSwapMismatchWarning, match="bfloat16, but the plan made for"):
+            losses = sft(net, tmp_path)
+    else:
+        losses = sft(net, tmp_path)
+    assert len(losses) == STEPS and losses == plain_losses[preset]
+    report = rewrite_report(net)
+    assert report is not None and report.manager.stats.offloaded_bytes > 0
+
+
+def test_an_auto_plan_of_the_dtype_sft_trainer_runs_swaps_as_planned(tmp_path: Path) -> None:
+    """auto plans for the parameters' dtype; SFTConfig's default bf16 autocast saves
+    bfloat16 instead (a mismatch, counted and warned about), so a float32 plan trains
+    with bf16=False: every planned save is met, and the losses are the plain run's."""
+    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
+    net = model("tiny-llama", "auto")
+    assert sft(net, tmp_path / "auto", bf16=False) == plain
+    report = rewrite_report(net)
+    assert report is not None and report.manager.stats.offloaded_bytes > 0
+    report.check()
+
+
+def test_trls_default_gradient_checkpointing_is_refused_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    """SFTConfig turns gradient_checkpointing on by default; it would recompute what the
+    swap copied, so the first wrapped forward says what to set."""
+    net = model("tiny-llama", "layer")
+    with pytest.raises(SwapExclusionError) as info:
+        sft(net, tmp_path, checkpointing=None)
+    message = str(info.value)
+    assert "excludes activation_checkpointing: 'model.layers.0'" in message
+    assert "gradient_checkpointing=False" in message and "SFTConfig" in message
+
+
+def test_trls_activation_offloading_on_a_rewritten_model_is_refused() -> None:
+    """Two offloaders on one model: TRL's hooks (built as SFTTrainer builds them with
+    activation_offloading=True; on CPU only without streams, and TRL asks for an
+    accelerator) around a rewritten model are refused at its first wrapped forward."""
+    from trl.models.activation_offloading import OffloadActivations
+
+    net = model("tiny-llama", "layer")
+    ids = torch.randint(2, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    cpu = mock.patch.object(
+        torch.accelerator, "current_accelerator", lambda *_: torch.device("cpu")
+    )
+    with cpu:
+        offloading = OffloadActivations(use_pin_memory=False, use_streams=False)
+    with offloading, pytest.raises(SwapExclusionError) as info:
+        net(input_ids=ids, labels=ids)
+    message = str(info.value)
+    assert "excludes activation_offloading: 'model.layers.0' ran under TRL's activation" in message
+    assert "activation_offloading=False" in message
