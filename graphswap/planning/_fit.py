@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._plan import (
@@ -34,6 +35,7 @@ from graphswap.planning._plan import (
 from graphswap.planning._replay import SwapChoice, replay
 from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
+from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
 from graphswap.runtime.policy import MIN_SWAP_TENSOR_BYTES, SwapPolicy, policy_name
 from graphswap.runtime.policy import swap_large_activations as default_policy
 from graphswap.runtime.profile import DeviceProfile
@@ -77,6 +79,9 @@ class ModeFit:
     one run: the peak came back under the memory at a longer length."""
     points: tuple[LengthPoint, ...] = ()
     """The mode's step at every length planned, in order."""
+    refused: str | None = None
+    """Why the mode's swap rule refuses this model (a hybrid stack's attention): nothing
+    is planned for it."""
 
     @property
     def contiguous(self) -> bool:
@@ -164,6 +169,7 @@ class FitResult:
                     "seq": mode.seq,
                     "capped": mode.capped,
                     "fits": [list(run) for run in mode.fits],
+                    "refused": mode.refused,
                     "plan": None if mode.plan is None else mode.plan.to_dict(),
                     "points": [dataclasses.asdict(point) for point in mode.points],
                 }
@@ -256,16 +262,18 @@ def fit_sequence(
     def trace(seq: int, policy: SwapPolicy) -> StepTrace:
         return trace_step(first if seq == seq_step else meta_model(seq), resolved, policy)
 
+    refused = {mode: _refusal(first, mode) for mode in modes}
+    planned = [mode for mode in modes if refused[mode] is None]
     lengths = [steps * seq_step for steps in range(1, max_seq // seq_step + 1)]
     series = TraceLengths(
         trace, lengths, min_bytes=MIN_SWAP_TENSOR_BYTES, name=policy_name(default_policy)
     )
-    scans = {mode: _Scan(mode) for mode in modes}
+    scans = {mode: _Scan(mode) for mode in planned}
     for seq in lengths:
         plans = _plan_modes(
             config,
             series(seq),
-            modes,
+            planned,
             hide_margin=hide_margin,
             offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,
@@ -276,10 +284,27 @@ def fit_sequence(
             scans[mode].add(plan, memory)
     return dataclasses.replace(
         empty,
-        modes=tuple(scan.result() for scan in scans.values()),
+        modes=tuple(
+            scans[mode].result()
+            if reason is None
+            else ModeFit(mode, None, None, capped=False, refused=reason)
+            for mode, reason in refused.items()
+        ),
         traced=series.traced,
         planned=len(lengths),
     )
+
+
+def _refusal(meta: MetaModel, mode: SwapMode) -> str | None:
+    """Why ``mode``'s swap rule refuses the model, as ``graphswap train`` would say it."""
+    rule = SWAP_MODE_RULES.get(mode)
+    if rule is None:
+        return None
+    try:
+        check_rule(meta.model, rule)
+    except RewriteError as error:
+        return str(error)
+    return None
 
 
 class _Scan:

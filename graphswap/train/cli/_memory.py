@@ -607,6 +607,9 @@ def format_fit(fit: Mapping[str, Any]) -> str:
     lines += [header, "-" * len(header)]
     for mode in fit["modes"]:
         plan = mode["plan"]
+        if mode.get("refused"):
+            lines.append(f"{mode['activation_swap']:<10} {'refused':>12}  {mode['refused']}")
+            continue
         if plan is None:
             lines.append(
                 f"{mode['activation_swap']:<10} {'none fits':>12}  (not even {fit['seq_step']})"

@@ -3,6 +3,7 @@ host memory is in the plan, and ``auto`` plans its offload lag."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -129,3 +130,21 @@ def test_auto_plans_its_lag_and_keeps_the_lower_peak() -> None:
     assert not fixed[1].offload_lag_chosen
     assert chosen.timeline.stall_seconds == 0
     assert any("planned at offload_lag 1 and 2" in a for a in chosen.assumptions)
+
+
+def test_a_mode_whose_rule_refuses_the_model_is_refused_not_planned(
+    tour_config: Callable[..., PretrainedConfig],
+) -> None:
+    """Jamba's Mamba layers hold no attention: the fit says why attention swap cannot run
+    and plans the modes that can."""
+    config = tour_config("jamba")
+    config.max_position_embeddings = 1024
+    fit = fit_sequence(config, memory_bytes=8 * GIB, device="cpu", modes=("attention", "layer"))
+    attention, layer = fit.modes
+    assert attention.refused is not None and "attn_swap" in attention.refused
+    assert (attention.seq, attention.plan, attention.points) == (None, None, ())
+    assert layer.refused is None and layer.seq == 1024 and layer.capped
+    from graphswap.train.cli._memory import format_fit
+
+    [row] = [line for line in format_fit(fit.to_dict()).splitlines() if line.startswith("atten")]
+    assert row.split()[:2] == ["attention", "refused"] and row.endswith(attention.refused)
