@@ -17,7 +17,9 @@ of those calls is what keeps memory correct:
 ``SimulatedAccelerator`` is the same engine over a simulated device on CPU tensors
 that lags a chosen number of module boundaries behind the host, turns every call in
 the wrong order into a ``HazardError``, and, given a device profile, keeps a clock:
-the CPU test suite runs the engine a GPU runs (invariant I11).
+the CPU test suite runs the engine a GPU runs (invariant I11). ``NoOpAccelerator`` is
+the same engine over a device whose copies are done when issued (``NoOpDevice``): no
+hazard to check, nothing to simulate, the engine's own host time only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphswap.runtime._device import Device, Event, HazardError, Stream, TorchDevice
+from graphswap.runtime._device import (
+    Device,
+    Event,
+    HazardError,
+    NoOpDevice,
+    Stream,
+    TorchDevice,
+)
 from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
 from graphswap.runtime._tape import step_labels
 from graphswap.runtime.profile import DeviceProfile, device_profile
@@ -40,6 +49,7 @@ __all__ = [
     "Copy",
     "CopyEngine",
     "HazardError",
+    "NoOpAccelerator",
     "SimulatedAccelerator",
 ]
 
@@ -420,6 +430,24 @@ class AcceleratorCopyEngine(CopyEngine):
 
     def capturing(self) -> bool:
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class NoOpAccelerator(AcceleratorCopyEngine):
+    """The accelerator engine over :class:`NoOpDevice`: each copy a plain ``copy_`` done
+    when it is issued, streams, events and waits no-ops, host buffers not pinned.
+
+    For a run on CPU, where there is nothing to overlap and no ordering to get wrong:
+    the engine's whole protocol runs, no hazard is checked and no call counted. Tests
+    and clocked runs want ``SimulatedAccelerator`` instead.
+    """
+
+    pin = False
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return NoOpAccelerator, ()
+
+    def _open(self, device: torch.device) -> Device:
+        return NoOpDevice(device)
 
 
 class SimulatedAccelerator(AcceleratorCopyEngine):
