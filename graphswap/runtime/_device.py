@@ -91,6 +91,11 @@ class Device(abc.ABC):
         """A device tensor allocated on the current stream (the caching allocator's pool
         of that stream)."""
 
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        """``empty`` of ``host``'s shape and dtype: a reload's destination. A device may
+        make it in one call (``torch.empty`` parses a shape and three keywords)."""
+        return self.empty(host.shape, host.dtype)
+
     @abc.abstractmethod
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes`` bytes for copies to and from this device."""
@@ -145,6 +150,9 @@ class TorchDevice(Device):
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(host, device=self.device)
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -237,6 +245,9 @@ class NoOpDevice(Device):
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(host, device=self.device)
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)

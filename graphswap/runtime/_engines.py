@@ -27,10 +27,10 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.runtime._device import (
     Device,
@@ -67,10 +67,10 @@ class Copy(abc.ABC):
     def synchronize(self) -> None: ...
 
     @abc.abstractmethod
-    def release_source(self) -> StorageWeakRef | None:
+    def release_source(self) -> weakref.ref[torch.UntypedStorage] | None:
         """Drop the offload's reference to its device source. None when that frees it (or
         there is none); else a weak reference to the source, which another reference
-        still keeps on device."""
+        still keeps on device (a storage's Python object lives as long as the storage)."""
 
     @abc.abstractmethod
     def result(self) -> torch.Tensor:
@@ -260,13 +260,6 @@ class _Batch:
     def synchronize(self) -> None:
         self.lane.offloads.synchronize(self.sealed())
 
-    def fence(self, stream: Stream) -> None:
-        mark = self.sealed()
-        lane = self.lane
-        if lane.fenced.get(stream, 0) < mark.seq and lane.offloads.done < mark.seq:
-            stream.wait_event(mark.event)
-            lane.fenced[stream] = mark.seq
-
 
 class _Offload(Copy):
     """A copy to host: its batch, the stream that produced the source, and the source."""
@@ -283,24 +276,34 @@ class _Offload(Copy):
         """The source's device memory, held until ``release_source``."""
 
     def done(self) -> bool:
-        return self._batch.done()
+        batch = self._batch
+        mark = batch.mark
+        if mark is not None and batch.lane.offloads.done >= mark.seq:
+            return True  # the host saw its batch, or a later one, completed
+        return batch.done()
 
     def synchronize(self) -> None:
         self._batch.synchronize()
 
     def fence(self) -> None:
-        self._batch.fence(self._producer)
+        batch = self._batch
+        mark = batch.mark or batch.sealed()
+        lane = batch.lane
+        producer = self._producer
+        if lane.fenced.get(producer, 0) < mark.seq and lane.offloads.done < mark.seq:
+            producer.wait_event(mark.event)
+            lane.fenced[producer] = mark.seq
 
-    def release_source(self) -> StorageWeakRef | None:
+    def release_source(self) -> weakref.ref[torch.UntypedStorage] | None:
         hold = self._hold
         if hold is None:
             return None
         self._hold = None
         batch = self._batch
-        batch.lane.device.drop(hold, batch.sealed().event)
+        batch.lane.device.drop(hold, (batch.mark or batch.sealed()).event)
         # This reference and another: the bytes stay on device whatever the swap does.
         if torch._C._storage_Use_Count(hold._cdata) > 1:
-            return StorageWeakRef(hold)
+            return weakref.ref(hold)
         return None
 
     def result(self) -> torch.Tensor:
@@ -378,12 +381,18 @@ class AcceleratorCopyEngine(CopyEngine):
         return lane
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
-        lane = self._lanes.get(src.device) or self._lane(src.device)
+        where = src.device
+        lane = self._lanes.get(where) or self._lane(where)
         device = lane.device
         producer = device.current_stream()
         d2h = lane.d2h
-        lane.follow(d2h, producer, "offload")
-        lane.d2h_after_h2d = max(lane.d2h_after_h2d, lane.loaded.get(producer, 0))
+        free = lane.offload_events
+        event = free.pop() if free else device.new_event("offload")
+        d2h.wait_event(device.record(producer, event))  # the copy reads what is queued there
+        free.append(event)
+        loaded = lane.loaded.get(producer, 0)
+        if loaded > lane.d2h_after_h2d:
+            lane.d2h_after_h2d = loaded
         for copy in after:
             # An earlier offload ran on d2h itself, in order; a reload needs a wait.
             if type(copy) is _Load and copy._mark.seq > lane.d2h_after_h2d:
@@ -400,22 +409,28 @@ class AcceleratorCopyEngine(CopyEngine):
     ) -> list[Copy]:
         lane = self._lanes.get(device) or self._lane(device)
         interface = lane.device
-        dsts = [interface.empty(host.shape, host.dtype) for host, _ in items]
+        empty_like = interface.empty_like
+        dsts = [empty_like(host) for host, _ in items]
         h2d = lane.h2d
         current = interface.current_stream()
         lane.follow(h2d, current, "reload")
-        lane.h2d_after_d2h = max(lane.h2d_after_d2h, lane.fenced.get(current, 0))
+        fenced = lane.fenced.get(current, 0)
+        if fenced > lane.h2d_after_d2h:
+            lane.h2d_after_d2h = fenced
+        free, progress, record = lane.reload_events, lane.reloads, interface.record
         copies: list[Copy] = []
         for (host, after), dst in zip(items, dsts, strict=True):
             for copy in after:
                 if type(copy) is _Offload:
-                    mark = copy._batch.sealed()
+                    batch = copy._batch
+                    mark = batch.mark or batch.sealed()
                     if mark.seq > lane.h2d_after_d2h:
                         h2d.wait_event(mark.event)
                         lane.h2d_after_d2h = mark.seq
             interface.to_device(h2d, host, dst)
-            event = interface.record(h2d, lane.event(lane.reload_events, "reload"))
-            copies.append(_Load(lane, lane.reloads.mark(event, lane.reload_events), dst))
+            event = record(h2d, free.pop() if free else interface.new_event("reload"))
+            progress.marks += 1
+            copies.append(_Load(lane, _Mark(event, free, progress.marks), dst))
         return copies
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
@@ -426,7 +441,8 @@ class AcceleratorCopyEngine(CopyEngine):
 
     def tick(self) -> None:
         for lane in self._lanes.values():
-            lane.seal()
+            if lane.batch is not None:
+                lane.seal()
 
     def capturing(self) -> bool:
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

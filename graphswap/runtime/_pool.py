@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import enum
 import os
-import threading
 import warnings
 from pathlib import Path
 
@@ -176,22 +175,22 @@ class HostPool:
 
     ``acquire`` returns a ``Refusal`` instead of raising when the cap would be
     exceeded or the allocation fails: the caller keeps the tensor on device, which
-    is always correct.
+    is always correct. Not thread-safe: the manager calls it under its own lock, which
+    it holds anyway where it acquires and releases (one lock per hook, not two).
     """
 
     def __init__(self, max_bytes: int) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_host_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes  # the cap on reserved bytes
         self._idle: dict[tuple[torch.device, bool, int], list[HostBuffer]] = (
             collections.defaultdict(list)
-        )
-        self._lru: dict[HostBuffer, None] = {}
-        self._lock = threading.Lock()
-        self.reserved_bytes = 0
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-        self._high_water = 0
+        )  # buffers not lent, by (device, pinned, size class)
+        self._lru: dict[HostBuffer, None] = {}  # the same buffers, least recently idle first
+        self.reserved_bytes = 0  # bytes of every buffer the pool holds, lent or idle
+        self.in_use_bytes = 0  # bytes of the buffers lent now
+        self.peak_in_use_bytes = 0  # the most in use since the manager's last reset_stats
+        self._high_water = 0  # the most ever in use: trim keeps twice as much
 
     def acquire(
         self, device: torch.device, nbytes: int, engine: CopyEngine
@@ -204,33 +203,31 @@ class HostPool:
         pin = engine.pin
         key = (device, pin, size_class(nbytes, pinned=pin))
         size = key[2]
-        with self._lock:
-            idle = self._idle.get(key) or self._larger_idle(key)
-            if idle:
-                buf = idle.pop()
-                del self._lru[buf]
-            else:
-                if not self._make_room(size):
-                    return Refusal.POOL_FULL
-                try:
-                    tensor = engine.host_buffer(device, size)
-                except RuntimeError:
-                    return Refusal.ALLOC_FAILED
-                buf = HostBuffer(tensor, key, engine)
-                self.reserved_bytes += size
-            in_use = self.in_use_bytes = self.in_use_bytes + buf.nbytes
-            if in_use > self.peak_in_use_bytes:  # the high water is never below the peak
-                self.peak_in_use_bytes = in_use
-                self._high_water = max(self._high_water, in_use)
-            return buf
+        idle = self._idle.get(key) or self._larger_idle(key)
+        if idle:
+            buf = idle.pop()
+            del self._lru[buf]
+        else:
+            if not self._make_room(size):
+                return Refusal.POOL_FULL
+            try:
+                tensor = engine.host_buffer(device, size)
+            except RuntimeError:
+                return Refusal.ALLOC_FAILED
+            buf = HostBuffer(tensor, key, engine)
+            self.reserved_bytes += size
+        in_use = self.in_use_bytes = self.in_use_bytes + buf.nbytes
+        if in_use > self.peak_in_use_bytes:  # the high water is never below the peak
+            self.peak_in_use_bytes = in_use
+            self._high_water = max(self._high_water, in_use)
+        return buf
 
     def release(self, buf: HostBuffer, last_use: tuple[Copy, ...]) -> None:
         """Back to the pool; the next offload into ``buf`` waits for ``last_use``."""
         buf.last_use = last_use
-        with self._lock:
-            self.in_use_bytes -= buf.nbytes
-            self._idle[buf.key].append(buf)
-            self._lru[buf] = None
+        self.in_use_bytes -= buf.nbytes
+        self._idle[buf.key].append(buf)
+        self._lru[buf] = None
 
     def _larger_idle(self, key: tuple[torch.device, bool, int]) -> list[HostBuffer] | None:
         """The idle buffers of the smallest larger class within ``REUSE_SLACK``."""
@@ -252,8 +249,7 @@ class HostPool:
         """At a step boundary: drop idle buffers until reserved bytes are within twice
         the most ever in use (a step of another shape left buffers no step uses)."""
         if self.reserved_bytes > 2 * self._high_water:
-            with self._lock:
-                self._trim(2 * self._high_water)
+            self._trim(2 * self._high_water)
 
     def _trim(self, limit: int) -> None:
         """Drop idle buffers, least recently used first, until reserved <= ``limit``."""
