@@ -57,6 +57,8 @@ __all__ = [
 class Copy(abc.ABC):
     """One asynchronous copy: an offload (device to host) or a load (host to device)."""
 
+    __slots__ = ()
+
     @abc.abstractmethod
     def done(self) -> bool: ...
 
@@ -310,37 +312,39 @@ class _Offload(Copy):
         raise TypeError("result() of an offload: an offload fills a host buffer")
 
 
-class _Load(Copy):
-    """A copy to device: its own mark (an unpack waits for its own copy only)."""
+class _Load(_Mark, Copy):
+    """A copy to device: its own mark (an unpack waits for its own copy only), so one
+    object per reload: its event goes back to the pool when the load dies."""
 
-    __slots__ = ("_lane", "_mark", "_out")
+    __slots__ = ("_lane", "_out")
 
-    def __init__(self, lane: _Lane, mark: _Mark, out: torch.Tensor) -> None:
+    def __init__(
+        self, lane: _Lane, event: Event, free: list[Event], seq: int, out: torch.Tensor
+    ) -> None:
+        self.event, self.free, self.seq = event, free, seq  # the mark's, set inline
         self._lane = lane
         """The device and streams the copy ran on."""
-        self._mark = mark
-        """Recorded on the reload stream right after the copy."""
         self._out = out
         """The destination, allocated on the stream current at issue."""
 
     def done(self) -> bool:
-        return self._lane.reloads.finished(self._mark)
+        return self._lane.reloads.finished(self)
 
     def synchronize(self) -> None:
-        self._lane.reloads.synchronize(self._mark)
+        self._lane.reloads.synchronize(self)
 
     def fence(self) -> None:
-        lane, mark = self._lane, self._mark
+        lane = self._lane
         stream = lane.device.current_stream()
-        if lane.loaded.get(stream, 0) < mark.seq:
-            stream.wait_event(mark.event)
-            lane.loaded[stream] = mark.seq
+        if lane.loaded.get(stream, 0) < self.seq:
+            stream.wait_event(self.event)
+            lane.loaded[stream] = self.seq
 
     def release_source(self) -> None:
         """A load holds no source: its host buffer is the pool's, which orders its reuse."""
 
     def result(self) -> torch.Tensor:
-        return self._lane.device.read(self._out, self._mark.event)
+        return self._lane.device.read(self._out, self.event)
 
 
 class AcceleratorCopyEngine(CopyEngine):
@@ -395,9 +399,9 @@ class AcceleratorCopyEngine(CopyEngine):
             lane.d2h_after_h2d = loaded
         for copy in after:
             # An earlier offload ran on d2h itself, in order; a reload needs a wait.
-            if type(copy) is _Load and copy._mark.seq > lane.d2h_after_h2d:
-                d2h.wait_event(copy._mark.event)
-                lane.d2h_after_h2d = copy._mark.seq
+            if type(copy) is _Load and copy.seq > lane.d2h_after_h2d:
+                d2h.wait_event(copy.event)
+                lane.d2h_after_h2d = copy.seq
         device.to_host(d2h, src, host)
         batch = lane.batch
         if batch is None:
@@ -430,7 +434,7 @@ class AcceleratorCopyEngine(CopyEngine):
             interface.to_device(h2d, host, dst)
             event = record(h2d, free.pop() if free else interface.new_event("reload"))
             progress.marks += 1
-            copies.append(_Load(lane, _Mark(event, free, progress.marks), dst))
+            copies.append(_Load(lane, event, free, progress.marks, dst))
         return copies
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:

@@ -63,7 +63,12 @@ class _Forward:
         """The forward its prev module ran last: the one this forward's backward prefetches."""
         self.protected: set[int] | None = None
         """Storages of the module's parameters and buffers, never swapped; found when the
-        first tensor is about to be swapped, so forwards that swap nothing pay nothing."""
+        first tensor that may share one is about to be swapped: one without autograd
+        history (a parameter or buffer, or what ``.detach()`` or ``.data`` made of one), a
+        view, or one changed in place (a buffer updated under grad). Others are this
+        step's activations, the usual case, and a forward that saves only them pays
+        nothing; one that a module also holds (a buffer assigned an activation) swaps as
+        any activation another reference keeps: counted as copied but not freed."""
         self.entries: dict[int, _Entry] = {}  # host copies, by storage key, in saving order
         self.pending: list[_Entry] = []
         """Entries whose device source is still held, in issue order: the module
@@ -228,9 +233,9 @@ class _ForwardOps:
                     raise _bad_decision(slot, decision)
                 return _Kept(t, fwd)
             protected = fwd.protected
-            if protected is None:
+            if protected is None and (t.grad_fn is None or t._base is not None or version):
                 protected = fwd.protected = _state_storages(slot.module)
-            if key in protected:
+            if protected is not None and key in protected:
                 return _Kept(t, fwd)
             entry = self._offload(fwd, local, storage)
             if entry is None:

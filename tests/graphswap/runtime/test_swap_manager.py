@@ -247,6 +247,32 @@ def test_parameters_are_never_swapped_whatever_the_policy() -> None:
     assert lin.weight.grad is not None
 
 
+class SavesState(torch.nn.Module):
+    """Saves its input and an activation, and beside them a parameter, a buffer, a
+    ``.detach()`` alias of the parameter and a view of the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64))
+        self.register_buffer("scale", torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x @ self.weight) * self.scale  # x, the weight; the buffer
+        out = (h @ self.weight.detach()) * self.scale.view(1, 64)  # the alias; the view
+        return out + h.exp()  # exp's output
+
+
+def test_buffers_and_aliases_of_the_state_are_never_swapped_whatever_the_policy() -> None:
+    module = SavesState()
+    manager = SwapManager()
+    swap_wrapper(module, manager=manager, policy=lambda t: CheckpointPolicy.MUST_SWAP)
+    x = torch.randn(8, 64, requires_grad=True)
+    module(x).sum().backward()
+    stats = manager.stats
+    assert (stats.offloaded_tensors, stats.offloaded_bytes) == (2, 2 * x.numel() * 4)
+    assert stats.reloaded_bytes == stats.offloaded_bytes
+
+
 class Gram(torch.nn.Module):
     """``h @ h.t()`` saves two aliases of one storage, ``h`` itself among them;
     ``h[:, 32:] * h[:, :32]`` saves only slices, so the storage is copied as bytes."""
