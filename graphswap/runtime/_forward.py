@@ -16,11 +16,7 @@ from typing import Any
 
 import torch
 
-from graphswap.runtime._engines import (
-    AcceleratorCopyEngine,
-    CopyEngine,
-    SimulatedAccelerator,
-)
+from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine, NoOpAccelerator
 from graphswap.runtime._handles import _Entry, _Kept, _Swapped
 from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer, Refusal
 from graphswap.runtime._slot import _bad_decision, _Slot
@@ -121,7 +117,7 @@ class _ForwardOps:
             if self._engine_override is not None:
                 engine = self._engine_override
             elif device.type == "cpu":
-                engine = SimulatedAccelerator(lag=0)
+                engine = NoOpAccelerator()  # nothing to order: tests ask for the simulator
             else:
                 engine = AcceleratorCopyEngine()
             self._engines[device.type] = engine

@@ -78,7 +78,8 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
     ``offload_lag`` forwards later begins (0: at the end of its own forward); the
     stream that produced the tensor waits for the copy there, the host never blocks.
     ``engine``: the copy engine (default: ``AcceleratorCopyEngine`` for accelerator
-    tensors, a ``SimulatedAccelerator(lag=0)`` for CPU tensors).
+    tensors, ``NoOpAccelerator`` for CPU tensors, where nothing needs ordering; pass a
+    ``SimulatedAccelerator`` to have every ordering hazard checked, as tests do).
 
     Every forward of a wrapped module is recorded on its own, linked to the forward
     its prev module ran last, so several forwards before one backward (gradient
@@ -99,8 +100,8 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         self.offload_lag = _check_int("offload_lag", offload_lag, 0)
         if engine is not None and not isinstance(engine, CopyEngine):
             raise ValueError(
-                f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine or"
-                f" SimulatedAccelerator), got {type(engine).__name__}"
+                f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine,"
+                f" NoOpAccelerator or SimulatedAccelerator), got {type(engine).__name__}"
             )
         self.keep_last = _check_bool("keep_last", keep_last)
         # Pinned host buffers the offloads copy into, capped at ``max_host_bytes``.

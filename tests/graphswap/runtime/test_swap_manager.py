@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.errors import SwapIntegrityError
+from graphswap.runtime import NoOpAccelerator, SimulatedAccelerator
 from graphswap.runtime._handles import _Swapped
 from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
 
@@ -420,3 +421,16 @@ def test_invalid_options_are_rejected() -> None:
         SwapManager(prefetch_depth=0)
     with pytest.raises(ValueError, match="max_host_bytes"):
         SwapManager(max_host_bytes=-1)
+
+
+@pytest.mark.parametrize("given", [None, SimulatedAccelerator(lag=2)], ids=["default", "given"])
+def test_cpu_tensors_get_the_no_op_device_unless_an_engine_is_given(given) -> None:
+    """On CPU nothing needs ordering: the default engine orders nothing and checks
+    nothing; tests that want every hazard checked pass the simulated device."""
+    lin = torch.nn.Linear(64, 64)
+    manager = SwapManager(engine=given)
+    swap_wrapper(lin, manager=manager, policy=swap_everything)
+    lin(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    [engine] = manager._engines.values()
+    assert engine is given if given is not None else type(engine) is NoOpAccelerator
+    assert manager.stats.offloaded_tensors == manager.stats.reloaded_tensors == 1
