@@ -148,7 +148,17 @@ class HostBuffer:
     """One pooled buffer, the copies that used it last, and its view last asked for:
     the same tensor shapes come back every step, so the view is made once."""
 
-    __slots__ = ("_dtype", "_shape", "_view", "engine", "key", "last_use", "nbytes", "tensor")
+    __slots__ = (
+        "_dtype",
+        "_shape",
+        "_view",
+        "engine",
+        "idle_since",
+        "key",
+        "last_use",
+        "nbytes",
+        "tensor",
+    )
 
     def __init__(
         self, tensor: torch.Tensor, key: tuple[torch.device, bool, int], engine: CopyEngine
@@ -158,6 +168,7 @@ class HostBuffer:
         self.nbytes = key[2]  # its size class
         self.engine = engine  # the engine that allocated it, told when it is dropped
         self.last_use: tuple[Copy, ...] = ()  # copies the next offload into it waits for
+        self.idle_since = 0  # the pool's release count when it came back: trim's order
         self._view = tensor
         self._dtype = tensor.dtype
         self._shape = tensor.shape
@@ -186,7 +197,7 @@ class HostPool:
         self._idle: dict[tuple[torch.device, bool, int], list[HostBuffer]] = (
             collections.defaultdict(list)
         )  # buffers not lent, by (device, pinned, size class)
-        self._lru: dict[HostBuffer, None] = {}  # the same buffers, least recently idle first
+        self._releases = 0  # buffers given back so far: their ``idle_since``
         self.reserved_bytes = 0  # bytes of every buffer the pool holds, lent or idle
         self.in_use_bytes = 0  # bytes of the buffers lent now
         self.peak_in_use_bytes = 0  # the most in use since the manager's last reset_stats
@@ -206,7 +217,6 @@ class HostPool:
         idle = self._idle.get(key) or self._larger_idle(key)
         if idle:
             buf = idle.pop()
-            del self._lru[buf]
         else:
             if not self._make_room(size):
                 return Refusal.POOL_FULL
@@ -225,9 +235,9 @@ class HostPool:
     def release(self, buf: HostBuffer, last_use: tuple[Copy, ...]) -> None:
         """Back to the pool; the next offload into ``buf`` waits for ``last_use``."""
         buf.last_use = last_use
+        buf.idle_since = self._releases = self._releases + 1
         self.in_use_bytes -= buf.nbytes
         self._idle[buf.key].append(buf)
-        self._lru[buf] = None
 
     def _larger_idle(self, key: tuple[torch.device, bool, int]) -> list[HostBuffer] | None:
         """The idle buffers of the smallest larger class within ``REUSE_SLACK``."""
@@ -252,10 +262,17 @@ class HostPool:
             self._trim(2 * self._high_water)
 
     def _trim(self, limit: int) -> None:
-        """Drop idle buffers, least recently used first, until reserved <= ``limit``."""
-        while self.reserved_bytes > limit and self._lru:
-            buf = next(iter(self._lru))
-            del self._lru[buf]
+        """Drop idle buffers, least recently used first, until reserved <= ``limit``.
+
+        The order is found here, off the hot path, rather than kept at every release."""
+        if self.reserved_bytes <= limit:
+            return
+        idle = sorted(
+            (buf for bufs in self._idle.values() for buf in bufs), key=lambda b: b.idle_since
+        )
+        for buf in idle:
+            if self.reserved_bytes <= limit:
+                return
             self._idle[buf.key].remove(buf)
             self.reserved_bytes -= buf.nbytes
             buf.engine.free_host_buffer(buf.key[0], buf.tensor)
