@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine, NoOpAccelerator
-from graphswap.runtime._handles import _Entry, _Kept, _Swapped
+from graphswap.runtime._handles import _Entry, _Kept, _Swapped, layout_in
 from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer, Refusal
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
@@ -237,9 +237,11 @@ class _ForwardOps:
             if entry is None:
                 return _Kept(t, fwd)
             entry.version = version
-        elif version != entry.version:
+            return _Swapped(fwd, entry, t, local, version, entry.first)
+        if version != entry.version:
             return self._keep_changed(fwd, t, entry)
-        return _Swapped(fwd, entry, t, local, version)
+        assert entry.host is not None  # a live handle's entry holds its host copy
+        return _Swapped(fwd, entry, t, local, version, layout_in(local, entry.host))
 
     def _keep_changed(self, fwd: _Forward, t: torch.Tensor, entry: _Entry) -> _Kept:
         """A storage saved again after an in-place change since its copy was issued: that
@@ -280,12 +282,18 @@ class _ForwardOps:
                 and local.is_contiguous()
             ):
                 src = local
-                host = buf.view(dtype, local.size(), nbytes)
+                size = local.size()
+                host = buf.view(dtype, size, nbytes)
+                stride = local.stride()  # a size-1 dimension may have any stride
+                first = None if stride == host.stride() else (0, dtype, size, stride)
             else:
                 src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
                 host = buf.view(torch.uint8, src.size(), nbytes)
+                first = layout_in(local, host)
             copy = engine.offload(src, host, buf.last_use)
-            entry = _Entry(self, fwd.slot.name, stats, device, engine, nbytes, buf, host, copy)
+            entry = _Entry(
+                self, fwd.slot.name, stats, device, engine, nbytes, buf, host, copy, first
+            )
             fwd.entries[storage._cdata] = entry
             fwd.pending.append(entry)
             if not fwd.queued:

@@ -45,6 +45,19 @@ def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapI
     )
 
 
+Layout = tuple[int, torch.dtype, torch.Size, tuple[int, ...]]
+"""A tensor's offset in its storage, dtype, size and stride."""
+
+
+def layout_in(local: torch.Tensor, host: torch.Tensor) -> Layout | None:
+    """``local``'s layout, None when it is laid out as ``host``, its storage's host copy."""
+    offset = local.storage_offset()
+    dtype, size, stride = local.dtype, local.size(), local.stride()
+    if offset == 0 and dtype is host.dtype and size == host.size() and stride == host.stride():
+        return None
+    return offset, dtype, size, stride
+
+
 _NO_BYTES: dict[torch.device, torch.Tensor] = {}
 """One empty tensor per device: what a swapped tensor's version alias holds instead of
 its bytes."""
@@ -86,6 +99,7 @@ class _Entry:
         "buf",
         "device",
         "engine",
+        "first",
         "gen",
         "held",
         "host",
@@ -113,6 +127,7 @@ class _Entry:
         buf: HostBuffer,
         host: torch.Tensor,
         offload: Copy,
+        first: Layout | None,
     ) -> None:
         self.manager = manager  # its lock and ``_release``: a handle's death settles there
         self.name = name  # the wrapped module's name, for trace events
@@ -123,6 +138,7 @@ class _Entry:
         self.buf: HostBuffer | None = buf  # the pool buffer; None: released, bytes gone
         self.host: torch.Tensor | None = host  # ``buf``'s view holding it; None: released
         self.offload = offload  # the device-to-host copy; its source is held until fenced
+        self.first = first  # the layout of the save that made it (``layout_in``), found then
         self.released = False  # the offload's source was dropped (``_release_source``)
         self.held: weakref.ref[torch.UntypedStorage] | None = None
         """The source, when another reference kept it on device after it was dropped:
@@ -156,16 +172,17 @@ class _Swapped:
     )
 
     def __init__(
-        self, fwd: _Forward, entry: _Entry, t: torch.Tensor, local: torch.Tensor, version: int
+        self,
+        fwd: _Forward,
+        entry: _Entry,
+        t: torch.Tensor,
+        local: torch.Tensor,
+        version: int,
+        layout: Layout | None,
     ) -> None:
         self.forward = fwd  # the forward that saved it: backward detection and error names
         self.entry = entry  # the host copy of its storage, shared with its aliases
-        offset = local.storage_offset()
-        dtype, size, stride = local.dtype, local.size(), local.stride()
-        host = entry.host
-        assert host is not None  # a live handle's entry holds its host copy
-        whole = offset == 0 and dtype is host.dtype and size == host.size()
-        self.layout = None if whole and stride == host.stride() else (offset, dtype, size, stride)
+        self.layout = layout
         """Where ``local`` starts in its storage, its dtype, size and stride; None when laid
         out as the entry's host copy, whose reload is then handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
