@@ -306,6 +306,8 @@ class _ForwardOps:
     def _prefetch(self, fwd: _Forward) -> None:
         """Reload ``fwd``'s swapped storages as one batch, first needed first: backward
         consumes them in reverse saving order, and each waits only for its own copy."""
+        if not fwd.entries:
+            return
         with self._lock:
             due = [
                 entry

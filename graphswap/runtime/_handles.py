@@ -74,12 +74,6 @@ class _Kept:
         self.version = t._version  # its version when saved: unpack compares
         self.forward = fwd  # the forward that saved it: backward detection and error names
 
-    def unpack(self) -> torch.Tensor:
-        now = self.alias._version
-        if now != self.version:
-            raise _integrity_error(self.forward.name, self.alias.size(), self.version, now)
-        return self.alias
-
 
 class _Entry:
     """One storage copied to host: shared by every handle that aliases it.
@@ -242,7 +236,11 @@ class _HandleOps:
             fwd.task = task
             self._backward_begins(fwd)
         if type(packed) is _Kept:
-            return packed.unpack()
+            alias = packed.alias
+            now = alias._version
+            if now != packed.version:
+                raise _integrity_error(fwd.name, alias.size(), packed.version, now)
+            return alias
         assert type(packed) is _Swapped
         now = packed.counter._version
         if now != packed.version:
