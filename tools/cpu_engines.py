@@ -75,12 +75,12 @@ def measure(layers: int, seq: int, batch: int, steps: int, warmup: int) -> dict[
                 model(input_ids=ids, labels=ids).loss.backward()
                 seconds = time.perf_counter() - start
                 if mode in managers:
-                    stats = managers[mode].stats
+                    # Wrapping starts each layer's counters at zero: this step's swaps.
+                    tensors = managers[mode].stats.offloaded_tensors
             if rep >= warmup:
                 times[mode].append(seconds)
             grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     medians = {mode: statistics.median(values) for mode, values in times.items()}
-    tensors = stats.offloaded_tensors // (warmup + steps)
     return {
         "median_step_s": medians,
         "swapped_tensors_per_step": tensors,

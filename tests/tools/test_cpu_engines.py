@@ -19,7 +19,7 @@ def cpu_engines(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_both_engines_swap_and_change_no_number(cpu_engines: ModuleType) -> None:
-    result = cpu_engines.measure(layers=2, seq=512, batch=2, steps=1, warmup=0)
+    result = cpu_engines.measure(layers=2, seq=512, batch=2, steps=2, warmup=1)
     assert result["swapped_tensors_per_step"] > 0
     assert set(result["median_step_s"]) == {"none", "noop", "sim"}
     assert set(result["us_per_swapped_tensor"]) == {"noop", "sim"}
