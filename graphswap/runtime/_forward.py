@@ -31,7 +31,6 @@ class _Forward:
         "__weakref__",
         "entries",
         "keep",
-        "pending",
         "prev",
         "protected",
         "queued",
@@ -66,9 +65,6 @@ class _Forward:
         nothing; one that a module also holds (a buffer assigned an activation) swaps as
         any activation another reference keeps: counted as copied but not freed."""
         self.entries: dict[int, _Entry] = {}  # host copies, by storage key, in saving order
-        self.pending: list[_Entry] = []
-        """Entries whose device source is still held, in issue order: the module
-        boundaries fence and release them as one batch per forward."""
         self.queued = False  # in the manager's in-flight queue (``_in_flight``)
         self.saves = 0
         """Pack calls so far in this forward (parameters and aliases too)."""
@@ -145,36 +141,28 @@ class _ForwardOps:
             return
         limit = seq - self.offload_lag
         with self._lock:
-            if queue[0][0] <= limit:
-                newest = None
-                for issued, ref in queue:
-                    if issued > limit:
-                        break
-                    newest = ref
-                fwd = newest()
-                if fwd is not None and fwd.pending:
-                    fwd.pending[-1].offload.fence()
-            while queue:
-                issued, ref = queue[0]
+            newest = None
+            for ref in queue:
                 fwd = ref()
+                if fwd is not None:
+                    if fwd.seq > limit:
+                        break
+                    newest = fwd
+            if newest is not None:
+                next(reversed(newest.entries.values())).offload.fence()
+            while queue:
+                fwd = queue[0]()
                 if fwd is not None:  # else its graph died, which released its sources
-                    due = issued <= limit
-                    pending = fwd.pending
-                    settled = 0
-                    for entry in pending:
+                    due = fwd.seq <= limit
+                    for entry in fwd.entries.values():  # in order of first save
                         if not entry.released:
                             offload = entry.offload
                             if due:
                                 offload.fence()  # ordered already, unless another producer
                             elif not offload.done():
-                                break
+                                return  # it and all after it stay until a later boundary
                             entry.released = True
                             entry.held = offload.release_source()
-                        settled += 1
-                    if settled < len(pending):
-                        del pending[:settled]
-                        break
-                    pending.clear()
                     fwd.queued = False
                 queue.popleft()
 
@@ -229,7 +217,7 @@ class _ForwardOps:
                     raise _bad_decision(slot, decision)
                 return _Kept(t, fwd)
             protected = fwd.protected
-            if protected is None and (t.grad_fn is None or t._base is not None or version):
+            if protected is None and (t.is_leaf or t._base is not None or version):
                 protected = fwd.protected = _state_storages(slot.module)
             if protected is not None and key in protected:
                 return _Kept(t, fwd)
@@ -295,10 +283,9 @@ class _ForwardOps:
                 self, fwd.slot.name, stats, device, engine, nbytes, buf, host, copy, first
             )
             fwd.entries[storage._cdata] = entry
-            fwd.pending.append(entry)
             if not fwd.queued:
                 fwd.queued = True
-                self._in_flight.append((fwd.seq, weakref.ref(fwd)))
+                self._in_flight.append(weakref.ref(fwd))  # ``_latest``'s: no new object
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
         return entry

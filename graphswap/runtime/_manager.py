@@ -121,9 +121,9 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}  # links: earlier -> later
         # The forward each module ran last: the ``prev`` of its next module's next forward.
         self._latest: dict[torch.nn.Module, weakref.ref[_Forward]] = {}
-        self._in_flight: collections.deque[tuple[int, weakref.ref[_Forward]]] = collections.deque()
-        """Forwards with offloads whose source may still be held (``_Forward.pending``),
-        in the order of their first offload, with their ``seq`` (dead once its graph died,
+        self._in_flight: collections.deque[weakref.ref[_Forward]] = collections.deque()
+        """Forwards with offloads whose source may still be held (an entry not
+        ``released``), in the order of their first offload (dead once its graph died,
         which released the sources)."""
         self._capturing = False
         """What the capture query of the last module boundary answered: every call
@@ -285,15 +285,15 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
     def synchronize(self) -> None:
         """Block until every offload in flight completed, and free their sources."""
         with self._lock:
-            forwards = [ref() for _, ref in self._in_flight]
+            forwards = [ref() for ref in self._in_flight]
             self._in_flight.clear()
             for fwd in forwards:
                 if fwd is None:
                     continue
-                for entry in fwd.pending:
-                    entry.offload.synchronize()
-                    self._release_source(entry)
-                fwd.pending.clear()
+                for entry in fwd.entries.values():
+                    if not entry.released:
+                        entry.offload.synchronize()
+                        self._release_source(entry)
                 fwd.queued = False
 
     def run_forward(
