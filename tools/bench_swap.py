@@ -38,7 +38,14 @@ from typing import Any
 import torch
 from bench_report import targets, to_markdown
 from swap_modes import ATTENTION, AUTO, LAYER, MODES, NONE, Mode
-from swap_overhead import OverheadConfig, calls_line, measure_overhead, target_line
+from swap_overhead import (
+    OverheadConfig,
+    bookkeeping_line,
+    calls_line,
+    measure_overhead,
+    overhead_table,
+    target_line,
+)
 
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 
@@ -654,7 +661,9 @@ def _main_overhead(args: argparse.Namespace, device: torch.device, stem: Path, d
         write_whole(path, json.dumps(head | result, indent=2) + "\n")
 
     result = measure_overhead(config, device, on_round=save)
+    print(overhead_table(result))
     print(target_line(result))
+    print(bookkeeping_line(result))
     print(calls_line(result))
     print(f"wrote {stem}.json")
     return 0

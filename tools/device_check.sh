@@ -138,7 +138,11 @@ expected = {
         "overhead_vs_save_on_cpu",
         "prediction",
     ),
-    "overhead.log": ("host_overhead_per_swapped_tensor", "accelerator_calls_per_swapped_tensor"),
+    "overhead.log": (
+        "host_overhead_per_swapped_tensor",
+        "host_bookkeeping_per_swapped_tensor",
+        "accelerator_calls_per_swapped_tensor",
+    ),
     "attention.log": ("attention_efficiency",),
 }
 for log, names in expected.items():

@@ -4,6 +4,7 @@ from graphswap.runtime._engines import (
     AcceleratorCopyEngine,
     CopyEngine,
     HazardError,
+    NoOpAccelerator,
     SimulatedAccelerator,
 )
 from graphswap.runtime._manager import SwapManager
@@ -23,6 +24,7 @@ __all__ = [
     "GroupInfo",
     "GroupStats",
     "HazardError",
+    "NoOpAccelerator",
     "SimulatedAccelerator",
     "SwapManager",
     "SwapStats",

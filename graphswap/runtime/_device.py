@@ -8,7 +8,8 @@ copy read. Waits and queries are made through the methods ``torch.Stream`` and
 them directly; everything else goes through a :class:`Device`. :class:`TorchDevice`
 is torch's accelerator API; the simulated device (``graphswap.runtime._simdevice``)
 is the same interface on CPU, with every ordering hazard checked, so the engine a GPU
-runs is the engine CI runs.
+runs is the engine CI runs; :class:`NoOpDevice` is the interface with nothing to
+order: each copy is done when its call returns, so streams, events and waits are no-ops.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class Device(abc.ABC):
         """A device tensor allocated on the current stream (the caching allocator's pool
         of that stream)."""
 
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        """``empty`` of ``host``'s shape and dtype: a reload's destination. A device may
+        make it in one call (``torch.empty`` parses a shape and three keywords)."""
+        return self.empty(host.shape, host.dtype)
+
     @abc.abstractmethod
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes`` bytes for copies to and from this device."""
@@ -145,6 +151,9 @@ class TorchDevice(Device):
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(host, device=self.device)
+
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -155,6 +164,99 @@ class TorchDevice(Device):
 
     def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
         """The engine orders the drop (a completed query or a fence); nothing to add."""
+
+    def read(self, dst: torch.Tensor, event: Event) -> torch.Tensor:
+        return dst
+
+
+class _NoOpEvent:
+    """An event of :class:`NoOpDevice`: every copy before it is done already."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing is in flight."""
+
+
+_EVENT = _NoOpEvent()
+"""The one event: recording it again changes nothing."""
+
+
+class _NoOpStream:
+    """A stream of :class:`NoOpDevice`: its work runs on the host, in call order."""
+
+    __slots__ = ()
+
+    def wait_event(self, event: Any) -> None:
+        """Whatever the event ends is done already."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Whatever the stream queued is done already."""
+
+    def record_event(self) -> Any:
+        return _EVENT
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_STREAM = _NoOpStream()
+"""The one stream: compute's and both copy streams'."""
+
+
+class NoOpDevice(Device):
+    """A device on which every copy is a plain ``copy_`` done when its call returns, so
+    nothing needs ordering: streams, events and waits are no-ops and cost a call each.
+
+    What a CPU run needs (its tensors and the host are one memory), and what measures
+    the engine's and the manager's own host time, without a simulator's bookkeeping.
+    Correct on any device torch copies synchronously to and from, but it overlaps nothing.
+    """
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        """Where ``empty`` allocates reloads."""
+
+    def current_stream(self) -> Stream:
+        return _STREAM
+
+    def new_stream(self, role: str) -> Stream:
+        return _STREAM
+
+    def new_event(self, role: str) -> Event:
+        return _EVENT
+
+    def record(self, stream: Stream, event: Event) -> Event:
+        return event
+
+    def to_host(self, stream: Stream, src: torch.Tensor, host: torch.Tensor) -> None:
+        host.copy_(src)
+
+    def to_device(self, stream: Stream, host: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(host)
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(host, device=self.device)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def host_free(self, host: torch.Tensor) -> None:
+        """The buffer goes back to the allocator with its last reference."""
+
+    def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
+        """The copy that read the storage is done already."""
 
     def read(self, dst: torch.Tensor, event: Event) -> torch.Tensor:
         return dst

@@ -17,7 +17,9 @@ of those calls is what keeps memory correct:
 ``SimulatedAccelerator`` is the same engine over a simulated device on CPU tensors
 that lags a chosen number of module boundaries behind the host, turns every call in
 the wrong order into a ``HazardError``, and, given a device profile, keeps a clock:
-the CPU test suite runs the engine a GPU runs (invariant I11).
+the CPU test suite runs the engine a GPU runs (invariant I11). ``NoOpAccelerator`` is
+the same engine over a device whose copies are done when issued (``NoOpDevice``): no
+hazard to check, nothing to simulate, the engine's own host time only.
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphswap.runtime._device import Device, Event, HazardError, Stream, TorchDevice
+from graphswap.runtime._device import (
+    Device,
+    Event,
+    HazardError,
+    NoOpDevice,
+    Stream,
+    TorchDevice,
+)
 from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
 from graphswap.runtime._tape import step_labels
 from graphswap.runtime.profile import DeviceProfile, device_profile
@@ -40,12 +49,15 @@ __all__ = [
     "Copy",
     "CopyEngine",
     "HazardError",
+    "NoOpAccelerator",
     "SimulatedAccelerator",
 ]
 
 
 class Copy(abc.ABC):
     """One asynchronous copy: an offload (device to host) or a load (host to device)."""
+
+    __slots__ = ()
 
     @abc.abstractmethod
     def done(self) -> bool: ...
@@ -57,10 +69,10 @@ class Copy(abc.ABC):
     def synchronize(self) -> None: ...
 
     @abc.abstractmethod
-    def release_source(self) -> StorageWeakRef | None:
+    def release_source(self) -> weakref.ref[torch.UntypedStorage] | None:
         """Drop the offload's reference to its device source. None when that frees it (or
         there is none); else a weak reference to the source, which another reference
-        still keeps on device."""
+        still keeps on device (a storage's Python object lives as long as the storage)."""
 
     @abc.abstractmethod
     def result(self) -> torch.Tensor:
@@ -250,13 +262,6 @@ class _Batch:
     def synchronize(self) -> None:
         self.lane.offloads.synchronize(self.sealed())
 
-    def fence(self, stream: Stream) -> None:
-        mark = self.sealed()
-        lane = self.lane
-        if lane.fenced.get(stream, 0) < mark.seq and lane.offloads.done < mark.seq:
-            stream.wait_event(mark.event)
-            lane.fenced[stream] = mark.seq
-
 
 class _Offload(Copy):
     """A copy to host: its batch, the stream that produced the source, and the source."""
@@ -273,61 +278,73 @@ class _Offload(Copy):
         """The source's device memory, held until ``release_source``."""
 
     def done(self) -> bool:
-        return self._batch.done()
+        batch = self._batch
+        mark = batch.mark
+        if mark is not None and batch.lane.offloads.done >= mark.seq:
+            return True  # the host saw its batch, or a later one, completed
+        return batch.done()
 
     def synchronize(self) -> None:
         self._batch.synchronize()
 
     def fence(self) -> None:
-        self._batch.fence(self._producer)
+        batch = self._batch
+        mark = batch.mark or batch.sealed()
+        lane = batch.lane
+        producer = self._producer
+        if lane.fenced.get(producer, 0) < mark.seq and lane.offloads.done < mark.seq:
+            producer.wait_event(mark.event)
+            lane.fenced[producer] = mark.seq
 
-    def release_source(self) -> StorageWeakRef | None:
+    def release_source(self) -> weakref.ref[torch.UntypedStorage] | None:
         hold = self._hold
         if hold is None:
             return None
         self._hold = None
         batch = self._batch
-        batch.lane.device.drop(hold, batch.sealed().event)
+        batch.lane.device.drop(hold, (batch.mark or batch.sealed()).event)
         # This reference and another: the bytes stay on device whatever the swap does.
         if torch._C._storage_Use_Count(hold._cdata) > 1:
-            return StorageWeakRef(hold)
+            return weakref.ref(hold)
         return None
 
     def result(self) -> torch.Tensor:
         raise TypeError("result() of an offload: an offload fills a host buffer")
 
 
-class _Load(Copy):
-    """A copy to device: its own mark (an unpack waits for its own copy only)."""
+class _Load(_Mark, Copy):
+    """A copy to device: its own mark (an unpack waits for its own copy only), so one
+    object per reload: its event goes back to the pool when the load dies."""
 
-    __slots__ = ("_lane", "_mark", "_out")
+    __slots__ = ("_lane", "_out")
 
-    def __init__(self, lane: _Lane, mark: _Mark, out: torch.Tensor) -> None:
+    def __init__(
+        self, lane: _Lane, event: Event, free: list[Event], seq: int, out: torch.Tensor
+    ) -> None:
+        self.event, self.free, self.seq = event, free, seq  # the mark's, set inline
         self._lane = lane
         """The device and streams the copy ran on."""
-        self._mark = mark
-        """Recorded on the reload stream right after the copy."""
         self._out = out
         """The destination, allocated on the stream current at issue."""
 
     def done(self) -> bool:
-        return self._lane.reloads.finished(self._mark)
+        return self._lane.reloads.finished(self)
 
     def synchronize(self) -> None:
-        self._lane.reloads.synchronize(self._mark)
+        self._lane.reloads.synchronize(self)
 
     def fence(self) -> None:
-        lane, mark = self._lane, self._mark
+        lane = self._lane
         stream = lane.device.current_stream()
-        if lane.loaded.get(stream, 0) < mark.seq:
-            stream.wait_event(mark.event)
-            lane.loaded[stream] = mark.seq
+        if lane.loaded.get(stream, 0) < self.seq:
+            stream.wait_event(self.event)
+            lane.loaded[stream] = self.seq
 
     def release_source(self) -> None:
         """A load holds no source: its host buffer is the pool's, which orders its reuse."""
 
     def result(self) -> torch.Tensor:
-        return self._lane.device.read(self._out, self._mark.event)
+        return self._lane.device.read(self._out, self.event)
 
 
 class AcceleratorCopyEngine(CopyEngine):
@@ -368,17 +385,23 @@ class AcceleratorCopyEngine(CopyEngine):
         return lane
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
-        lane = self._lanes.get(src.device) or self._lane(src.device)
+        where = src.device
+        lane = self._lanes.get(where) or self._lane(where)
         device = lane.device
         producer = device.current_stream()
         d2h = lane.d2h
-        lane.follow(d2h, producer, "offload")
-        lane.d2h_after_h2d = max(lane.d2h_after_h2d, lane.loaded.get(producer, 0))
+        free = lane.offload_events
+        event = free.pop() if free else device.new_event("offload")
+        d2h.wait_event(device.record(producer, event))  # the copy reads what is queued there
+        free.append(event)
+        loaded = lane.loaded.get(producer, 0)
+        if loaded > lane.d2h_after_h2d:
+            lane.d2h_after_h2d = loaded
         for copy in after:
             # An earlier offload ran on d2h itself, in order; a reload needs a wait.
-            if type(copy) is _Load and copy._mark.seq > lane.d2h_after_h2d:
-                d2h.wait_event(copy._mark.event)
-                lane.d2h_after_h2d = copy._mark.seq
+            if type(copy) is _Load and copy.seq > lane.d2h_after_h2d:
+                d2h.wait_event(copy.event)
+                lane.d2h_after_h2d = copy.seq
         device.to_host(d2h, src, host)
         batch = lane.batch
         if batch is None:
@@ -390,22 +413,28 @@ class AcceleratorCopyEngine(CopyEngine):
     ) -> list[Copy]:
         lane = self._lanes.get(device) or self._lane(device)
         interface = lane.device
-        dsts = [interface.empty(host.shape, host.dtype) for host, _ in items]
+        empty_like = interface.empty_like
+        dsts = [empty_like(host) for host, _ in items]
         h2d = lane.h2d
         current = interface.current_stream()
         lane.follow(h2d, current, "reload")
-        lane.h2d_after_d2h = max(lane.h2d_after_d2h, lane.fenced.get(current, 0))
+        fenced = lane.fenced.get(current, 0)
+        if fenced > lane.h2d_after_d2h:
+            lane.h2d_after_d2h = fenced
+        free, progress, record = lane.reload_events, lane.reloads, interface.record
         copies: list[Copy] = []
         for (host, after), dst in zip(items, dsts, strict=True):
             for copy in after:
                 if type(copy) is _Offload:
-                    mark = copy._batch.sealed()
+                    batch = copy._batch
+                    mark = batch.mark or batch.sealed()
                     if mark.seq > lane.h2d_after_d2h:
                         h2d.wait_event(mark.event)
                         lane.h2d_after_d2h = mark.seq
             interface.to_device(h2d, host, dst)
-            event = interface.record(h2d, lane.event(lane.reload_events, "reload"))
-            copies.append(_Load(lane, lane.reloads.mark(event, lane.reload_events), dst))
+            event = record(h2d, free.pop() if free else interface.new_event("reload"))
+            progress.marks += 1
+            copies.append(_Load(lane, event, free, progress.marks, dst))
         return copies
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
@@ -416,10 +445,29 @@ class AcceleratorCopyEngine(CopyEngine):
 
     def tick(self) -> None:
         for lane in self._lanes.values():
-            lane.seal()
+            if lane.batch is not None:
+                lane.seal()
 
     def capturing(self) -> bool:
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class NoOpAccelerator(AcceleratorCopyEngine):
+    """The accelerator engine over :class:`NoOpDevice`: each copy a plain ``copy_`` done
+    when it is issued, streams, events and waits no-ops, host buffers not pinned.
+
+    For a run on CPU, where there is nothing to overlap and no ordering to get wrong:
+    the engine's whole protocol runs, no hazard is checked and no call counted. Tests
+    and clocked runs want ``SimulatedAccelerator`` instead.
+    """
+
+    pin = False
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return NoOpAccelerator, ()
+
+    def _open(self, device: torch.device) -> Device:
+        return NoOpDevice(device)
 
 
 class SimulatedAccelerator(AcceleratorCopyEngine):

@@ -10,19 +10,14 @@ backward begins, issue reloads, and free the source and the host buffer at the e
 
 from __future__ import annotations
 
-import collections
 import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from graphswap.runtime._engines import (
-    AcceleratorCopyEngine,
-    CopyEngine,
-    SimulatedAccelerator,
-)
-from graphswap.runtime._handles import Layout, _Entry, _Kept, _Swapped
+from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine, NoOpAccelerator
+from graphswap.runtime._handles import _Entry, _Kept, _Swapped, layout_in
 from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer, Refusal
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
@@ -38,6 +33,7 @@ class _Forward:
         "keep",
         "prev",
         "protected",
+        "queued",
         "saves",
         "seq",
         "slot",
@@ -62,17 +58,18 @@ class _Forward:
         """The forward its prev module ran last: the one this forward's backward prefetches."""
         self.protected: set[int] | None = None
         """Storages of the module's parameters and buffers, never swapped; found when the
-        first tensor is about to be swapped, so forwards that swap nothing pay nothing."""
+        first tensor that may share one is about to be swapped: one without autograd
+        history (a parameter or buffer, or what ``.detach()`` or ``.data`` made of one), a
+        view, or one changed in place (a buffer updated under grad). Others are this
+        step's activations, the usual case, and a forward that saves only them pays
+        nothing; one that a module also holds (a buffer assigned an activation) swaps as
+        any activation another reference keeps: counted as copied but not freed."""
         self.entries: dict[int, _Entry] = {}  # host copies, by storage key, in saving order
+        self.queued = False  # in the manager's in-flight queue (``_in_flight``)
         self.saves = 0
         """Pack calls so far in this forward (parameters and aliases too)."""
         self.task = -1
         """The autograd graph task whose backward reached this forward last (-1: none)."""
-
-    def is_protected(self, key: int) -> bool:
-        if self.protected is None:
-            self.protected = _state_storages(self.slot.module)
-        return key in self.protected
 
     @property
     def name(self) -> str:
@@ -116,7 +113,7 @@ class _ForwardOps:
             if self._engine_override is not None:
                 engine = self._engine_override
             elif device.type == "cpu":
-                engine = SimulatedAccelerator(lag=0)
+                engine = NoOpAccelerator()  # nothing to order: tests ask for the simulator
             else:
                 engine = AcceleratorCopyEngine()
             self._engines[device.type] = engine
@@ -132,48 +129,55 @@ class _ForwardOps:
         engines = self._engines.values()
         capturing = False
         for engine in engines:
-            capturing = engine.capturing() or capturing
+            if engine.capturing():  # every engine is asked: one query each per boundary
+                capturing = True
         self._capturing = capturing
         if capturing:
             return
         for engine in engines:
             engine.tick()
+        queue = self._in_flight
+        if not queue:
+            return
         limit = seq - self.offload_lag
         with self._lock:
-            for queue in self._in_flight.values():
-                due = 0
-                for issued, _, _ in queue:
-                    if issued > limit:
+            newest = None
+            for ref in queue:
+                fwd = ref()
+                if fwd is not None:
+                    if fwd.seq > limit:
                         break
-                    due += 1
-                if due:
-                    queue[due - 1][1].fence()
-                while queue:
-                    issued, copy, ref = queue[0]
-                    if issued <= limit:
-                        copy.fence()  # ordered already, unless it had another producer
-                    elif not copy.done():
-                        break
-                    queue.popleft()
-                    entry = ref()
-                    if entry is not None:  # else its graph died and released it
-                        self._release_source(entry)
+                    newest = fwd
+            if newest is not None:
+                next(reversed(newest.entries.values())).offload.fence()
+            while queue:
+                fwd = queue[0]()
+                if fwd is not None:  # else its graph died, which released its sources
+                    due = fwd.seq <= limit
+                    for entry in fwd.entries.values():  # in order of first save
+                        if not entry.released:
+                            offload = entry.offload
+                            if due:
+                                offload.fence()  # ordered already, unless another producer
+                            elif not offload.done():
+                                return  # it and all after it stay until a later boundary
+                            entry.released = True
+                            entry.held = offload.release_source()
+                    fwd.queued = False
+                queue.popleft()
 
     def _release_source(self, entry: _Entry) -> None:
         """Drop the offload's device source (ordered already); one that another reference
-        keeps on device is watched until its reload: see ``_settle_held``."""
+        keeps on device is watched until its reload (``_Entry.held``)."""
         if entry.released:
             return
         entry.released = True
         entry.held = entry.offload.release_source()
 
-    def _settle_held(self, entry: _Entry) -> None:
-        """The reload of ``entry`` is issued or its graph died: if another reference kept
-        its source on device all along, count it as copied but not freed, and warn once."""
-        held = entry.held
-        entry.held = None
-        if held is None or held.expired():
-            return
+    def _not_freed(self, entry: _Entry) -> None:
+        """Another reference kept ``entry``'s source on device from its release until its
+        reload was issued or its graph died (``_Entry.held``): count it as copied but not
+        freed, and warn once."""
         entry.stats.offloaded_not_freed_bytes += entry.nbytes
         if not self._warned_not_freed:
             self._warned_not_freed = True
@@ -195,36 +199,37 @@ class _ForwardOps:
         fwd.saves = index + 1
         local = t if type(t) is torch.Tensor else local_tensor(t)
         if (
-            type(local) is torch.Tensor
-            and local.layout is torch.strided
-            and not local.is_meta
-            and not is_parameter_like(t)
+            type(local) is not torch.Tensor
+            or local.layout is not torch.strided
+            or local.is_meta
+            or is_parameter_like(t)
         ):
-            storage = local.untyped_storage()
-            key = storage._cdata
-            entry = fwd.entries.get(key)
-            if entry is not None and entry.buf is None:
-                entry = None  # every handle of its copy died: its host buffer went back
-            version = t._version
+            return _Kept(t, fwd)
+        storage = local.untyped_storage()
+        key = storage._cdata
+        version = t._version
+        entry = fwd.entries.get(key)
+        if entry is None or entry.buf is None:  # none, or every handle of its copy died
+            slot = fwd.slot
+            decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
+            if decision is not CheckpointPolicy.MUST_SWAP:
+                if decision is not CheckpointPolicy.MUST_SAVE:
+                    raise _bad_decision(slot, decision)
+                return _Kept(t, fwd)
+            protected = fwd.protected
+            if protected is None and (t.is_leaf or t._base is not None or version):
+                protected = fwd.protected = _state_storages(slot.module)
+            if protected is not None and key in protected:
+                return _Kept(t, fwd)
+            entry = self._offload(fwd, local, storage)
             if entry is None:
-                slot = fwd.slot
-                decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
-                if decision is not CheckpointPolicy.MUST_SWAP:
-                    if decision is not CheckpointPolicy.MUST_SAVE:
-                        raise _bad_decision(slot, decision)
-                    return _Kept(t, fwd)
-                if fwd.is_protected(key):
-                    return _Kept(t, fwd)
-            elif version != entry.version:
-                return self._keep_changed(fwd, t, entry)
-            layout = (local.dtype, local.size(), local.stride())
-            if entry is None:
-                entry = self._offload(fwd, local, storage, layout)
-                if entry is None:
-                    return _Kept(t, fwd)
-                entry.version = version
-            return _Swapped(fwd, entry, t, local, layout, version)
-        return _Kept(t, fwd)
+                return _Kept(t, fwd)
+            entry.version = version
+            return _Swapped(fwd, entry, t, local, version, entry.first)
+        if version != entry.version:
+            return self._keep_changed(fwd, t, entry)
+        assert entry.host is not None  # a live handle's entry holds its host copy
+        return _Swapped(fwd, entry, t, local, version, layout_in(local, entry.host))
 
     def _keep_changed(self, fwd: _Forward, t: torch.Tensor, entry: _Entry) -> _Kept:
         """A storage saved again after an in-place change since its copy was issued: that
@@ -237,49 +242,50 @@ class _ForwardOps:
         return _Kept(t, fwd)
 
     def _offload(
-        self, fwd: _Forward, local: torch.Tensor, storage: torch.UntypedStorage, layout: Layout
+        self, fwd: _Forward, local: torch.Tensor, storage: torch.UntypedStorage
     ) -> _Entry | None:
         nbytes = storage.nbytes()
         device = local.device
         engine = self._device_engines.get(device) or self._first_engine(device)
-        reason: str | None = None
-        buf: HostBuffer | Refusal | None = None
-        if fwd.keep:
-            reason = "kept_last_layer"
-        elif self._capturing:
-            reason = "kept_capturing"
-        else:
-            buf = self._pool.acquire(device, nbytes, engine)
-            if isinstance(buf, Refusal):
-                reason = buf.value
         stats = fwd.stats
-        if reason is not None or not isinstance(buf, HostBuffer):
-            with self._lock:
+        with self._lock:  # one acquisition: the pool, the copy's issue and its records
+            if fwd.keep:
+                reason = "kept_last_layer"
+            elif self._capturing:
+                reason = "kept_capturing"
+            else:
+                buf = self._pool.acquire(device, nbytes, engine)
+                reason = buf.value if type(buf) is Refusal else None
+            if reason is not None:
                 stats.kept_tensors += 1
                 stats.kept_bytes += nbytes
                 setattr(stats, reason, getattr(stats, reason) + 1)
-            return None
-        if (
-            local.dtype in TYPED_VIEWS
-            and local.storage_offset() == 0
-            and local.nbytes == nbytes
-            and local.is_contiguous()
-        ):
-            src = local
-            host = buf.view(layout[0], layout[1], nbytes)
-            layout = (layout[0], layout[1], host.stride())
-        else:
-            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            host = buf.view(torch.uint8, src.shape, nbytes)
-            layout = (torch.uint8, src.shape, (1,))
-        copy = engine.offload(src, host, buf.last_use)
-        entry = _Entry(self, fwd.slot.name, stats, device, engine, nbytes, buf, host, layout, copy)
-        fwd.entries[storage._cdata] = entry
-        with self._lock:
-            queue = self._in_flight.get(device)
-            if queue is None:
-                queue = self._in_flight[device] = collections.deque()
-            queue.append((fwd.seq, copy, weakref.ref(entry)))
+                return None
+            assert type(buf) is HostBuffer
+            dtype = local.dtype
+            if (
+                dtype in TYPED_VIEWS
+                and local.storage_offset() == 0
+                and local.nbytes == nbytes
+                and local.is_contiguous()
+            ):
+                src = local
+                size = local.size()
+                host = buf.view(dtype, size, nbytes)
+                stride = local.stride()  # a size-1 dimension may have any stride
+                first = None if stride == host.stride() else (0, dtype, size, stride)
+            else:
+                src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+                host = buf.view(torch.uint8, src.size(), nbytes)
+                first = layout_in(local, host)
+            copy = engine.offload(src, host, buf.last_use)
+            entry = _Entry(
+                self, fwd.slot.name, stats, device, engine, nbytes, buf, host, copy, first
+            )
+            fwd.entries[storage._cdata] = entry
+            if not fwd.queued:
+                fwd.queued = True
+                self._in_flight.append(weakref.ref(fwd))  # ``_latest``'s: no new object
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
         return entry
@@ -287,35 +293,39 @@ class _ForwardOps:
     def _prefetch(self, fwd: _Forward) -> None:
         """Reload ``fwd``'s swapped storages as one batch, first needed first: backward
         consumes them in reverse saving order, and each waits only for its own copy."""
+        if not fwd.entries:
+            return
         with self._lock:
             due = [
                 entry
                 for entry in reversed(fwd.entries.values())
                 if entry.load is None and entry.buf is not None and entry.refs
             ]
-            if not due:
-                return
-            self._load(due)
-            for entry in due:
-                entry.prefetched = True
+            if due:
+                self._load(due, prefetched=True)
 
-    def _load(self, entries: list[_Entry]) -> None:
+    def _load(self, entries: list[_Entry], *, prefetched: bool) -> None:
         """Issue the reloads of ``entries`` (per device, one batch) for the live handles
-        that have not consumed one."""
-        batches: dict[tuple[CopyEngine, torch.device], list[_Entry]] = {}
-        for entry in entries:
-            batches.setdefault((entry.engine, entry.device), []).append(entry)
-        for (engine, device), batch in batches.items():
-            loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])
-            for entry, load in zip(batch, loads, strict=True):
-                entry.load = load
-                entry.gen += 1
-                entry.waiting = entry.refs
-                entry.prefetched = False
-                entry.stats.reloaded_tensors += 1
-                entry.stats.reloaded_bytes += entry.nbytes
-                if entry.held is not None:
-                    self._settle_held(entry)
+        that have not consumed one; ``prefetched``: ahead of their first unpack."""
+        first = entries[0]
+        engine, device = first.engine, first.device
+        batch = [entry for entry in entries if entry.engine is engine and entry.device == device]
+        if len(batch) < len(entries):  # several devices: one batch each
+            self._load([entry for entry in entries if entry not in batch], prefetched=prefetched)
+        loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])
+        for entry, load in zip(batch, loads, strict=True):
+            entry.load = load
+            entry.gen += 1
+            entry.waiting = entry.refs
+            entry.prefetched = prefetched
+            stats = entry.stats
+            stats.reloaded_tensors += 1
+            stats.reloaded_bytes += entry.nbytes
+            held = entry.held
+            if held is not None:
+                entry.held = None
+                if held() is not None:
+                    self._not_freed(entry)
 
     def _release(self, entry: _Entry) -> None:
         """The last handle died: free the source once ordered, pool the host buffer.
@@ -324,19 +334,26 @@ class _ForwardOps:
         copy still in flight, compute for a reload, and the next offload into the
         buffer waits for its last users.
         """
-        buf, entry.buf = entry.buf, None
+        buf = entry.buf
         if buf is None:
             return
-        entry.host = None
-        last_use = (entry.offload,) if entry.load is None else (entry.offload, entry.load)
+        entry.buf = entry.host = None
+        offload, load = entry.offload, entry.load
         if not self._capturing:
             if not entry.released:
-                if not entry.offload.done():
-                    entry.offload.fence()
-                self._release_source(entry)
-            if entry.load is not None:
-                entry.load.fence()
-        if entry.held is not None:
-            self._settle_held(entry)
-        entry.load = None
-        self._pool.release(buf, last_use)
+                if not offload.done():
+                    offload.fence()
+                entry.released = True
+                entry.held = offload.release_source()
+            if load is not None:
+                load.fence()
+        held = entry.held
+        if held is not None:
+            entry.held = None
+            if held() is not None:
+                self._not_freed(entry)
+        if load is None:
+            self._pool.release(buf, (offload,))
+        else:
+            entry.load = None
+            self._pool.release(buf, (offload, load))

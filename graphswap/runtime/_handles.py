@@ -2,8 +2,9 @@
 
 One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
 handles (``_Kept``, ``_Swapped``), the host copy of one storage they share
-(``_Entry``), the in-place check and its ``SwapIntegrityError``, and the manager's
-unpack hook and handle-death path (``_HandleOps``, a base of ``SwapManager``).
+(``_Entry``), the in-place check and its ``SwapIntegrityError``, a handle's death
+(``_Swapped.__del__``), and the manager's unpack hook (``_HandleOps``, a base of
+``SwapManager``).
 
 Lifetimes follow autograd's own. Whatever the pack hook keeps or swaps, it hands
 autograd a small handle that never refers to the tensor object it was given (that
@@ -21,10 +22,10 @@ that reads changed bytes is always caught.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap.errors import SwapIntegrityError
 from graphswap.runtime._engines import Copy, CopyEngine
@@ -36,10 +37,6 @@ if TYPE_CHECKING:
     from graphswap.runtime._manager import SwapManager
 
 
-Layout = tuple[torch.dtype, torch.Size, tuple[int, ...]]
-"""A tensor's dtype, size and stride."""
-
-
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
     return SwapIntegrityError(
         f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
@@ -48,29 +45,22 @@ def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapI
     )
 
 
+Layout = tuple[int, torch.dtype, torch.Size, tuple[int, ...]]
+"""A tensor's offset in its storage, dtype, size and stride."""
+
+
+def layout_in(local: torch.Tensor, host: torch.Tensor) -> Layout | None:
+    """``local``'s layout, None when it is laid out as ``host``, its storage's host copy."""
+    offset = local.storage_offset()
+    dtype, size, stride = local.dtype, local.size(), local.stride()
+    if offset == 0 and dtype is host.dtype and size == host.size() and stride == host.stride():
+        return None
+    return offset, dtype, size, stride
+
+
 _NO_BYTES: dict[torch.device, torch.Tensor] = {}
 """One empty tensor per device: what a swapped tensor's version alias holds instead of
 its bytes."""
-
-
-def _version_alias(t: torch.Tensor, local: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor that shares ``t``'s version counter and none of its bytes.
-
-    ``detach()`` shares the counter (with every view of ``t`` too) and no ``grad_fn``;
-    setting ``.data`` then swaps its storage for an empty one and keeps its counter. So
-    an in-place change made through any alias of ``t`` stays visible to the handle
-    after every Python object of ``t`` died, while its device memory is freed. A
-    DTensor's wrapper holds no bytes, its local shard does: the shard is replaced.
-    """
-    alias = t.detach()
-    empty = _NO_BYTES.get(device)
-    if empty is None:
-        empty = _NO_BYTES[device] = torch.empty(0, device=device)
-    if local is t:
-        alias.data = empty
-    else:
-        alias._local_tensor = empty  # type: ignore[attr-defined]
-    return alias
 
 
 class _Kept:
@@ -84,19 +74,13 @@ class _Kept:
         self.version = t._version  # its version when saved: unpack compares
         self.forward = fwd  # the forward that saved it: backward detection and error names
 
-    def unpack(self) -> torch.Tensor:
-        now = self.alias._version
-        if now != self.version:
-            raise _integrity_error(self.forward.name, self.alias.size(), self.version, now)
-        return self.alias
-
 
 class _Entry:
     """One storage copied to host: shared by every handle that aliases it.
 
     ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
     that tensor covers its storage contiguously (the usual case: its reload is then
-    handed back as it is), else as bytes; ``layout`` says which.
+    handed back as it is), else as bytes.
 
     ``load`` is the reload of the current backward, ``gen`` counts reloads and
     ``waiting`` how many live handles have not yet consumed the current one: the
@@ -109,10 +93,10 @@ class _Entry:
         "buf",
         "device",
         "engine",
+        "first",
         "gen",
         "held",
         "host",
-        "layout",
         "load",
         "manager",
         "name",
@@ -136,23 +120,23 @@ class _Entry:
         nbytes: int,
         buf: HostBuffer,
         host: torch.Tensor,
-        layout: Layout,
         offload: Copy,
+        first: Layout | None,
     ) -> None:
-        self.manager = manager  # told when a handle dies (``_handle_died``)
+        self.manager = manager  # its lock and ``_release``: a handle's death settles there
         self.name = name  # the wrapped module's name, for trace events
         self.stats = stats  # the wrapped module's stats: reloads and prefetch hits count there
         self.device = device  # where the storage lived and its reloads go
         self.engine = engine  # the device's copy engine: issues this entry's copies
         self.nbytes = nbytes  # the storage's size, copied whole
         self.buf: HostBuffer | None = buf  # the pool buffer; None: released, bytes gone
-        self.host: torch.Tensor | None = host  # ``buf`` viewed as ``layout``; None: released
-        self.layout = layout  # the host copy's dtype, size and stride
+        self.host: torch.Tensor | None = host  # ``buf``'s view holding it; None: released
         self.offload = offload  # the device-to-host copy; its source is held until fenced
+        self.first = first  # the layout of the save that made it (``layout_in``), found then
         self.released = False  # the offload's source was dropped (``_release_source``)
-        self.held: StorageWeakRef | None = None
+        self.held: weakref.ref[torch.UntypedStorage] | None = None
         """The source, when another reference kept it on device after it was dropped:
-        watched until the reload (``_settle_held``)."""
+        watched until the reload (``_ForwardOps._not_freed``)."""
         self.load: Copy | None = None  # the current backward's reload; None: none pending
         self.prefetched = False  # ``load`` was issued by a prefetch, not yet hit
         self.gen = 0  # the current reload's generation: ``_load`` counts them
@@ -165,10 +149,10 @@ class _Entry:
 class _Swapped:
     """What autograd stores instead of a swapped tensor.
 
-    ``counter`` shares the saved tensor's version counter and holds none of its bytes
-    (:func:`_version_alias`): the in-place check needs no Python object of the tensor
-    or of its base to be alive, so a change made while the copy was in flight, and then
-    dropped with every reference to the tensor, is still an error at unpack.
+    ``counter`` shares the saved tensor's version counter and holds none of its bytes:
+    the in-place check needs no Python object of the tensor or of its base to be alive,
+    so a change made while the copy was in flight, and then dropped with every
+    reference to the tensor, is still an error at unpack.
     """
 
     __slots__ = (
@@ -177,10 +161,8 @@ class _Swapped:
         "forward",
         "gen",
         "layout",
-        "offset",
         "spec",
         "version",
-        "whole",
     )
 
     def __init__(
@@ -189,20 +171,32 @@ class _Swapped:
         entry: _Entry,
         t: torch.Tensor,
         local: torch.Tensor,
-        layout: Layout,
         version: int,
+        layout: Layout | None,
     ) -> None:
         self.forward = fwd  # the forward that saved it: backward detection and error names
         self.entry = entry  # the host copy of its storage, shared with its aliases
         self.layout = layout
-        """``local``'s dtype, size and stride."""
-        self.offset = local.storage_offset()
-        self.whole = self.offset == 0 and entry.layout == layout
-        """Laid out as the entry's host copy: its reload is handed back as it is."""
+        """Where ``local`` starts in its storage, its dtype, size and stride; None when laid
+        out as the entry's host copy, whose reload is then handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
         """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
         self.version = version  # its version when saved: unpack compares with ``counter``
-        self.counter = _version_alias(t, local, entry.device)  # its counter, no bytes
+        # ``t``'s version counter and none of its bytes: ``detach()`` shares the counter
+        # (with every view of ``t`` too) and no ``grad_fn``; setting ``.data`` then swaps its
+        # storage for an empty one and keeps the counter. So an in-place change made through
+        # any alias of ``t`` stays visible after every Python object of ``t`` died, while its
+        # device memory is freed. A DTensor's wrapper holds no bytes, its local shard does:
+        # the shard is replaced.
+        counter = t.detach()
+        empty = _NO_BYTES.get(entry.device)
+        if empty is None:
+            empty = _NO_BYTES[entry.device] = torch.empty(0, device=entry.device)
+        if local is t:
+            counter.data = empty
+        else:
+            counter._local_tensor = empty  # type: ignore[attr-defined]
+        self.counter = counter
         self.gen = -1
         """The reload generation this handle consumed last (-1: none)."""
         entry.refs += 1
@@ -210,11 +204,25 @@ class _Swapped:
             entry.waiting += 1
 
     def __del__(self) -> None:
-        self.entry.manager._handle_died(self)
+        """A saved-tensor slot freed this handle: settle the reload and the host buffer."""
+        entry = self.entry
+        manager = entry.manager
+        with manager._lock:
+            entry.refs -= 1
+            load = entry.load
+            if load is not None and self.gen != entry.gen:
+                # It never consumed the current reload: one consumer fewer to wait for.
+                entry.waiting -= 1
+                if entry.waiting == 0:
+                    entry.load = None
+                    if not manager._capturing:
+                        load.fence()
+            if entry.refs == 0:
+                manager._release(entry)
 
 
 class _HandleOps:
-    """``SwapManager``'s unpack hook and the death of a swapped handle.
+    """``SwapManager``'s unpack hook (a handle's death is ``_Swapped.__del__``).
 
     A base of ``SwapManager`` (methods moved, not wrapped: the hook is the bound
     method itself); the state it uses is ``SwapManager``'s, commented there.
@@ -228,18 +236,23 @@ class _HandleOps:
             fwd.task = task
             self._backward_begins(fwd)
         if type(packed) is _Kept:
-            return packed.unpack()
+            alias = packed.alias
+            now = alias._version
+            if now != packed.version:
+                raise _integrity_error(fwd.name, alias.size(), packed.version, now)
+            return alias
         assert type(packed) is _Swapped
         now = packed.counter._version
         if now != packed.version:
-            raise _integrity_error(fwd.name, packed.layout[1], packed.version, now)
+            size = packed.layout[2] if packed.layout is not None else packed.entry.host.size()
+            raise _integrity_error(fwd.name, size, packed.version, now)
         entry = packed.entry
         with self._lock:
             load = entry.load
             if load is None or packed.gen == entry.gen:
                 entry.stats.prefetch_misses += 1
                 if load is None:
-                    self._load([entry])
+                    self._load([entry], prefetched=False)
                     load = entry.load
                     assert load is not None
                 else:
@@ -259,29 +272,14 @@ class _HandleOps:
                     entry.load = None
         load.fence()
         out = load.result()
-        if not packed.whole:
+        if packed.layout is not None:
             storage = out.untyped_storage()
-            dtype, size, stride = packed.layout
+            offset, dtype, size, stride = packed.layout
             out = torch.empty(0, dtype=dtype, device=entry.device)
-            out.set_(storage, packed.offset, size, stride)
+            out.set_(storage, offset, size, stride)
         if packed.spec is not None:
             # Loaded only when a DTensor was packed, so torch.distributed is imported already.
             from torch.distributed.tensor import DTensor
 
             return DTensor(out, packed.spec, requires_grad=False)
         return out
-
-    def _handle_died(self, packed: _Swapped) -> None:
-        """A saved-tensor slot freed its handle: settle the reload and the host buffer."""
-        entry = packed.entry
-        with self._lock:
-            entry.refs -= 1
-            load = entry.load
-            if load is not None and packed.gen != entry.gen:
-                entry.waiting -= 1
-                if entry.waiting == 0:
-                    entry.load = None
-                    if not self._capturing:
-                        load.fence()
-            if entry.refs == 0:
-                self._release(entry)

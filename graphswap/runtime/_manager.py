@@ -33,12 +33,9 @@ from typing import Any
 
 import torch
 
-from graphswap.runtime._engines import Copy, CopyEngine
+from graphswap.runtime._engines import CopyEngine
 from graphswap.runtime._forward import _Forward, _ForwardOps
-from graphswap.runtime._handles import (
-    _Entry,
-    _HandleOps,
-)
+from graphswap.runtime._handles import _HandleOps
 from graphswap.runtime._pool import HostPool, check_host_bytes, host_budget
 from graphswap.runtime._slot import (
     GroupInfo,
@@ -81,7 +78,8 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
     ``offload_lag`` forwards later begins (0: at the end of its own forward); the
     stream that produced the tensor waits for the copy there, the host never blocks.
     ``engine``: the copy engine (default: ``AcceleratorCopyEngine`` for accelerator
-    tensors, a ``SimulatedAccelerator(lag=0)`` for CPU tensors).
+    tensors, ``NoOpAccelerator`` for CPU tensors, where nothing needs ordering; pass a
+    ``SimulatedAccelerator`` to have every ordering hazard checked, as tests do).
 
     Every forward of a wrapped module is recorded on its own, linked to the forward
     its prev module ran last, so several forwards before one backward (gradient
@@ -102,8 +100,8 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         self.offload_lag = _check_int("offload_lag", offload_lag, 0)
         if engine is not None and not isinstance(engine, CopyEngine):
             raise ValueError(
-                f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine or"
-                f" SimulatedAccelerator), got {type(engine).__name__}"
+                f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine,"
+                f" NoOpAccelerator or SimulatedAccelerator), got {type(engine).__name__}"
             )
         self.keep_last = _check_bool("keep_last", keep_last)
         # Pinned host buffers the offloads copy into, capped at ``max_host_bytes``.
@@ -123,19 +121,17 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}  # links: earlier -> later
         # The forward each module ran last: the ``prev`` of its next module's next forward.
         self._latest: dict[torch.nn.Module, weakref.ref[_Forward]] = {}
-        self._in_flight: dict[
-            torch.device, collections.deque[tuple[int, Copy, weakref.ref[_Entry]]]
-        ] = {}
-        """Offloads whose source may still be held, per device in issue order, with the
-        ``seq`` of the forward that issued them and their entry (dead once its graph died,
-        which released the source)."""
+        self._in_flight: collections.deque[weakref.ref[_Forward]] = collections.deque()
+        """Forwards with offloads whose source may still be held (an entry not
+        ``released``), in the order of their first offload (dead once its graph died,
+        which released the sources)."""
         self._capturing = False
         """What the capture query of the last module boundary answered: every call
         until the next boundary goes by it (one query per boundary, not per tensor)."""
         self._warned_not_freed = False  # the copied-but-not-freed warning was given
         self._seq = 0  # forwards run so far under the hooks: the last forward's ``seq``
         self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
-        self._lock = threading.RLock()  # guards stats, in-flight queues and entries
+        self._lock = threading.RLock()  # guards stats, the pool, the in-flight queue, entries
 
     def __getstate__(self) -> dict[str, Any]:
         """Options, wrapped modules and links; a copy starts with fresh stats, pool and engines."""
@@ -289,14 +285,16 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
     def synchronize(self) -> None:
         """Block until every offload in flight completed, and free their sources."""
         with self._lock:
-            items = [item for queue in self._in_flight.values() for item in queue]
-            for queue in self._in_flight.values():
-                queue.clear()
-            for _, copy, ref in items:
-                copy.synchronize()
-                entry = ref()
-                if entry is not None:
-                    self._release_source(entry)
+            forwards = [ref() for ref in self._in_flight]
+            self._in_flight.clear()
+            for fwd in forwards:
+                if fwd is None:
+                    continue
+                for entry in fwd.entries.values():
+                    if not entry.released:
+                        entry.offload.synchronize()
+                        self._release_source(entry)
+                fwd.queued = False
 
     def run_forward(
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -310,21 +308,24 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         excluded = _excluded()
         if excluded is not None:
             _refuse(slot.name, *excluded)
-        self._seq += 1
-        seq = self._seq
+        self._seq = seq = self._seq + 1
         if self._pool.in_use_bytes == 0:
             # Nothing swapped is alive: a step boundary, outside every hook.
-            self._pool.trim()
+            with self._lock:
+                self._pool.trim()
         self._boundary(seq)
         prev = self._prev.get(module)
-        prev_ref = self._latest.get(prev) if prev is not None else None
-        fwd = _Forward(
-            slot,
-            seq,
-            self._stats[slot.name],
-            keep=self.is_kept(module),
-            prev=prev_ref() if prev_ref is not None else None,
-        )
+        if prev is None:
+            fwd = _Forward(slot, seq, self._stats[slot.name], keep=False, prev=None)
+        else:
+            prev_ref = self._latest.get(prev)
+            fwd = _Forward(
+                slot,
+                seq,
+                self._stats[slot.name],
+                keep=self.keep_last and module not in self._next,  # is_kept(module)
+                prev=prev_ref() if prev_ref is not None else None,
+            )
         self._latest[module] = weakref.ref(fwd)
         with torch.autograd.graph.saved_tensors_hooks(
             functools.partial(self._pack, fwd), self._unpack

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import enum
 import os
-import threading
 import warnings
 from pathlib import Path
 
@@ -145,7 +144,17 @@ class HostBuffer:
     """One pooled buffer, the copies that used it last, and its view last asked for:
     the same tensor shapes come back every step, so the view is made once."""
 
-    __slots__ = ("_dtype", "_shape", "_view", "engine", "key", "last_use", "nbytes", "tensor")
+    __slots__ = (
+        "_dtype",
+        "_shape",
+        "_view",
+        "engine",
+        "idle_since",
+        "key",
+        "last_use",
+        "nbytes",
+        "tensor",
+    )
 
     def __init__(
         self, tensor: torch.Tensor, key: tuple[torch.device, bool, int], engine: CopyEngine
@@ -155,6 +164,7 @@ class HostBuffer:
         self.nbytes = key[2]  # its size class
         self.engine = engine  # the engine that allocated it, told when it is dropped
         self.last_use: tuple[Copy, ...] = ()  # copies the next offload into it waits for
+        self.idle_since = 0  # the pool's release count when it came back: trim's order
         self._view = tensor
         self._dtype = tensor.dtype
         self._shape = tensor.shape
@@ -172,22 +182,22 @@ class HostPool:
 
     ``acquire`` returns a ``Refusal`` instead of raising when the cap would be
     exceeded or the allocation fails: the caller keeps the tensor on device, which
-    is always correct.
+    is always correct. Not thread-safe: the manager calls it under its own lock, which
+    it holds anyway where it acquires and releases (one lock per hook, not two).
     """
 
     def __init__(self, max_bytes: int) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_host_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes  # the cap on reserved bytes
         self._idle: dict[tuple[torch.device, bool, int], list[HostBuffer]] = (
             collections.defaultdict(list)
-        )
-        self._lru: dict[HostBuffer, None] = {}
-        self._lock = threading.Lock()
-        self.reserved_bytes = 0
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-        self._high_water = 0
+        )  # buffers not lent, by (device, pinned, size class)
+        self._releases = 0  # buffers given back so far: their ``idle_since``
+        self.reserved_bytes = 0  # bytes of every buffer the pool holds, lent or idle
+        self.in_use_bytes = 0  # bytes of the buffers lent now
+        self.peak_in_use_bytes = 0  # the most in use since the manager's last reset_stats
+        self._high_water = 0  # the most ever in use: trim keeps twice as much
 
     def acquire(
         self, device: torch.device, nbytes: int, engine: CopyEngine
@@ -200,33 +210,30 @@ class HostPool:
         pin = engine.pin
         key = (device, pin, size_class(nbytes, pinned=pin))
         size = key[2]
-        with self._lock:
-            idle = self._idle.get(key) or self._larger_idle(key)
-            if idle:
-                buf = idle.pop()
-                del self._lru[buf]
-            else:
-                if not self._make_room(size):
-                    return Refusal.POOL_FULL
-                try:
-                    tensor = engine.host_buffer(device, size)
-                except RuntimeError:
-                    return Refusal.ALLOC_FAILED
-                buf = HostBuffer(tensor, key, engine)
-                self.reserved_bytes += size
-            in_use = self.in_use_bytes = self.in_use_bytes + buf.nbytes
-            if in_use > self.peak_in_use_bytes:  # the high water is never below the peak
-                self.peak_in_use_bytes = in_use
-                self._high_water = max(self._high_water, in_use)
-            return buf
+        idle = self._idle.get(key) or self._larger_idle(key)
+        if idle:
+            buf = idle.pop()
+        else:
+            if not self._make_room(size):
+                return Refusal.POOL_FULL
+            try:
+                tensor = engine.host_buffer(device, size)
+            except RuntimeError:
+                return Refusal.ALLOC_FAILED
+            buf = HostBuffer(tensor, key, engine)
+            self.reserved_bytes += size
+        in_use = self.in_use_bytes = self.in_use_bytes + buf.nbytes
+        if in_use > self.peak_in_use_bytes:  # the high water is never below the peak
+            self.peak_in_use_bytes = in_use
+            self._high_water = max(self._high_water, in_use)
+        return buf
 
     def release(self, buf: HostBuffer, last_use: tuple[Copy, ...]) -> None:
         """Back to the pool; the next offload into ``buf`` waits for ``last_use``."""
         buf.last_use = last_use
-        with self._lock:
-            self.in_use_bytes -= buf.nbytes
-            self._idle[buf.key].append(buf)
-            self._lru[buf] = None
+        buf.idle_since = self._releases = self._releases + 1
+        self.in_use_bytes -= buf.nbytes
+        self._idle[buf.key].append(buf)
 
     def _larger_idle(self, key: tuple[torch.device, bool, int]) -> list[HostBuffer] | None:
         """The idle buffers of the smallest larger class within ``REUSE_SLACK``."""
@@ -248,14 +255,20 @@ class HostPool:
         """At a step boundary: drop idle buffers until reserved bytes are within twice
         the most ever in use (a step of another shape left buffers no step uses)."""
         if self.reserved_bytes > 2 * self._high_water:
-            with self._lock:
-                self._trim(2 * self._high_water)
+            self._trim(2 * self._high_water)
 
     def _trim(self, limit: int) -> None:
-        """Drop idle buffers, least recently used first, until reserved <= ``limit``."""
-        while self.reserved_bytes > limit and self._lru:
-            buf = next(iter(self._lru))
-            del self._lru[buf]
+        """Drop idle buffers, least recently used first, until reserved <= ``limit``.
+
+        The order is found here, off the hot path, rather than kept at every release."""
+        if self.reserved_bytes <= limit:
+            return
+        idle = sorted(
+            (buf for bufs in self._idle.values() for buf in bufs), key=lambda b: b.idle_since
+        )
+        for buf in idle:
+            if self.reserved_bytes <= limit:
+                return
             self._idle[buf.key].remove(buf)
             self.reserved_bytes -= buf.nbytes
             buf.engine.free_host_buffer(buf.key[0], buf.tensor)

@@ -127,12 +127,20 @@ def test_overhead_reports_microseconds_per_swapped_tensor(
     assert per_step["offloaded_tensors"] >= 4
     assert per_step["reloaded_bytes"] == per_step["offloaded_bytes"]
     assert {len(steps) for steps in result["step_times_s"].values()} == {3}
-    assert set(result["step_times_s"]) == {"none", "swap", "keep", "bare_copy", "save_on_cpu"}
+    # graphswap over the no-op device (judged) and over the simulated one, beside the rest.
+    modes = ["none", "bare_copy", "save_on_cpu", "noop", "sim", "keep"]
+    assert list(result["step_times_s"]) == modes
+    assert result["engine"] == "noop"
     for mode in ("", "bare_copy_", "save_on_cpu_", "bookkeeping_"):
         assert isinstance(result[f"{mode}us_per_swapped_tensor"], float)
+    assert list(result["us_per_swapped_tensor_by_mode"]) == modes[1:]
+    assert list(result["us_per_module_by_mode"]) == modes[1:]
+    assert list(result["bookkeeping_us_per_swapped_tensor_by_engine"]) == ["noop", "sim"]
     assert isinstance(result["us_per_wrapped_forward"], float)
     assert isinstance(result["us_per_swapped_tensor_beyond_wrapping"], float)
+    assert "| sim above bare_copy |" in done.stdout
     assert "TARGET host_overhead_per_swapped_tensor: " in done.stdout
+    assert "TARGET host_bookkeeping_per_swapped_tensor: " in done.stdout
     calls = result["accelerator_calls"]
     assert calls["swapped_tensors"] == per_step["offloaded_tensors"]
     assert set(calls["per_swapped_tensor"]) == {"offload", "reload", "boundary"}

@@ -1,10 +1,12 @@
 """The simulated accelerator's schedule and hazards, and the host pool's classes and bounds."""
 
+import pickle
+
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphswap.runtime import HazardError, SimulatedAccelerator
+from graphswap.runtime import HazardError, NoOpAccelerator, SimulatedAccelerator
 from graphswap.runtime._engines import Copy
 from graphswap.runtime._pool import HostPool, Refusal, size_class
 
@@ -182,3 +184,22 @@ def test_failed_allocation_is_a_refusal(monkeypatch) -> None:
 def test_pool_cap_must_be_non_negative() -> None:
     with pytest.raises(ValueError, match="max_host_bytes"):
         HostPool(-1)
+
+
+def test_the_no_op_device_copies_at_once_and_orders_nothing() -> None:
+    """Every copy is done when issued; fences, queries and releases need no device."""
+    engine = NoOpAccelerator()
+    src = torch.arange(64, dtype=torch.uint8)
+    ref = StorageWeakRef(src.untyped_storage())
+    host = torch.zeros(64, dtype=torch.uint8)
+    offload = engine.offload(src, host, ())
+    assert torch.equal(host, src) and offload.done()
+    del src
+    assert offload.release_source() is None and ref.expired()
+    engine.tick()
+    load = load_one(engine, host, (offload,))
+    assert load.done()
+    load.fence()
+    assert torch.equal(load.result(), host)
+    assert not engine.capturing() and not engine.pin
+    assert type(pickle.loads(pickle.dumps(engine))) is NoOpAccelerator

@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.errors import SwapIntegrityError
+from graphswap.runtime import NoOpAccelerator, SimulatedAccelerator
 from graphswap.runtime._handles import _Swapped
 from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
 
@@ -247,6 +248,32 @@ def test_parameters_are_never_swapped_whatever_the_policy() -> None:
     assert lin.weight.grad is not None
 
 
+class SavesState(torch.nn.Module):
+    """Saves its input and an activation, and beside them a parameter, a buffer, a
+    ``.detach()`` alias of the parameter and a view of the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64))
+        self.register_buffer("scale", torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x @ self.weight) * self.scale  # x, the weight; the buffer
+        out = (h @ self.weight.detach()) * self.scale.view(1, 64)  # the alias; the view
+        return out + h.exp()  # exp's output
+
+
+def test_buffers_and_aliases_of_the_state_are_never_swapped_whatever_the_policy() -> None:
+    module = SavesState()
+    manager = SwapManager()
+    swap_wrapper(module, manager=manager, policy=lambda t: CheckpointPolicy.MUST_SWAP)
+    x = torch.randn(8, 64, requires_grad=True)
+    module(x).sum().backward()
+    stats = manager.stats
+    assert (stats.offloaded_tensors, stats.offloaded_bytes) == (2, 2 * x.numel() * 4)
+    assert stats.reloaded_bytes == stats.offloaded_bytes
+
+
 class Gram(torch.nn.Module):
     """``h @ h.t()`` saves two aliases of one storage, ``h`` itself among them;
     ``h[:, 32:] * h[:, :32]`` saves only slices, so the storage is copied as bytes."""
@@ -394,3 +421,16 @@ def test_invalid_options_are_rejected() -> None:
         SwapManager(prefetch_depth=0)
     with pytest.raises(ValueError, match="max_host_bytes"):
         SwapManager(max_host_bytes=-1)
+
+
+@pytest.mark.parametrize("given", [None, SimulatedAccelerator(lag=2)], ids=["default", "given"])
+def test_cpu_tensors_get_the_no_op_device_unless_an_engine_is_given(given) -> None:
+    """On CPU nothing needs ordering: the default engine orders nothing and checks
+    nothing; tests that want every hazard checked pass the simulated device."""
+    lin = torch.nn.Linear(64, 64)
+    manager = SwapManager(engine=given)
+    swap_wrapper(lin, manager=manager, policy=swap_everything)
+    lin(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    [engine] = manager._engines.values()
+    assert engine is given if given is not None else type(engine) is NoOpAccelerator
+    assert manager.stats.offloaded_tensors == manager.stats.reloaded_tensors == 1
