@@ -264,7 +264,7 @@ def fit_sequence(
 
     refused = {mode: _refusal(first, mode) for mode in modes}
     planned = [mode for mode in modes if refused[mode] is None]
-    lengths = [steps * seq_step for steps in range(1, max_seq // seq_step + 1)]
+    lengths = [steps * seq_step for steps in range(1, max_seq // seq_step + 1)] if planned else []
     series = TraceLengths(
         trace, lengths, min_bytes=MIN_SWAP_TENSOR_BYTES, name=policy_name(default_policy)
     )
