@@ -198,7 +198,7 @@ def replay(
         holders[block] -= 1
         if holders[block] == 0:
             mem -= sizes[block]
-            changed()
+            memory.append((t, mem))  # a drop never raises the peak
 
     def wait(end: float, stall: list[float], group: int) -> None:
         nonlocal t
@@ -254,9 +254,14 @@ def replay(
         elif event is Event.ALLOC:
             holders[payload] += 1
             mem += sizes[payload]
-            changed()
+            memory.append((t, mem))
+            if mem > peak:
+                peak, peak_label, peak_seconds = mem, label, t
         elif event is Event.FREE:
-            drop(payload)
+            holders[payload] -= 1
+            if holders[payload] == 0:
+                mem -= sizes[payload]
+                memory.append((t, mem))
         elif event is Event.PACK:
             traced = saves[payload]
             block = traced.block
