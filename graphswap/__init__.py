@@ -8,16 +8,18 @@ module and :meth:`SwapManager.link` per pair of consecutive modules; by rule,
 :mod:`graphswap.train`.
 
 Importing this package has no side effects: it does not touch CUDA, query the
-platform, or import transformers model code.
+platform, or import transformers model code. The names and module paths of 0.1.0
+that moved still work until 0.3, with a ``DeprecationWarning`` naming the new one
+(:mod:`graphswap._deprecated`).
 """
 
-import warnings
-from typing import Any
+import sys
 
+from graphswap import _deprecated
 from graphswap.rewriting.apply import RewriteReport, rewrite, rewrite_report, unrewrite
 from graphswap.rewriting.rules import Rule, available_rules, register_rule
 from graphswap.runtime import SwapManager, SwapStats, swap_wrapper, unwrap_swap
-from graphswap.runtime.policy import CheckpointPolicy, swap_large_activations
+from graphswap.runtime.policy import CheckpointPolicy
 
 __all__ = [
     "CheckpointPolicy",
@@ -35,15 +37,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The origin's name of the default policy, kept for code written against it."""
-    if name == "qwen3_attention_swap_policy":
-        warnings.warn(
-            "graphswap.qwen3_attention_swap_policy is the default policy under the origin's"
-            " name: leave policy= out of swap_wrapper, or pass"
-            " graphswap.runtime.policy.swap_large_activations",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return swap_large_activations
-    raise AttributeError(f"module 'graphswap' has no attribute {name!r}")
+__getattr__ = _deprecated.module_getattr(__name__)
+sys.modules[__name__].__class__ = _deprecated.Package

@@ -4,3 +4,7 @@
 (:mod:`~graphswap.hf.attention_kernels`), and named model sizes
 (:mod:`~graphswap.hf.presets`). Importing it loads no model code.
 """
+
+from graphswap._deprecated import module_getattr
+
+__getattr__ = module_getattr(__name__)  # 0.1.0 names that moved, until 0.3

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from graphswap import _deprecated
 from graphswap.errors import HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
@@ -239,6 +240,15 @@ class AutoSwap:
             "mismatched_tensors": self.mismatched_tensors,
             "plan": self.plan.to_dict(),
         }
+
+    def format_report(self) -> str:
+        """Deprecated (0.1.0's name), removed in 0.3: the report ``graphswap train`` prints."""
+        _deprecated.warn(
+            "AutoSwap.format_report is deprecated:"
+            " use graphswap.train.cli._memory.format_auto_report(auto.to_dict())"
+        )
+        report = _deprecated.resolve("graphswap.train.cli._memory:format_auto_report")
+        return str(report(self.to_dict()))
 
 
 def check_measurable(device: torch.device) -> None:

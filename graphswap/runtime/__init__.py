@@ -1,5 +1,6 @@
 """The swap runtime: the manager, the wrapper, the copy engines and the host pool."""
 
+from graphswap._deprecated import module_getattr
 from graphswap.runtime._engines import (
     AcceleratorCopyEngine,
     CopyEngine,
@@ -34,3 +35,5 @@ __all__ = [
     "swap_wrapper",
     "unwrap_swap",
 ]
+
+__getattr__ = module_getattr(__name__)  # 0.1.0 names that moved, until 0.3

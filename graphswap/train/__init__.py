@@ -8,3 +8,7 @@ Nothing here is imported by the core (``graphswap.planning``, ``graphswap.rewrit
 ``graphswap.runtime``, ``graphswap.hf``); this package stays light to import, so that
 ``graphswap --help`` does not load torch.
 """
+
+from graphswap._deprecated import module_getattr
+
+__getattr__ = module_getattr(__name__)  # 0.1.0 names that moved, until 0.3

@@ -342,6 +342,15 @@ def test_a_plan_for_another_depth_is_refused_before_anything_changes(
     assert not any(type(m).__name__.startswith("Swap") for m in model.modules())
 
 
+def test_the_released_report_method_warns_and_renders_what_train_prints(
+    fast_link_plan: MemoryPlan,
+) -> None:
+    """0.1.0's ``AutoSwap.format_report``, until 0.3."""
+    auto = AutoSwap(fast_link_plan, made_for="a test")
+    with pytest.warns(DeprecationWarning, match=r"format_report .*format_auto_report"):
+        assert auto.format_report() == format_auto_report(auto.to_dict())
+
+
 def test_measure_needs_a_cuda_device() -> None:
     from graphswap.train.preflight import check_inputs
 
