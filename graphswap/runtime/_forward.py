@@ -21,7 +21,12 @@ from graphswap.runtime._handles import _Entry, _Kept, _Swapped, layout_in
 from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer, Refusal
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
-from graphswap.runtime.policy import CheckpointPolicy, is_parameter_like, local_tensor
+from graphswap.runtime.policy import (
+    CheckpointPolicy,
+    _is_parameter,
+    is_parameter_like,
+    local_tensor,
+)
 
 
 class _Forward:
@@ -197,27 +202,40 @@ class _ForwardOps:
     def _pack(self, fwd: _Forward, t: torch.Tensor) -> Any:
         index = fwd.saves
         fwd.saves = index + 1
-        local = t if type(t) is torch.Tensor else local_tensor(t)
-        if (
-            type(local) is not torch.Tensor
-            or local.layout is not torch.strided
-            or local.is_meta
-            or is_parameter_like(t)
-        ):
-            return _Kept(t, fwd)
+        if type(t) is torch.Tensor:  # the usual case: ``is_parameter_like(t)`` inline
+            local = t
+            base = t._base
+            if (
+                t.layout is not torch.strided
+                or t.is_meta
+                or getattr(t, "_is_param", False)
+                or (base is not None and _is_parameter(base))
+            ):
+                return _Kept(t, fwd)
+        else:
+            local = local_tensor(t)
+            if (
+                type(local) is not torch.Tensor
+                or local.layout is not torch.strided
+                or local.is_meta
+                or is_parameter_like(t)
+            ):
+                return _Kept(t, fwd)
+            base = t._base
         storage = local.untyped_storage()
         key = storage._cdata
         version = t._version
         entry = fwd.entries.get(key)
         if entry is None or entry.buf is None:  # none, or every handle of its copy died
             slot = fwd.slot
-            decision = slot.policy(t) if slot.decide is None else slot.decide(t, index)
+            decide = slot.decide
+            decision = slot.policy(t) if decide is None else decide(t, index)
             if decision is not CheckpointPolicy.MUST_SWAP:
                 if decision is not CheckpointPolicy.MUST_SAVE:
                     raise _bad_decision(slot, decision)
                 return _Kept(t, fwd)
             protected = fwd.protected
-            if protected is None and (t.is_leaf or t._base is not None or version):
+            if protected is None and (base is not None or version or t.is_leaf):
                 protected = fwd.protected = _state_storages(slot.module)
             if protected is not None and key in protected:
                 return _Kept(t, fwd)
@@ -309,9 +327,12 @@ class _ForwardOps:
         that have not consumed one; ``prefetched``: ahead of their first unpack."""
         first = entries[0]
         engine, device = first.engine, first.device
-        batch = [entry for entry in entries if entry.engine is engine and entry.device == device]
-        if len(batch) < len(entries):  # several devices: one batch each
-            self._load([entry for entry in entries if entry not in batch], prefetched=prefetched)
+        batch = entries
+        for entry in entries:
+            if entry.engine is not engine or entry.device != device:  # several: a batch each
+                batch = [e for e in entries if e.engine is engine and e.device == device]
+                self._load([e for e in entries if e not in batch], prefetched=prefetched)
+                break
         loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])
         for entry, load in zip(batch, loads, strict=True):
             entry.load = load

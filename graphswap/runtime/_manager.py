@@ -299,11 +299,12 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
     def run_forward(
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
     ) -> Any:
-        """Run ``forward`` of a wrapped module under this manager's saved-tensor hooks."""
+        """Run ``forward(module, *args, **kwargs)`` (the original class's forward, unbound:
+        no per-call partial) under this manager's saved-tensor hooks."""
         if torch.compiler.is_compiling():  # torch.compile or torch.export traces this forward
             _refuse_traced(self._slots[module].name)
         if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
+            return forward(module, *args, **kwargs)
         slot = self._slots[module]
         excluded = _excluded()
         if excluded is not None:
@@ -327,10 +328,14 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
                 prev=prev_ref() if prev_ref is not None else None,
             )
         self._latest[module] = weakref.ref(fwd)
-        with torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(self._pack, fwd), self._unpack
-        ):
-            out = forward(*args, **kwargs)
+        # What ``torch.autograd.graph.saved_tensors_hooks`` does, without its object and
+        # calls (looked up at each forward: the planner's tracker wraps the push).
+        autograd = torch._C._autograd
+        autograd._push_saved_tensors_default_hooks(functools.partial(self._pack, fwd), self._unpack)
+        try:
+            out = forward(module, *args, **kwargs)
+        finally:
+            autograd._pop_saved_tensors_default_hooks()
         self._boundary(seq)
         if fwd.saves == 0:
             # Nothing saved, so no unpack will tell when this forward's backward begins.

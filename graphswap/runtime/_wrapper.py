@@ -64,7 +64,7 @@ def _swap_class(cls: type) -> type:
         @functools.wraps(original)
         def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             state: _SwapState = self.__dict__[_STATE_ATTR]
-            return state.manager.run_forward(self, functools.partial(original, self), args, kwargs)
+            return state.manager.run_forward(self, original, args, kwargs)
 
         namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
         swap_cls = _SwapClassMeta(f"Swap{cls.__name__}", (SwapWrapped, cls), namespace)
