@@ -23,7 +23,7 @@ from passes.fsdp import apply_fsdp
 from passes.mesh import Meshes, resolve_meshes
 from passes.plan import Plan, plan
 from passes.specs import pass_specs
-from passes.swap import apply_swap, plan_auto_swap, swap_engine
+from passes.swap import PLANNED_MODES, apply_swap, plan_auto_swap, swap_engine
 from passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class InfrastructureResult:
     mesh: DeviceMesh | None
     """The device mesh the distributed passes used; ``None`` when none ran."""
     auto_swap: AutoSwap | None = None
-    """``activation_swap: auto``: the plan and the policies carrying it out."""
+    """``activation_swap: auto`` or ``budget``: the plan and the policies carrying it out."""
 
 
 @dataclass
@@ -60,7 +60,7 @@ class _Run:
 
 def _swap(run: _Run) -> None:
     config = run.config
-    if config.activation_swap == "auto":
+    if config.activation_swap in PLANNED_MODES:
         run.auto_swap = plan_auto_swap(run.model, config)
     run.report = apply_swap(
         run.model,

@@ -33,6 +33,21 @@ PASS_ORDER = "pass_order"
 """The config key of a user's own order; errors about that order start with it."""
 
 
+def _recompute_hint(names: set[str], config: PassSettings) -> str:
+    """Swap with checkpointing: the way to have both is the mode that owns recompute."""
+    if names != {"swap", "activation_checkpointing"}:
+        return ""
+    if config.activation_swap == "budget":
+        return (
+            "; activation_swap: budget recomputes what it plans itself, so a second owner "
+            "of recompute is refused: set activation_checkpointing: false"
+        )
+    return (
+        "; to recompute and swap together, set activation_swap: budget with an "
+        "activation_memory_budget (graphswap then plans and owns the recompute)"
+    )
+
+
 def plan(config: PassSettings) -> Plan:
     """The passes ``config`` asks for (not yet checked): in ``config.pass_order`` when it
     sets one, taken as given so that :meth:`Plan.check` judges the user's own order,
@@ -168,6 +183,7 @@ class Plan:
                     f" {excluded.setting_text(self.config)}; set {declaring.off_text()} or"
                     f" {excluded.off_text()} ({self.label(declaring.name)} and"
                     f" {self.label(excluded.name)} cannot run together)"
+                    + _recompute_hint({a.name, b.name}, self.config)
                 )
 
     def _check_cycles(self) -> None:

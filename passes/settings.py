@@ -16,6 +16,7 @@ class PassSettings(Protocol):
     activation_swap: str
     swap_prefetch_depth: int
     swap_offload_lag: int | None
+    activation_memory_budget: int | float | str | None
     device: str
     swap_bandwidth_gbps: float | str
     swap_tflops: float

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from graphswap.hf.attention_kernels import PlanSettingError
@@ -23,7 +24,8 @@ from graphswap.runtime import (
     is_swap_wrapped,
     swap_manager_of,
 )
-from graphswap.runtime.profile import simulated_profile
+from graphswap.planning._budget import resolve_memory_budget
+from graphswap.runtime.profile import DeviceProfile, simulated_profile
 from passes.errors import PassPostconditionError, PassSettingError
 from passes.specs import SWAP_RULES
 
@@ -43,6 +45,9 @@ _PLAN_KEYS = {
 }
 """The planner's setting names that are ``PassSettings`` attributes under another name."""
 
+PLANNED_MODES = ("auto", "budget")
+"""The modes carried out from a plan of the model's shape (:func:`plan_auto_swap`)."""
+
 
 def apply_swap(
     model: nn.Module,
@@ -61,8 +66,15 @@ def apply_swap(
         raise ValueError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
         )
-    if (activation_swap == "auto") != (auto is not None):
-        raise ValueError("apply_swap: an auto plan goes with activation_swap: auto, and only there")
+    if (activation_swap in PLANNED_MODES) != (auto is not None):
+        raise ValueError(
+            "apply_swap: a plan goes with activation_swap: auto or budget, and only there"
+        )
+    if auto is not None and auto.plan.activation_swap != activation_swap:
+        raise ValueError(
+            f"apply_swap: activation_swap: {activation_swap} was given a plan of"
+            f" {auto.plan.activation_swap}"
+        )
     rule = auto.rule() if auto is not None else SWAP_RULES[activation_swap]
     if offload_lag is None:
         offload_lag = 1 if auto is None else auto.plan.offload_lag
@@ -129,17 +141,25 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
     ``swap_offload_lag`` are the manager's, the lag chosen by the plan when unset; the host
     budget the manager takes on this node); dtype, attention and device from the model as
     built. A bandwidth of ``measure`` is timed
-    here, on the model's device."""
+    here, on the model's device. ``activation_swap: budget`` plans what to keep, swap and
+    recompute within ``activation_memory_budget`` (a fraction: of the device's memory,
+    the simulated profile's on ``sim:``)."""
     param = next(model.parameters())
     device = param.device
     hf_config = model.config
     attn = hf_config._attn_implementation
+    profile = simulated_profile(config.device) or DEFAULT_PROFILE
     try:
         measured = None
         bandwidth = config.swap_bandwidth_gbps
         if bandwidth == "measure":
             measured = measure_copy_bandwidth(device)
             bandwidth = measured.gbps
+        budget = None
+        if config.activation_swap == "budget":
+            budget = resolve_memory_budget(
+                config.activation_memory_budget, _device_memory(device, profile)
+            )
         plan = plan_memory(
             hf_config,
             seq=config.seq_len,
@@ -150,17 +170,18 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
             attn_implementation=attn,
             device="cuda" if device.type == "cuda" else "cpu",
             tp=config.tp_size,
-            activation_swap="auto",
+            activation_swap=config.activation_swap,
+            activation_memory_budget=budget,
             hide_margin=config.swap_hide_margin,
             prefetch_depth=config.swap_prefetch_depth,
             offload_lag=config.swap_offload_lag,
             max_host_bytes=host_budget(),
-            profile=simulated_profile(config.device) or DEFAULT_PROFILE,
+            profile=profile,
         )
     except PlanSettingError as error:
         key = _PLAN_KEYS.get(error.setting, error.setting)
         raise PassSettingError(
-            f"{key}: {error.value} {error.detail} (activation_swap: auto)"
+            f"{key}: {error.value} {error.detail} (activation_swap: {config.activation_swap})"
         ) from error
     dtype = str(param.dtype).removeprefix("torch.")
     made_for = (
@@ -168,3 +189,13 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
         f" attn_implementation: {attn}, tp_size: {config.tp_size}"
     )
     return AutoSwap(plan, made_for=made_for, measured=measured)
+
+
+def _device_memory(device: torch.device, profile: DeviceProfile | str) -> int | None:
+    """What a fraction of ``activation_memory_budget`` is taken of: the CUDA device's
+    memory, the simulated profile's, or none on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if isinstance(profile, DeviceProfile):
+        return profile.memory_bytes
+    return None

@@ -49,6 +49,7 @@ def _structure(trace: StepTrace) -> tuple[Any, ...]:
         (trace.parameter_bytes, trace.buffer_bytes, trace.optimizer_state_bytes),
         (trace.batch, trace.dtype, trace.attn_implementation, trace.device, trace.optimizer),
         trace.attention_timing,
+        trace.recomputed,
     )
 
 
@@ -76,6 +77,7 @@ def _numbers(trace: StepTrace) -> list[float]:
         values.extend(save.shape)
         values.append(save.nbytes)
         values.append(save.storage_nbytes)
+    values.extend(trace.recomputed_bytes)
     return values
 
 
@@ -156,7 +158,9 @@ def _rebuild(template: StepTrace, seq: int, values: Sequence[float]) -> StepTrac
             save, shape=shape, nbytes=round(next(it)), storage_nbytes=round(next(it))
         )
 
-    return _with_saves(template, fresh, seq=seq, events=tuple(events), costs=(), blocks=blocks)
+    rebuilt = _with_saves(template, fresh, seq=seq, events=tuple(events), costs=(), blocks=blocks)
+    recomputed = tuple(round(next(it)) for _ in template.recomputed_bytes)
+    return dataclasses.replace(rebuilt, recomputed_bytes=recomputed)
 
 
 def _thresholded(trace: StepTrace, min_bytes: int, name: str) -> StepTrace:

@@ -15,6 +15,7 @@ from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
 from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
 from graphswap.planning._replay import Replay, SwapChoice, replay
 from graphswap.planning._trace import StepTrace, trace_step
+from graphswap.planning._units import RecomputeKind
 from graphswap.planning._windows import StepTimes, group_of, step_times
 from graphswap.planning.saved_tensors import (
     ATTENTION_SCOPE,
@@ -38,13 +39,21 @@ DEFAULT_HIDE_MARGIN = 0.1
 """``auto`` fills at most 90% of each copy's window: kernel-time estimates and link
 contention are not exact."""
 
-SwapMode = Literal["none", "attention", "layer", "auto"]
+SwapMode = Literal["none", "attention", "layer", "auto", "budget"]
 """What activation swap moves, one name everywhere (``activation_swap`` in the trainer's
 config, the planner, the swap pass and ``plan-memory --activation-swap``): nothing, each
-layer's attention, whole layers, or per layer the saves whose copies hide (``auto``)."""
+layer's attention, whole layers, per layer the saves whose copies hide (``auto``), or
+per layer what to keep, swap and recompute under ``activation_memory_budget``
+(``budget``)."""
 SWAP_MODES: tuple[SwapMode, ...] = get_args(SwapMode)
 
-_SCOPES = {"none": None, "attention": ATTENTION_SCOPE, "layer": LAYER_SCOPE, "auto": LAYER_SCOPE}
+_SCOPES = {
+    "none": None,
+    "attention": ATTENTION_SCOPE,
+    "layer": LAYER_SCOPE,
+    "auto": LAYER_SCOPE,
+    "budget": LAYER_SCOPE,
+}
 """Which modules each mode wraps."""
 
 _ASSUMPTIONS = (
@@ -116,8 +125,14 @@ class LayerPlan:
     """Every save of the layer's forward, in saving order (see
     ``graphswap.planning.saved_tensors``)."""
     swapped_saves: tuple[SavedTensor, ...] = field(default=(), repr=False, compare=False)
-    """``layer`` and ``auto``: the saves the swap moves (every save of each chosen
-    storage), in saving order; their ``index`` is what the runtime policy is told."""
+    """``layer``, ``auto`` and ``budget``: the saves the swap moves (every save of each
+    chosen storage), in saving order; their ``index`` is what the runtime policy is told."""
+    recomputed: tuple[str, ...] = ()
+    """``budget``: the submodules recomputed in backward (paths in the layer)."""
+    recomputed_bytes: int = 0
+    """``budget``: the storage bytes those submodules saved and recompute dropped."""
+    recompute_seconds: float = 0.0
+    """``budget``: what the layer's backward takes longer for the recompute."""
 
     @property
     def hides(self) -> bool:
@@ -145,6 +160,8 @@ two later layers' forward to finish; the lag with the lower peak is kept."""
 _LAYER_SUMMARY_FIELDS = tuple(
     f for f in dataclasses.fields(LayerPlan) if f.name not in ("saved_tensors", "swapped_saves")
 )
+_PLANNED_MODES = ("layer", "auto", "budget")
+"""The modes whose plan names each save it swaps."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +228,19 @@ class MemoryPlan:
     """``auto``: tensors the verifying replays took back from the simulated choice."""
     offload_lag_chosen: bool = False
     """``auto``: the plan chose ``offload_lag`` (of :data:`_AUTO_LAGS`), the user did not."""
+    activation_memory_budget: int | None = None
+    """``budget``: the device peak the plan keeps within, in bytes."""
+    recompute: tuple[str, ...] = ()
+    """``budget``: the kinds of submodule every layer recomputes (``norms``, ``mlp``)."""
+    budget_swap: str | None = None
+    """``budget``: the swap it pairs them with (``none``, ``auto`` or ``layer``)."""
+    budget_options: tuple[Any, ...] = ()
+    """``budget``: every option weighed (:class:`~graphswap.planning._budget.BudgetOption`)."""
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """``budget``: the bytes recompute dropped, every layer's."""
+        return sum(layer.recomputed_bytes for layer in self.layers)
 
     @property
     def total_saved_bytes(self) -> int:
@@ -292,6 +322,17 @@ class MemoryPlan:
                 if self.activation_swap == "auto"
                 else {}
             ),
+            **(
+                {
+                    "activation_memory_budget": self.activation_memory_budget,
+                    "recompute": list(self.recompute),
+                    "budget_swap": self.budget_swap,
+                    "recomputed_bytes": self.recomputed_bytes,
+                    "budget_options": [o.to_dict() for o in self.budget_options],
+                }
+                if self.activation_swap == "budget"
+                else {}
+            ),
         }
 
     def layer_dicts(self) -> list[dict[str, Any]]:
@@ -303,7 +344,7 @@ class MemoryPlan:
                 "verdict": layer.verdict(),
                 **(
                     {"swapped_saves": [_save_dict(save) for save in layer.swapped_saves]}
-                    if self.activation_swap in ("layer", "auto")
+                    if self.activation_swap in _PLANNED_MODES
                     else {}
                 ),
             }
@@ -405,6 +446,7 @@ def plan_memory(
     state_shards: int = 1,
     max_host_bytes: int | None = None,
     optimizer: bool = True,
+    activation_memory_budget: int | None = None,
 ) -> MemoryPlan:
     """Trace one training step of ``config`` on meta and predict it for one rank, with
     ``activation_swap`` and without.
@@ -421,10 +463,12 @@ def plan_memory(
     ``auto`` fills at most ``1 - hide_margin`` of each copy's window. ``state_shards``:
     parameters, gradients and AdamW state sharded FSDP-style over that many ranks (an
     approximation, see the assumptions). ``optimizer=False``: the step without AdamW
-    (forward and backward after ``zero_grad``; no optimizer state on the device). A bad
-    setting raises :class:`PlanSettingError` or :class:`ProfileError` before any model
-    is built.
+    (forward and backward after ``zero_grad``; no optimizer state on the device).
+    ``activation_memory_budget``: with ``budget``, the device peak (bytes) to plan
+    within. A bad setting raises :class:`PlanSettingError` or :class:`ProfileError`
+    before any model is built.
     """
+    check_budget(activation_swap, activation_memory_budget)
     check_settings(
         activation_swap=activation_swap,
         hide_margin=hide_margin,
@@ -434,22 +478,40 @@ def plan_memory(
         max_host_bytes=max_host_bytes,
     )
     resolved = resolve_profile(profile, bandwidth_gbps=bandwidth_gbps, tflops=tflops)
-    meta = build_meta_model(
-        config,
-        seq=seq,
-        batch=batch,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        device=device,
-        attn_kernel=attn_kernel,
-        tp=tp,
-        activation_swap=activation_swap,
-    )
     chosen_policy = swap_large_activations if policy is None else policy
-    trace = trace_step(meta, resolved, chosen_policy, optimizer=optimizer)
+
+    def trace(recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
+        meta = build_meta_model(
+            config,
+            seq=seq,
+            batch=batch,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            device=device,
+            attn_kernel=attn_kernel,
+            tp=tp,
+            activation_swap=activation_swap,
+            recompute=recompute,
+        )
+        return trace_step(meta, resolved, chosen_policy, optimizer=optimizer)
+
+    if activation_swap == "budget":
+        from graphswap.planning._budget import plan_budget
+
+        assert activation_memory_budget is not None
+        return plan_budget(
+            config,
+            trace,
+            budget=activation_memory_budget,
+            hide_margin=hide_margin,
+            offload_lag=offload_lag,
+            prefetch_depth=prefetch_depth,
+            state_shards=state_shards,
+            max_host_bytes=max_host_bytes,
+        )
     return plan_step(
         config,
-        trace,
+        trace(),
         activation_swap=activation_swap,
         hide_margin=hide_margin,
         offload_lag=offload_lag,
@@ -457,6 +519,23 @@ def plan_memory(
         state_shards=state_shards,
         max_host_bytes=max_host_bytes,
     )
+
+
+def check_budget(activation_swap: str, activation_memory_budget: int | None) -> None:
+    """``budget`` needs a budget in bytes > 0; the other modes take none."""
+    if activation_swap == "budget":
+        _check_int(
+            "activation_memory_budget",
+            activation_memory_budget,
+            1,
+            "the device peak in bytes that activation_swap: budget plans within",
+        )
+    elif activation_memory_budget is not None:
+        raise PlanSettingError(
+            "activation_memory_budget",
+            activation_memory_budget,
+            f"is planned within by activation_swap: budget only, not {activation_swap}",
+        )
 
 
 def plan_step(
@@ -482,6 +561,12 @@ def plan_step(
         state_shards=state_shards,
         max_host_bytes=max_host_bytes,
     )
+    if activation_swap == "budget":
+        raise PlanSettingError(
+            "activation_swap",
+            "budget",
+            "is planned from a trace per recompute level: use plan_memory or plan_budget",
+        )
     saved = trace.saved
     scope = _SCOPES[activation_swap]
     host_budget = trace.profile.host_budget_bytes if max_host_bytes is None else max_host_bytes
@@ -539,7 +624,7 @@ def plan_step(
         kept = i == len(saved.layers) - 1
         saved_bytes, swappable = by_scope.get(layer.name, (0, 0))
         moved: tuple[SavedTensor, ...] = ()
-        if activation_swap in ("layer", "auto"):
+        if activation_swap in _PLANNED_MODES:
             swappable = sum(c.nbytes for c in chosen[i])
             moved = () if kept else _swapped_saves(chosen[i])
         elif scope is None:

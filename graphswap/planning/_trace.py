@@ -142,6 +142,12 @@ class StepTrace:
     """Per ``COMPUTE`` event in order, the operators it merges: what times the step at
     another length (:mod:`graphswap.planning._lengths`); empty in a trace made by hand or
     interpolated."""
+    recomputed: tuple[tuple[str, ...], ...] = ()
+    """Per decoder layer, the submodules recomputed in backward (paths in the layer);
+    empty: none anywhere."""
+    recomputed_bytes: tuple[int, ...] = ()
+    """Per decoder layer, the storage bytes its recomputed submodules saved and dropped
+    (what the runtime's ``stats.recomputed_bytes`` counts); empty: none anywhere."""
 
     @property
     def num_layers(self) -> int:
@@ -356,4 +362,8 @@ def trace_step(
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=storage_bytes(state),
         optimizer=optimizer,
+        recomputed=meta.recomputed,
+        recomputed_bytes=tuple(meta.recompute_counts.get(i, (0, 0))[1] for i in range(len(layers)))
+        if meta.recomputed
+        else (),
     )

@@ -30,7 +30,13 @@ from graphswap.errors import HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.rewriting.rules import Rule, RuleContext, get_rule
-from graphswap.runtime import swap_wrapper
+from graphswap.runtime import (
+    is_recompute_wrapped,
+    recompute_wrapper,
+    swap_wrapper,
+    unwrap_recompute,
+    unwrap_swap,
+)
 from graphswap.runtime.policy import CheckpointPolicy
 
 if TYPE_CHECKING:
@@ -141,9 +147,9 @@ class AutoSwap:
     def __init__(
         self, plan: MemoryPlan, *, made_for: str, measured: CopyBandwidth | None = None
     ) -> None:
-        if plan.activation_swap != "auto":
+        if plan.activation_swap not in ("auto", "budget"):
             raise ValueError(
-                "AutoSwap needs a plan_memory(activation_swap='auto') plan, got"
+                "AutoSwap needs a plan_memory(activation_swap='auto' or 'budget') plan, got"
                 f" activation_swap={plan.activation_swap!r}"
             )
         self.plan = plan
@@ -153,13 +159,16 @@ class AutoSwap:
         self._warned = False
 
     def rule(self) -> Rule:
-        """``layer_swap`` with this plan's policy in each layer."""
+        """``layer_swap`` with this plan's policy in each layer (and, for a ``budget``
+        plan, its recomputed submodules wrapped inside)."""
         base = get_rule(_BASE_RULE)
         return dataclasses.replace(
             base,
             name=AUTO_RULE,
-            description="swap, per decoder layer, the saved tensors an auto plan chose",
+            description=f"swap, per decoder layer, the saved tensors an {self.plan.activation_swap}"
+            " plan chose",
             factory=self._wrap,
+            restore=_unwrap,
             validate=self._validate,
             node_attributes=self._node_attributes,
             check=self.check,
@@ -179,7 +188,24 @@ class AutoSwap:
     def _wrap(self, module: nn.Module, ctx: RuleContext) -> nn.Module:
         policy = self.policies[ctx.index]
         policy.on_mismatch = functools.partial(self._mismatched, ctx.manager, ctx.fqn)
-        return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
+        counter = functools.partial(ctx.manager.count_recompute, ctx.fqn)
+        units = []
+        try:
+            for name in self.plan.layers[ctx.index].recomputed:
+                try:
+                    units.append(module.get_submodule(name))
+                except AttributeError:
+                    raise HierarchyError(
+                        f"{AUTO_RULE}: {ctx.fqn} has no submodule {name!r}, which the budget "
+                        "plan recomputes; plan the model that is rewritten"
+                    ) from None
+                recompute_wrapper(units[-1], counter=counter)
+            return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
+        except Exception:
+            for unit in units:
+                if is_recompute_wrapped(unit):
+                    unwrap_recompute(unit)
+            raise
 
     def _mismatched(self, manager: SwapManager, group: str, mismatch: Mismatch) -> None:
         """A planned save met with another shape or dtype: counted in the stats of the
@@ -210,6 +236,14 @@ class AutoSwap:
             "auto_forward_window_ms": round(layer.forward_window * 1e3, 6),
             "auto_backward_window_ms": round(layer.backward_window * 1e3, 6),
             "auto_verdict": layer.verdict(),
+            **(
+                {
+                    "recomputed": ",".join(layer.recomputed) or "-",
+                    "recomputed_bytes": layer.recomputed_bytes,
+                }
+                if self.plan.activation_swap == "budget"
+                else {}
+            ),
         }
 
     @property
@@ -249,6 +283,14 @@ class AutoSwap:
         )
         report = _deprecated.resolve("graphswap.train.cli._memory:format_auto_report")
         return str(report(self.to_dict()))
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """Undo :meth:`AutoSwap._wrap`: the recomputed submodules, then the layer's swap."""
+    for unit in module.modules():
+        if is_recompute_wrapped(unit):
+            unwrap_recompute(unit)
+    return unwrap_swap(module)
 
 
 def check_measurable(device: torch.device) -> None:

@@ -16,9 +16,11 @@ a save by its index and check it by shape and dtype.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
@@ -34,7 +36,9 @@ from graphswap.hf.attention_kernels import (
 )
 from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
 from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
+from graphswap.planning._units import RecomputeKind, recompute_units
 from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
+from graphswap.runtime._recompute import recompute_wrapper
 from graphswap.runtime.policy import (
     CheckpointPolicy,
     SwapPolicy,
@@ -344,6 +348,12 @@ class MetaModel:
     """The device training runs on (``cuda`` or ``cpu``): it chose the kernel."""
     ids: torch.Tensor
     """Token ids of one batch (on meta), used as inputs and labels."""
+    recomputed: tuple[tuple[str, ...], ...] = ()
+    """Per decoder layer, the submodules recompute-wrapped (paths in the layer); empty:
+    nothing is recomputed."""
+    recompute_counts: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per layer index, the tensors and storage bytes its recomputed submodules saved in
+    the last forward (what recompute dropped), as the runtime counts them."""
 
     @contextmanager
     def tracing(self) -> Iterator[None]:
@@ -363,6 +373,7 @@ class MetaModel:
 
     def forward(self) -> Any:
         """One training forward: no cache, so nothing outside autograd keeps keys/values."""
+        self.recompute_counts.clear()
         return self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
 
     def saved_tensor_trace(self, saves: Mapping[str, Sequence[SavedTensor]]) -> SavedTensorTrace:
@@ -401,6 +412,7 @@ def build_meta_model(
     attn_kernel: str | None = None,
     tp: int = 1,
     activation_swap: str | None = None,
+    recompute: Sequence[RecomputeKind] = (),
 ) -> MetaModel:
     """One rank's model of ``config`` on meta, ready to trace at ``batch`` x ``seq``.
 
@@ -410,7 +422,8 @@ def build_meta_model(
     experts against a model that has experts, and ``activation_swap`` (when given)
     against what its rule accepts, so that a plan is never made of a rewrite that
     cannot run; a bad one raises :class:`PlanSettingError` naming it (``model`` for a
-    model graphswap cannot plan at all).
+    model graphswap cannot plan at all). ``recompute``: the kinds of submodule every
+    layer recomputes (:mod:`graphswap.planning._units`), wrapped as the runtime wraps them.
     """
     for name, value in (("seq", seq), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -457,7 +470,23 @@ def build_meta_model(
                 "tp", tp, f"shards attention heads, which this model's cannot be: {problem}; use 1"
             )
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return MetaModel(model, kernel, rank_config, tp, device, ids)
+    meta = MetaModel(model, kernel, rank_config, tp, device, ids)
+    if not recompute:
+        return meta
+    units = tuple(recompute_units(layer, recompute) for layer in layers)
+    meta = dataclasses.replace(meta, recomputed=units)
+    for index, (layer, names) in enumerate(zip(layers, units, strict=True)):
+        counter = functools.partial(_count_recompute, meta.recompute_counts, index)
+        for name in names:
+            recompute_wrapper(layer.get_submodule(name), counter=counter)
+    return meta
+
+
+def _count_recompute(
+    counts: dict[int, tuple[int, int]], layer: int, tensors: int, nbytes: int
+) -> None:
+    before = counts.get(layer, (0, 0))
+    counts[layer] = (before[0] + tensors, before[1] + nbytes)
 
 
 def trace_saved_tensors(

@@ -658,7 +658,9 @@ def _fix(kind: Transform, rules: list[Rule]) -> str:
                 if kind is Transform.COMPILE
                 else "turn checkpointing off (for Hugging Face models "
                 "model.gradient_checkpointing_disable(), activation_checkpointing_disable() "
-                "from transformers 5.23 on; or build without checkpoint_wrapper)"
+                "from transformers 5.23 on; or build without checkpoint_wrapper); to "
+                "recompute and swap together, let graphswap own the recompute: "
+                "activation_swap: budget with an activation_memory_budget"
             )
             return f"{', '.join(excluding)} cannot be combined with {kind.value}: {undo}"
         return f"rewrite the model first ({names}), then apply {kind.value}"

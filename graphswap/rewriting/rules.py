@@ -360,7 +360,8 @@ SWAP_MODE_RULES: Mapping[str, str] = {
     "attention": ATTN_SWAP.name,
     "layer": LAYER_SWAP.name,
     "auto": LAYER_SWAP.name,
+    "budget": LAYER_SWAP.name,
 }
-"""The rule behind each ``activation_swap`` mode (``auto`` runs the layer rule with a
-planned policy per layer): the swap pass rewrites with it and the planner refuses what
-it refuses."""
+"""The rule behind each ``activation_swap`` mode (``auto`` and ``budget`` run the layer
+rule with a planned policy per layer, ``budget`` with planned recompute inside): the
+swap pass rewrites with it and the planner refuses what it refuses."""

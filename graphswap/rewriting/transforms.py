@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from graphswap.runtime import is_swap_wrapped
+from graphswap.runtime import is_recompute_wrapped, is_swap_wrapped
 
 
 class Transform(enum.Enum):
@@ -68,6 +68,8 @@ def _shown(module: nn.Module) -> dict[Transform, str]:
     shown = {}
     if is_swap_wrapped(module):
         shown[Transform.SWAP] = "is already swap-wrapped"
+    elif is_recompute_wrapped(module):
+        shown[Transform.SWAP] = "is already recomputed by graphswap (activation_swap: budget)"
     if _isinstance(module, _loaded("torch._dynamo.eval_frame", "OptimizedModule")) or getattr(
         module, "_compiled_call_impl", None
     ):

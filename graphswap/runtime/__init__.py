@@ -1,4 +1,5 @@
-"""The swap runtime: the manager, the wrapper, the copy engines and the host pool."""
+"""The swap runtime: the manager, the wrappers (swap and recompute), the copy engines and
+the host pool."""
 
 from graphswap._deprecated import module_getattr
 from graphswap.runtime._engines import (
@@ -10,6 +11,11 @@ from graphswap.runtime._engines import (
 )
 from graphswap.runtime._manager import SwapManager
 from graphswap.runtime._pool import host_budget
+from graphswap.runtime._recompute import (
+    is_recompute_wrapped,
+    recompute_wrapper,
+    unwrap_recompute,
+)
 from graphswap.runtime._slot import GroupInfo
 from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime._wrapper import (
@@ -30,9 +36,12 @@ __all__ = [
     "SwapManager",
     "SwapStats",
     "host_budget",
+    "is_recompute_wrapped",
     "is_swap_wrapped",
+    "recompute_wrapper",
     "swap_manager_of",
     "swap_wrapper",
+    "unwrap_recompute",
     "unwrap_swap",
 ]
 

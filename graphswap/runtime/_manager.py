@@ -275,6 +275,14 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         with self._lock:
             self._stats[name].plan_mismatches += 1
 
+    def count_recompute(self, name: str, tensors: int, nbytes: int) -> None:
+        """A recomputed submodule of the module ``name`` dropped ``tensors`` storages of
+        ``nbytes`` in one forward: counted in ``stats.recomputed_*``."""
+        with self._lock:
+            group_stats = self._stats[name]
+            group_stats.recomputed_tensors += tensors
+            group_stats.recomputed_bytes += nbytes
+
     def reset_stats(self) -> None:
         with self._lock:
             for group_stats in self._stats.values():

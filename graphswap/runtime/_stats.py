@@ -18,7 +18,10 @@ class GroupStats:
     in-place change, whose copy may hold either version (``kept_changed``).
     ``plan_mismatches`` counts saves that a planned policy (``activation_swap: auto``)
     chose to swap but that came with another shape or dtype than planned: they stay on
-    device, and the rewrite report's ``check()`` raises. ``offloaded_not_freed_bytes``
+    device, and the rewrite report's ``check()`` raises. ``recomputed_tensors`` and
+    ``recomputed_bytes`` count the storages that submodules recomputed in backward
+    saved in forward and dropped (``activation_swap: budget``): never copied, never
+    kept. ``offloaded_not_freed_bytes``
     counts offloaded bytes that another reference kept on device from their release
     until their reload was issued (or their graph died): copied, and freed nothing
     (a returned key/value cache, autocast's weight cache, a tensor the caller keeps)."""
@@ -38,6 +41,8 @@ class GroupStats:
     kept_capturing: int = 0
     kept_changed: int = 0
     plan_mismatches: int = 0
+    recomputed_tensors: int = 0
+    recomputed_bytes: int = 0
 
     def add(self, other: GroupStats) -> None:
         for f in dataclasses.fields(GroupStats):

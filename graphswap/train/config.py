@@ -24,7 +24,8 @@ from typing import Any, Literal, Union
 import yaml
 
 from graphswap.hf.presets import preset_names
-from graphswap.planning import DEFAULT_HIDE_MARGIN, SwapMode
+from graphswap.planning import DEFAULT_HIDE_MARGIN, PlanSettingError, SwapMode
+from graphswap.planning._budget import resolve_memory_budget
 from graphswap.runtime.profile import PRESETS, SIM_PREFIX, ProfileError, simulated_profile
 
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
@@ -61,7 +62,14 @@ class SwapSettings:
     activation_swap: SwapMode = "none"
     """``attention``: what each decoder layer's attention saves; ``layer``: what the whole
     layer saves; ``auto``: per layer, the saves whose copies hide in both windows;
-    ``none``. It excludes ``compile``, ``activation_checkpointing`` and ``pp_size > 1``."""
+    ``budget``: per layer, what to keep, swap and recompute so that the device peak stays
+    within ``activation_memory_budget`` at the least step time; ``none``. It excludes
+    ``compile``, ``activation_checkpointing`` (``budget`` recomputes itself) and
+    ``pp_size > 1``."""
+    activation_memory_budget: int | float | str | None = None
+    """``budget`` only, and required there: the device peak to plan within, as bytes
+    (an integer), a size (``120GiB``, ``80GB``) or a fraction of the device's memory
+    (``0.85``; on ``sim:<profile>`` the profile's)."""
     swap_prefetch_depth: int = 1
     """Layers prefetched ahead of the backward (``SwapManager(prefetch_depth=)``), >= 1."""
     swap_offload_lag: int | None = None
@@ -216,7 +224,8 @@ class TrainerConfig(
                 f"must be in [0, 1) (the share of each layer's backward left free of copies),"
                 f" got {margin!r}",
             )
-        if self.activation_swap == "auto":
+        self._check_budget()
+        if self.activation_swap in ("auto", "budget"):
             return
         for key, default in AUTO_ONLY_SETTINGS.items():
             value = getattr(self, key)
@@ -224,9 +233,30 @@ class TrainerConfig(
                 raise ConfigError(
                     key,
                     f"is {value} but activation_swap: {self.activation_swap}, so it would change"
-                    f" nothing (only auto reads it); set activation_swap: auto or leave {key}"
-                    f" at {default}",
+                    f" nothing (only auto and budget read it); set activation_swap: auto or"
+                    f" budget, or leave {key} at {default}",
                 )
+
+    def _check_budget(self) -> None:
+        budget = self.activation_memory_budget
+        if self.activation_swap != "budget":
+            if budget is not None:
+                raise ConfigError(
+                    "activation_memory_budget",
+                    f"is {budget} but activation_swap: {self.activation_swap}, so it would"
+                    " change nothing; set activation_swap: budget or leave it out",
+                )
+            return
+        if budget is None:
+            raise ConfigError(
+                "activation_memory_budget",
+                "is required by activation_swap: budget: the device peak to plan within"
+                " (120GiB, bytes, or a fraction of the device's memory such as 0.85)",
+            )
+        try:
+            resolve_memory_budget(budget, device_memory=1 << 40)
+        except PlanSettingError as error:
+            raise ConfigError("activation_memory_budget", error.detail) from None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -234,7 +264,9 @@ class TrainerConfig(
 
 
 SWAP_ONLY_SETTINGS = {
-    f.name: f.default for f in dataclasses.fields(SwapSettings) if f.name != "activation_swap"
+    f.name: f.default
+    for f in dataclasses.fields(SwapSettings)
+    if f.name not in ("activation_swap", "activation_memory_budget")
 }
 """Settings of the swap runtime that ``activation_swap: none`` must leave at their defaults."""
 

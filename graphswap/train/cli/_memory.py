@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,31 +48,13 @@ _FLAGS = {
     "max_host_bytes": "--host-memory",
 }
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*([A-Za-z]*)\s*")
-
-
 def memory_size(text: str) -> int:
     """``141GiB``, ``80GB``, ``8e10`` (bytes): a device memory, for ``--fit``."""
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected a size such as 141GiB, 80GB or 8e10 (bytes), got {text!r}; units: "
-            "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-        )
-    value = int(float(match.group(1)) * _UNITS[unit])
+    from graphswap.planning._budget import SIZE_EXAMPLES, parse_size
+
+    value = parse_size(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as {SIZE_EXAMPLES}, got {text!r}")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
     return value

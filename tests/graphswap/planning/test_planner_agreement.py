@@ -31,6 +31,8 @@ from graphswap.planning import (
     plan_step,
     trace_step,
 )
+from graphswap.planning._budget import plan_budget
+from graphswap.planning._units import RecomputeKind
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.runtime import SimulatedAccelerator, SwapManager
@@ -55,7 +57,9 @@ def config() -> PretrainedConfig:
     return qwen3_moe_config("tiny", attn_implementation="eager")
 
 
-def _trace(config: PretrainedConfig, seq: int) -> StepTrace:
+def _trace(
+    config: PretrainedConfig, seq: int, recompute: tuple[RecomputeKind, ...] = ()
+) -> StepTrace:
     meta = build_meta_model(
         config,
         seq=seq,
@@ -63,6 +67,7 @@ def _trace(config: PretrainedConfig, seq: int) -> StepTrace:
         dtype=torch.float32,
         attn_implementation=config._attn_implementation,
         device="cpu",
+        recompute=recompute,
     )
     return trace_step(meta, PROFILE)
 
@@ -96,7 +101,8 @@ def measure(
         manager = SwapManager(offload_lag=offload_lag, engine=sim, max_host_bytes=max_host_bytes)
         report = graphswap.rewrite(model, rules=[SWAP_RULES[mode]], manager=manager)
     elif mode != "none":
-        auto = AutoSwap(plan, made_for="the agreement test") if mode == "auto" else None
+        planned = mode in ("auto", "budget")
+        auto = AutoSwap(plan, made_for="the agreement test") if planned else None
         report = apply_swap(
             model, activation_swap=mode, offload_lag=offload_lag, engine=sim, auto=auto
         )
@@ -244,3 +250,42 @@ def test_a_plan_budgeted_against_backward_alone_stalls_the_simulated_forward(
     forward_stall = sum(s for label, s in measured.stalls.items() if label.startswith("F"))
     assert forward_stall > 0.05 * measured.compute_seconds
     assert auto.timeline.stall_seconds == 0.0
+
+
+@pytest.fixture(scope="module")
+def budget_clocked(
+    config: PretrainedConfig, trace: StepTrace, clocked: Clocked
+) -> tuple[MemoryPlan, StepTimeline, float, int]:
+    """A budget plan made at 70% of the peak without swap, which takes recompute and swap
+    both, and its clocked run."""
+    traces = functools.cache(lambda kinds: trace if not kinds else _trace(config, SEQ, kinds))
+    none_plan = clocked("none", 1)[0]
+    plan = plan_budget(
+        config,
+        traces,
+        budget=int(0.7 * none_plan.timeline.peak_bytes),
+        hide_margin=DEFAULT_HIDE_MARGIN,
+        offload_lag=1,
+        prefetch_depth=1,
+        state_shards=1,
+        max_host_bytes=None,
+    )
+    return (plan, *measure(config, plan, "budget", 1))
+
+
+def test_the_budget_plan_agrees_with_the_clocked_runtime_with_recompute(
+    budget_clocked: tuple[MemoryPlan, StepTimeline, float, int], clocked: Clocked, one_thread: None
+) -> None:
+    plan, measured, loss, host_peak = budget_clocked
+    assert plan.recompute and plan.recomputed_bytes > 0, "the case must recompute"
+    assert plan.swapped_bytes > 0, "the case must swap"
+    predicted = plan.timeline
+    assert predicted.step_seconds == pytest.approx(measured.step_seconds, rel=TOLERANCE)
+    assert predicted.compute_seconds == pytest.approx(measured.compute_seconds, rel=TOLERANCE)
+    assert predicted.stall_seconds == pytest.approx(
+        measured.stall_seconds, rel=TOLERANCE, abs=TOLERANCE * 1e-2 * measured.step_seconds
+    )
+    assert predicted.peak_bytes == pytest.approx(measured.peak_bytes, rel=TOLERANCE)
+    assert measured.peak_bytes <= plan.activation_memory_budget * (1 + TOLERANCE)
+    assert plan.host_peak_bytes == host_peak
+    assert loss == clocked("none", 1)[2], "recompute and swap change no number"

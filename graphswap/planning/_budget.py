@@ -1,0 +1,229 @@
+"""``budget``: keep, swap or recompute each saved tensor so that the step's device peak
+stays within a memory budget, at the least predicted step time.
+
+The decisions have three prices. Keeping costs memory. Swapping costs nothing while its
+copies hide and a stall when they do not (the replay says which). Recomputing costs
+the recomputed submodules' roofline time at their backward, on the compute stream
+(which also widens the window the layer's reloads hide in). The plan tries what
+each layer recomputes in :data:`~graphswap.planning._units.RECOMPUTE_LEVELS` order,
+cheapest first, each traced for real (the trace runs the recompute in backward, so
+its time and its memory come from the same run the clock checks), and at each level
+two swaps: ``auto`` (what hides) and ``layer`` (everything, stalls included). The
+fastest option whose peak is within the budget wins; past the first level whose
+``auto`` fits, the levels only cost more, so the search stops there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.planning._plan import LayerPlan, MemoryPlan, plan_step
+from graphswap.planning._replay import Replay, SwapChoice, replay
+from graphswap.planning._trace import Event, StepTrace
+from graphswap.planning._units import RECOMPUTE_LEVELS, RecomputeKind
+from graphswap.runtime._tape import backward_label
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*([A-Za-z]*)\s*")
+SIZE_EXAMPLES = "141GiB, 80GB or 8e10 (bytes); units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+
+
+def parse_size(text: str) -> int | None:
+    """``141GiB``, ``80GB``, ``8e10``: bytes; ``None`` when ``text`` is not a size."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        return None
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def resolve_memory_budget(value: int | float | str, device_memory: int | None) -> int:
+    """``activation_memory_budget`` in bytes: an integer number of bytes, a size
+    (``120GiB``), or a fraction in (0, 1] of ``device_memory`` (``0.85``)."""
+    setting = "activation_memory_budget"
+    if isinstance(value, str):
+        size = parse_size(value)
+        if size is None:
+            raise PlanSettingError(setting, value, f"expected a size such as {SIZE_EXAMPLES}")
+        value = size
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanSettingError(setting, value, "expected bytes, a size or a fraction")
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise PlanSettingError(
+                setting, value, "a fraction of the device's memory must be in (0, 1]"
+            )
+        if device_memory is None:
+            raise PlanSettingError(
+                setting,
+                value,
+                "is a fraction of the device's memory, but this device has none to take it "
+                "of; give a size such as 120GiB",
+            )
+        return int(value * device_memory)
+    if value < 1:
+        raise PlanSettingError(setting, value, "must be at least one byte")
+    return value
+
+
+BUDGET_SWAPS = ("auto", "layer")
+"""The swaps tried at each recompute level: what hides, and everything."""
+
+
+@dataclass(frozen=True)
+class BudgetOption:
+    """One option the budget plan weighed."""
+
+    recompute: tuple[RecomputeKind, ...]
+    """What every layer recomputes."""
+    swap: str
+    """``auto`` (what hides) or ``layer`` (everything the layer swap moves)."""
+    peak_bytes: int
+    """The step's device peak with it."""
+    step_ratio: float
+    """Its step time against the step with nothing swapped or recomputed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _backward_seconds(trace: StepTrace) -> list[float]:
+    """Compute seconds under each layer's backward label."""
+    labels = {backward_label(i): i for i in range(trace.num_layers)}
+    seconds = [0.0] * trace.num_layers
+    layer: int | None = None
+    for event, payload in trace.events:
+        if event is Event.LABEL:
+            layer = labels.get(payload)
+        elif event is Event.COMPUTE and layer is not None:
+            seconds[layer] += payload
+    return seconds
+
+
+def plan_budget(
+    config: PretrainedConfig,
+    traces: Callable[[tuple[RecomputeKind, ...]], StepTrace],
+    *,
+    budget: int,
+    hide_margin: float,
+    offload_lag: int | None,
+    prefetch_depth: int,
+    state_shards: int,
+    max_host_bytes: int | None,
+    baseline: Replay | None = None,
+) -> MemoryPlan:
+    """The fastest plan whose device peak is at most ``budget`` bytes; ``traces(kinds)``
+    is the step with ``kinds`` recomputed in every layer. Raises
+    :class:`PlanSettingError` naming the smallest budget a plan meets when none fits."""
+    plain = traces(())
+    if baseline is None:
+        baseline = replay(
+            plain,
+            SwapChoice(None, frozenset()),
+            offload_lag=1 if offload_lag is None else offload_lag,
+            prefetch_depth=prefetch_depth,
+            state_shards=state_shards,
+        )
+    base_seconds = baseline.timeline.step_seconds
+    plain_backward = _backward_seconds(plain)
+    settings = {
+        "hide_margin": hide_margin,
+        "offload_lag": offload_lag,
+        "prefetch_depth": prefetch_depth,
+        "state_shards": state_shards,
+        "max_host_bytes": max_host_bytes,
+    }
+    options: list[BudgetOption] = []
+    best: tuple[float, MemoryPlan, StepTrace, BudgetOption] | None = None
+    if baseline.timeline.peak_bytes <= budget:
+        keep = plan_step(config, plain, activation_swap="none", baseline=baseline, **settings)
+        option = BudgetOption((), "none", keep.timeline.peak_bytes, keep.step_ratio)
+        options.append(option)
+        best = (keep.timeline.step_seconds, keep, plain, option)
+    else:
+        for kinds in RECOMPUTE_LEVELS:
+            trace = plain if not kinds else traces(kinds)
+            fits_hidden = False
+            for swap in BUDGET_SWAPS:
+                plan = plan_step(config, trace, activation_swap=swap, **settings)  # type: ignore[arg-type]
+                seconds = plan.timeline.step_seconds
+                option = BudgetOption(
+                    kinds, swap, plan.timeline.peak_bytes, seconds / base_seconds
+                )
+                options.append(option)
+                if option.peak_bytes > budget:
+                    continue
+                fits_hidden = fits_hidden or swap == "auto"
+                if best is None or seconds < best[0]:
+                    best = (seconds, plan, trace, option)
+            if fits_hidden:
+                break
+    if best is None:
+        smallest = min(options, key=lambda o: o.peak_bytes)
+        raise PlanSettingError(
+            "activation_memory_budget",
+            budget,
+            f"no plan fits: the smallest peak any plan reaches is {smallest.peak_bytes} bytes "
+            f"({smallest.peak_bytes / 2**30:.2f} GiB, recomputing "
+            f"{' and '.join(smallest.recompute) or 'nothing'} and swapping with "
+            f"{smallest.swap}); give at least that, or shard the state over more ranks",
+        )
+    _, chosen, trace, option = best
+    recompute_seconds = [
+        max(0.0, after - before)
+        for after, before in zip(_backward_seconds(trace), plain_backward, strict=True)
+    ]
+    layers = tuple(
+        _with_recompute(layer, trace, recompute_seconds[i]) for i, layer in enumerate(chosen.layers)
+    )
+    return dataclasses.replace(
+        chosen,
+        activation_swap="budget",
+        layers=layers,
+        baseline=baseline.timeline,
+        activation_memory_budget=budget,
+        recompute=option.recompute,
+        budget_swap=option.swap,
+        budget_options=tuple(options),
+        assumptions=chosen.assumptions + _budget_assumptions(option),
+    )
+
+
+def _with_recompute(layer: LayerPlan, trace: StepTrace, seconds: float) -> LayerPlan:
+    if not trace.recomputed:
+        return layer
+    return dataclasses.replace(
+        layer,
+        recomputed=trace.recomputed[layer.index],
+        recomputed_bytes=trace.recomputed_bytes[layer.index],
+        recompute_seconds=seconds,
+    )
+
+
+def _budget_assumptions(option: BudgetOption) -> tuple[str, ...]:
+    return (
+        "budget: recompute levels tried cheapest first (nothing, the norms, the norms and "
+        "the feed-forward block, in every layer), each traced with the recompute running "
+        "in backward; at each, the swap of what hides (auto) and of everything (layer); the "
+        "fastest option whose device peak is within the budget is kept"
+        f" (here: recompute {' and '.join(option.recompute) or 'nothing'}, swap {option.swap})",
+    )

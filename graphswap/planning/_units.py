@@ -1,0 +1,53 @@
+"""What the budget mode may recompute in a decoder layer, by kind, found by structure.
+
+Recompute runs a whole submodule again in backward (:mod:`graphswap.runtime._recompute`),
+so a unit is a submodule, and a good one saves many bytes for little compute:
+
+- ``norms``: every normalization module of the layer (RMSNorm, LayerNorm, the q/k norms
+  inside attention, a gated norm): memory-bound elementwise work whose fp32 upcasts and
+  products are among the largest saves of a layer and recompute in a fraction of a
+  millisecond;
+- ``mlp``: the layer's feed-forward block (a dense MLP, or a mixture of experts with its
+  router): most of what a layer saves besides attention, at the price of its matmuls.
+
+Attention is never recomputed: its saves are its output and log-sum-exp, the most
+expensive bytes to make again, which swap moves instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, get_args
+
+from torch import nn
+
+RecomputeKind = Literal["norms", "mlp"]
+"""A kind of submodule the budget mode may recompute."""
+RECOMPUTE_KINDS: tuple[RecomputeKind, ...] = get_args(RecomputeKind)
+
+RECOMPUTE_LEVELS: tuple[tuple[RecomputeKind, ...], ...] = ((), ("norms",), ("norms", "mlp"))
+"""What the budget mode recomputes in each layer, cheapest first: nothing, the norms,
+the norms and the feed-forward block."""
+
+_MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+"""What the families call a layer's feed-forward block."""
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and not any(True for _ in module.children())
+
+
+def recompute_units(layer: nn.Module, kinds: Sequence[RecomputeKind]) -> tuple[str, ...]:
+    """The paths (in ``layer``) of the submodules of ``kinds``, in module order; a norm
+    inside a recomputed feed-forward block is recomputed with it, not on its own."""
+    units: list[str] = []
+    if "mlp" in kinds:
+        units.extend(n for n, _ in layer.named_children() if n in _MLP_NAMES)
+    if "norms" in kinds:
+        units.extend(
+            name
+            for name, module in layer.named_modules()
+            if name and _is_norm(module) and not any(name.startswith(f"{u}.") for u in units)
+        )
+    order = {name: i for i, (name, _) in enumerate(layer.named_modules())}
+    return tuple(sorted(units, key=order.__getitem__))
