@@ -14,6 +14,7 @@ from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
+from graphswap.planning._budget import resolve_memory_budget
 from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
@@ -24,7 +25,6 @@ from graphswap.runtime import (
     is_swap_wrapped,
     swap_manager_of,
 )
-from graphswap.planning._budget import resolve_memory_budget
 from graphswap.runtime.profile import DeviceProfile, simulated_profile
 from passes.errors import PassPostconditionError, PassSettingError
 from passes.specs import SWAP_RULES

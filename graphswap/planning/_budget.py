@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +89,22 @@ BUDGET_SWAPS = ("auto", "layer")
 """The swaps tried at each recompute level: what hides, and everything."""
 
 
+class BudgetError(PlanSettingError):
+    """No plan keeps the step's device peak within the budget; ``smallest`` is the option
+    that comes closest."""
+
+    def __init__(self, budget: int, smallest: BudgetOption) -> None:
+        self.smallest = smallest
+        super().__init__(
+            "activation_memory_budget",
+            budget,
+            f"no plan fits: the smallest peak any plan reaches is {smallest.peak_bytes} bytes "
+            f"({smallest.peak_bytes / 2**30:.2f} GiB, recomputing "
+            f"{' and '.join(smallest.recompute) or 'nothing'} and swapping with "
+            f"{smallest.swap}); give at least that, or shard the state over more ranks",
+        )
+
+
 @dataclass(frozen=True)
 class BudgetOption:
     """One option the budget plan weighed."""
@@ -130,10 +146,12 @@ def plan_budget(
     state_shards: int,
     max_host_bytes: int | None,
     baseline: Replay | None = None,
+    known: Mapping[tuple[tuple[RecomputeKind, ...], str], MemoryPlan] | None = None,
 ) -> MemoryPlan:
     """The fastest plan whose device peak is at most ``budget`` bytes; ``traces(kinds)``
-    is the step with ``kinds`` recomputed in every layer. Raises
-    :class:`PlanSettingError` naming the smallest budget a plan meets when none fits."""
+    is the step with ``kinds`` recomputed in every layer. Raises :class:`BudgetError`
+    naming the smallest budget a plan meets when none fits. ``known``: plans already made
+    with these settings, by recompute level and swap (a fit's ``auto`` and ``layer``)."""
     plain = traces(())
     if baseline is None:
         baseline = replay(
@@ -164,11 +182,17 @@ def plan_budget(
             trace = plain if not kinds else traces(kinds)
             fits_hidden = False
             for swap in BUDGET_SWAPS:
-                plan = plan_step(config, trace, activation_swap=swap, **settings)  # type: ignore[arg-type]
-                seconds = plan.timeline.step_seconds
-                option = BudgetOption(
-                    kinds, swap, plan.timeline.peak_bytes, seconds / base_seconds
+                if fits_hidden:
+                    break  # what hides fits: swapping everything only adds stalls
+                plan = (known or {}).get((kinds, swap)) or plan_step(
+                    config,
+                    trace,
+                    activation_swap=swap,  # type: ignore[arg-type]
+                    baseline=baseline if not kinds else None,
+                    **settings,
                 )
+                seconds = plan.timeline.step_seconds
+                option = BudgetOption(kinds, swap, plan.timeline.peak_bytes, seconds / base_seconds)
                 options.append(option)
                 if option.peak_bytes > budget:
                     continue
@@ -178,15 +202,7 @@ def plan_budget(
             if fits_hidden:
                 break
     if best is None:
-        smallest = min(options, key=lambda o: o.peak_bytes)
-        raise PlanSettingError(
-            "activation_memory_budget",
-            budget,
-            f"no plan fits: the smallest peak any plan reaches is {smallest.peak_bytes} bytes "
-            f"({smallest.peak_bytes / 2**30:.2f} GiB, recomputing "
-            f"{' and '.join(smallest.recompute) or 'nothing'} and swapping with "
-            f"{smallest.swap}); give at least that, or shard the state over more ranks",
-        )
+        raise BudgetError(budget, min(options, key=lambda o: o.peak_bytes))
     _, chosen, trace, option = best
     recompute_seconds = [
         max(0.0, after - before)

@@ -21,6 +21,7 @@ import torch
 
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.planning._budget import BudgetError, BudgetOption, plan_budget
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._plan import (
     DEFAULT_HIDE_MARGIN,
@@ -34,6 +35,7 @@ from graphswap.planning._plan import (
 )
 from graphswap.planning._replay import SwapChoice, replay
 from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
+from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
 from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
 from graphswap.runtime.policy import MIN_SWAP_TENSOR_BYTES, SwapPolicy, policy_name
@@ -225,7 +227,7 @@ def fit_sequence(
     if isinstance(seq_step, bool) or not isinstance(seq_step, int) or seq_step < 1:
         raise PlanSettingError("seq_step", seq_step, "must be a positive integer")
 
-    def meta_model(seq: int) -> MetaModel:
+    def meta_model(seq: int, recompute: tuple[RecomputeKind, ...] = ()) -> MetaModel:
         return build_meta_model(
             config,
             seq=seq,
@@ -235,6 +237,7 @@ def fit_sequence(
             device=device,
             attn_kernel=attn_kernel,
             tp=tp,
+            recompute=recompute,
         )
 
     first = meta_model(seq_step)
@@ -259,29 +262,67 @@ def fit_sequence(
     if not empty.state_fits:
         return empty
 
-    def trace(seq: int, policy: SwapPolicy) -> StepTrace:
-        return trace_step(first if seq == seq_step else meta_model(seq), resolved, policy)
-
     refused = {mode: _refusal(first, mode) for mode in modes}
     planned = [mode for mode in modes if refused[mode] is None]
     lengths = [steps * seq_step for steps in range(1, max_seq // seq_step + 1)] if planned else []
-    series = TraceLengths(
-        trace, lengths, min_bytes=MIN_SWAP_TENSOR_BYTES, name=policy_name(default_policy)
-    )
+    levels: dict[tuple[RecomputeKind, ...], TraceLengths] = {}
+
+    def series(recompute: tuple[RecomputeKind, ...]) -> TraceLengths:
+        """The grid's steps with ``recompute`` in every layer, traced when first asked."""
+        found = levels.get(recompute)
+        if found is None:
+
+            def trace(seq: int, policy: SwapPolicy) -> StepTrace:
+                meta = first if seq == seq_step and not recompute else meta_model(seq, recompute)
+                return trace_step(meta, resolved, policy)
+
+            found = levels[recompute] = TraceLengths(
+                trace, lengths, min_bytes=MIN_SWAP_TENSOR_BYTES, name=policy_name(default_policy)
+            )
+        return found
+
+    settings = {
+        "hide_margin": hide_margin,
+        "offload_lag": offload_lag,
+        "prefetch_depth": prefetch_depth,
+        "state_shards": state_shards,
+        "max_host_bytes": max_host_bytes,
+    }
     scans = {mode: _Scan(mode) for mode in planned}
+    fixed = [mode for mode in planned if mode != "budget"]
     for seq in lengths:
-        plans = _plan_modes(
-            config,
-            series(seq),
-            planned,
-            hide_margin=hide_margin,
-            offload_lag=offload_lag,
+        trace = series(())(seq)
+        baseline = replay(
+            trace,
+            SwapChoice(None, frozenset()),
+            offload_lag=1 if offload_lag is None else offload_lag,
             prefetch_depth=prefetch_depth,
             state_shards=state_shards,
-            max_host_bytes=max_host_bytes,
         )
-        for mode, plan in plans.items():
+        made = {}
+        for mode in fixed:
+            plan = made[(), mode] = plan_step(
+                config,
+                trace,
+                activation_swap=mode,  # type: ignore[arg-type]
+                baseline=baseline,
+                **settings,
+            )
             scans[mode].add(plan, memory)
+        if "budget" in scans:
+            try:
+                budgeted = plan_budget(
+                    config,
+                    lambda kinds, seq=seq: series(kinds)(seq),  # type: ignore[misc]
+                    budget=memory,
+                    baseline=baseline,
+                    known=made,  # type: ignore[arg-type]
+                    **settings,
+                )
+            except BudgetError as error:
+                scans["budget"].miss(seq, error.smallest)
+            else:
+                scans["budget"].add(budgeted, memory)
     return dataclasses.replace(
         empty,
         modes=tuple(
@@ -290,7 +331,7 @@ def fit_sequence(
             else ModeFit(mode, None, None, capped=False, refused=reason)
             for mode, reason in refused.items()
         ),
-        traced=series.traced,
+        traced=tuple(seq for s in levels.values() for seq in s.traced),
         planned=len(lengths),
     )
 
@@ -334,6 +375,11 @@ class _Scan:
         if fits and len(self.fits) == 1 and self.fits[0][0] == self.points[0].seq:
             self.answer = plan
 
+    def miss(self, seq: int, closest: BudgetOption) -> None:
+        """``budget`` found no plan within the memory at ``seq``; ``closest`` came nearest."""
+        self.points.append(LengthPoint(seq, closest.peak_bytes, closest.step_ratio, 0))
+        self._last_fits = False
+
     def result(self) -> ModeFit:
         answer = self.answer
         return ModeFit(
@@ -344,38 +390,3 @@ class _Scan:
             tuple((first, last) for first, last in self.fits),
             tuple(self.points),
         )
-
-
-def _plan_modes(
-    config: PretrainedConfig,
-    trace: StepTrace,
-    modes: Sequence[str],
-    *,
-    hide_margin: float,
-    offload_lag: int | None,
-    prefetch_depth: int,
-    state_shards: int,
-    max_host_bytes: int | None,
-) -> dict[str, MemoryPlan]:
-    """Every mode's plan on one trace (every rule runs ``swap_large_activations``)."""
-    baseline = replay(
-        trace,
-        SwapChoice(None, frozenset()),
-        offload_lag=1 if offload_lag is None else offload_lag,
-        prefetch_depth=prefetch_depth,
-        state_shards=state_shards,
-    )
-    return {
-        mode: plan_step(
-            config,
-            trace,
-            activation_swap=mode,  # type: ignore[arg-type]
-            hide_margin=hide_margin,
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
-            max_host_bytes=max_host_bytes,
-            baseline=baseline,
-        )
-        for mode in modes
-    }

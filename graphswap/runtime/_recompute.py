@@ -124,9 +124,7 @@ def _recompute_class(cls: type) -> type:
             state: _RecomputeState = self.__dict__[_STATE_ATTR]
             run = original
             if state.counter is not None:
-                inputs = {
-                    a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)
-                }
+                inputs = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
                 run = _counted(original, state.counter, inputs)
             return checkpoint(run, self, *args, use_reentrant=False, **kwargs)
 

@@ -87,6 +87,28 @@ def test_activation_swap_offloads_without_changing_the_losses(swap_base: Trainer
     assert swapped.losses == plain.losses
 
 
+@case("activation_memory_budget")
+def test_activation_memory_budget_decides_what_budget_recomputes(
+    swap_base: TrainerConfig,
+) -> None:
+    plain = run(swap_base)
+    plans = {}
+    for budget in ("1TiB", int(0.8 * plain.resident_activation_bytes) + (1 << 20)):
+        result = run(swap_base, activation_swap="budget", activation_memory_budget=budget)
+        assert result.losses == plain.losses
+        assert result.auto_swap is not None
+        plans[budget] = result.auto_swap["plan"]
+    roomy, tight = plans.values()
+    assert roomy["recompute"] == [] and roomy["budget_swap"] == "none"
+    assert tight["recompute"] and tight["recomputed_bytes"] > 0
+    with pytest.raises(ConfigError) as info:
+        dataclasses.replace(swap_base, activation_swap="budget")
+    assert info.value.key == "activation_memory_budget", "budget needs one"
+    with pytest.raises(ConfigError) as info:
+        dataclasses.replace(swap_base, activation_memory_budget="1GiB")
+    assert info.value.key == "activation_memory_budget", "only budget reads it"
+
+
 @case("swap_prefetch_depth")
 def test_swap_prefetch_depth_reaches_the_swap_manager(base: TrainerConfig) -> None:
     swap = dataclasses.replace(base, activation_swap="attention", num_layers=3)

@@ -268,6 +268,12 @@ def test_each_exclusion_is_rejected(other: str, swap_first: bool) -> None:
         f"activation_swap: attention excludes {other_setting}; set activation_swap: none or"
         f" {off} (swap (position {order.index('swap') + 1}) and {other} (position"
         f" {order.index(other) + 1}) cannot run together)"
+        + (
+            "; to recompute and swap together, set activation_swap: budget with an"
+            " activation_memory_budget (graphswap then plans and owns the recompute)"
+            if other == "activation_checkpointing"
+            else ""
+        )
     )
     with pytest.raises(PassConflictError):
         passes.plan(config).check()

@@ -46,7 +46,9 @@ _FLAGS = {
     "memory_bytes": "--fit",
     "seq_step": "--seq-step",
     "max_host_bytes": "--host-memory",
+    "activation_memory_budget": "--budget",
 }
+
 
 def memory_size(text: str) -> int:
     """``141GiB``, ``80GB``, ``8e10`` (bytes): a device memory, for ``--fit``."""
@@ -177,8 +179,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODE",
         help="what is swapped, as graphswap train's activation_swap: attention (default), "
         "layer (every tensor of the decoder layer the size policy swaps), auto (per layer, "
-        "largest first, the tensors whose copies hide in both windows, less --hide-margin) "
-        "or none",
+        "largest first, the tensors whose copies hide in both windows, less --hide-margin), "
+        "budget (per layer what to keep, swap and recompute within --budget) or none",
+    )
+    parser.add_argument(
+        "--budget",
+        type=memory_size,
+        action=Once,
+        default=None,
+        metavar="MEMORY",
+        help="--activation-swap budget (implied): the device peak to plan within (120GiB, "
+        "80GB, bytes); prints per layer the bytes kept, swapped and recomputed",
     )
     parser.add_argument(
         "--hide-margin",
@@ -239,10 +250,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _mode(args: argparse.Namespace) -> str:
+    """The swap mode of one plan: ``--budget`` implies ``budget``; else ``attention``."""
+    return args.activation_swap or ("budget" if args.budget is not None else "attention")
+
+
 def _refusal(args: argparse.Namespace) -> str | None:
     """A combination of flags that would change nothing, or lacks what it needs."""
-    mode = args.activation_swap or "attention"
-    if args.hide_margin is not None and mode != "auto" and args.fit is None:
+    mode = _mode(args)
+    if args.fit is None and (mode == "budget") != (args.budget is not None):
+        if args.budget is None:
+            return "--activation-swap budget needs --budget MEMORY (120GiB): the peak to plan in"
+        return (
+            f"--budget {args.budget} is read by --activation-swap budget only (it would change"
+            f" nothing for --activation-swap {mode}); drop one of them"
+        )
+    if args.hide_margin is not None and mode not in ("auto", "budget") and args.fit is None:
         return (
             f"--hide-margin {args.hide_margin} applies to --activation-swap auto only (it would"
             f" change nothing for --activation-swap {mode}); add --activation-swap auto or drop it"
@@ -266,11 +289,12 @@ def _refusal(args: argparse.Namespace) -> str | None:
     for flag, value in (
         ("--seq", args.seq),
         ("--activation-swap", args.activation_swap),
+        ("--budget", args.budget),
     ):
         if value is not None:
             return (
                 f"{flag} {value} with --fit: the fit searches the sequence for every mode (none, "
-                f"attention, layer, auto); drop {flag}"
+                f"attention, layer, auto, and budget within the fit's memory); drop {flag}"
             )
     return None
 
@@ -345,8 +369,13 @@ def run(args: argparse.Namespace) -> int:
             )
             data = fit.to_dict()
         else:
-            mode = args.activation_swap or "attention"
-            plan = plan_memory(config, seq=args.seq, activation_swap=mode, **settings)
+            plan = plan_memory(
+                config,
+                seq=args.seq,
+                activation_swap=_mode(args),
+                activation_memory_budget=args.budget,
+                **settings,
+            )
             data = plan.to_dict()
     except PlanSettingError as error:
         if error.setting == "model":
@@ -417,10 +446,13 @@ def format_layers(plan: Mapping[str, Any]) -> list[str]:
     stall it causes, the verdict; for ``layer`` and ``auto`` also which saves (by index
     in the layer's forward) move. For ``auto``, what it chose, in one line."""
     swap = plan["activation_swap"]
-    moved = "swapped" if swap == "auto" else "swappable"
-    saves = swap in ("layer", "auto")
+    moved = "swapped" if swap in ("auto", "budget") else "swappable"
+    saves = swap in ("layer", "auto", "budget")
+    budget = swap == "budget"
     header = (
-        f"{'layer':<22} {'saved':>11} {moved:>11} {'kept':>11} {'copy ms':>8} "
+        f"{'layer':<22} {'saved':>11} {moved:>11} {'kept':>11} "
+        + (f"{'recomputed':>11} {'recomp ms':>9} " if budget else "")
+        + f"{'copy ms':>8} "
         f"{'fwd win':>8} {'fwd stall':>9} {'reload ms':>9} {'bwd win':>8} {'bwd stall':>9}  "
         + ("verdict         swapped saves (#)" if saves else "verdict")
     )
@@ -431,7 +463,14 @@ def format_layers(plan: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"{layer['name']:<22} {format_bytes(layer['saved_bytes']):>11} "
             f"{format_bytes(layer['swappable_bytes']):>11} "
-            f"{format_bytes(layer['kept_bytes']):>11} {_ms(layer['copy_seconds']):>8} "
+            f"{format_bytes(layer['kept_bytes']):>11} "
+            + (
+                f"{format_bytes(layer['recomputed_bytes']):>11} "
+                f"{_ms(layer['recompute_seconds']):>9} "
+                if budget
+                else ""
+            )
+            + f"{_ms(layer['copy_seconds']):>8} "
             f"{_ms(layer['forward_window']):>8} {_ms(layer['forward_stall']):>9} "
             f"{_ms(layer['reload_seconds']):>9} {_ms(layer['backward_window']):>8} "
             f"{_ms(layer['backward_stall']):>9}  "
@@ -440,7 +479,24 @@ def format_layers(plan: Mapping[str, Any]) -> list[str]:
     lines.append("-" * len(header))
     if swap == "auto":
         lines.append(auto_verdict(plan))
+    if budget:
+        lines.append(budget_verdict(plan))
     return lines
+
+
+def budget_verdict(plan: Mapping[str, Any]) -> str:
+    """One line on what ``budget`` chose, and the options it weighed."""
+    recompute = " and ".join(plan["recompute"]) or "nothing"
+    weighed = "; ".join(
+        f"{' + '.join(o['recompute']) or 'no recompute'} with {o['swap']}: peak "
+        f"{format_bytes(o['peak_bytes'])}, ratio {o['step_ratio']:.4f}"
+        for o in plan["budget_options"]
+    )
+    return (
+        f"budget {format_bytes(plan['activation_memory_budget'])}: recompute {recompute} "
+        f"({format_bytes(plan['recomputed_bytes'])} dropped), swap {plan['budget_swap']} "
+        f"({format_bytes(plan['swapped_bytes'])}), keep the rest; weighed: {weighed}"
+    )
 
 
 def auto_verdict(plan: Mapping[str, Any]) -> str:

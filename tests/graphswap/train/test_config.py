@@ -36,14 +36,15 @@ def test_example_lists_every_key_with_defaults() -> None:
     data = yaml.safe_load(EXAMPLE.read_text())
     assert list(data) != [] and set(data) == set(TrainerConfig.keys())
     assert resolve_config(EXAMPLE) == TrainerConfig()
-    assert "activation_swap: none  # none, attention, layer, auto" in EXAMPLE.read_text()
+    assert "activation_swap: none  # none, attention, layer, auto, budget" in EXAMPLE.read_text()
 
 
 def test_illegal_value_lists_allowed_values(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_config(_write(tmp_path, "activation_swap: attn\n"))
     assert str(info.value) == (
-        "activation_swap: got 'attn'; allowed values: 'none', 'attention', 'layer', 'auto'"
+        "activation_swap: got 'attn'; allowed values: 'none', 'attention', 'layer', 'auto',"
+        " 'budget'"
     )
     assert info.value.key == "activation_swap"
 
@@ -53,7 +54,7 @@ def test_yaml_null_is_not_none(tmp_path: Path, text: str) -> None:
     with pytest.raises(
         ConfigError,
         match=r"^activation_swap: got null; allowed values: "
-        r"'none', 'attention', 'layer', 'auto' \(YAML null means no value",
+        r"'none', 'attention', 'layer', 'auto', 'budget' \(YAML null means no value",
     ):
         resolve_config(_write(tmp_path, text))
 

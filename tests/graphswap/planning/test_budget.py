@@ -1,0 +1,151 @@
+"""``activation_swap: budget``: keep, swap and recompute under a memory budget, exact.
+
+Per family (dense, MoE, hybrid), a budget tight enough to take all three decisions
+trains bitwise equal to no swap, and the runtime's stats count what the plan says it
+recomputes and swaps; a budget below what any plan reaches is refused with the
+smallest one that fits.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import graphswap
+from graphswap.hf.checkpoints import decoder_layers
+from graphswap.hf.presets import preset_config
+from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
+from graphswap.train.build import from_config
+from graphswap.train.config import TrainerConfig
+
+SEQ, BATCH = 4096, 2
+"""Long enough that the tiny models' saves pass the 1 MiB swap threshold."""
+
+
+def _plan(config: Any, budget: int) -> Any:
+    return plan_memory(
+        config,
+        seq=SEQ,
+        batch=BATCH,
+        dtype=torch.float32,
+        attn_implementation=config._attn_implementation,
+        device="cpu",
+        activation_swap="budget",
+        activation_memory_budget=budget,
+    )
+
+
+def _step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids = torch.randint(
+        0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+FAMILIES = {
+    "dense": lambda: preset_config("tiny-llama", attn_implementation="sdpa"),
+    "moe": lambda: preset_config("tiny", attn_implementation="eager"),
+    "moe-mixtral": lambda: preset_config("tiny-mixtral", attn_implementation="sdpa"),
+}
+
+
+@pytest.fixture(params=[*FAMILIES, "hybrid"])
+def family(request: pytest.FixtureRequest, tour_config: Callable[..., Any]) -> Any:
+    if request.param == "hybrid":
+        return tour_config("qwen3_next")
+    return FAMILIES[request.param]()
+
+
+def test_a_budget_that_takes_all_three_decisions_changes_no_number(family: Any) -> None:
+    config = family
+    config.num_hidden_layers = 2  # the first swaps, the last is kept
+    # The smallest peak any plan reaches: recompute and swap both, the rest kept.
+    with pytest.raises(PlanSettingError) as info:
+        _plan(config, 1)
+    smallest = info.value.smallest.peak_bytes  # type: ignore[attr-defined]
+    plan = _plan(config, smallest)
+    assert plan.recompute and plan.swapped_bytes > 0
+    assert plan.timeline.peak_bytes <= smallest
+    trainer = TrainerConfig(
+        activation_swap="budget",
+        activation_memory_budget=smallest,
+        seq_len=SEQ,
+        batch_size=BATCH,
+        attn_implementation=config._attn_implementation,
+    )
+    torch.manual_seed(0)
+    plain = from_config(config)
+    torch.manual_seed(0)
+    budgeted = from_config(config, trainer_config=trainer)
+    loss, grads = _step(plain)
+    budget_loss, budget_grads = _step(budgeted)
+    assert torch.equal(loss, budget_loss)
+    assert grads.keys() == budget_grads.keys()
+    assert all(torch.equal(grads[k], budget_grads[k]) for k in grads)
+    stats = graphswap.rewrite_report(budgeted).manager.stats  # type: ignore[union-attr]
+    assert stats.recomputed_bytes == plan.recomputed_bytes > 0
+    assert stats.offloaded_bytes == plan.swapped_bytes
+    layer = decoder_layers(budgeted)[1][0]
+    assert any(is_recompute_wrapped(m) for m in layer.modules())
+    graphswap.unrewrite(budgeted)
+    assert not any(is_recompute_wrapped(m) for m in budgeted.modules())
+
+
+def test_a_budget_no_plan_meets_names_the_smallest_that_does() -> None:
+    config = preset_config("tiny-llama", attn_implementation="sdpa")
+    with pytest.raises(PlanSettingError, match=r"smallest peak any plan reaches is (\d+) bytes"):
+        _plan(config, 1 << 20)
+
+
+def test_a_roomy_budget_keeps_everything() -> None:
+    plan = _plan(preset_config("tiny-llama", attn_implementation="sdpa"), 1 << 40)
+    assert (plan.recompute, plan.budget_swap, plan.swapped_bytes) == ((), "none", 0)
+    assert plan.step_ratio == 1.0
+
+
+def test_recompute_wrapper_keeps_the_module_and_undoes_exactly() -> None:
+    norm = torch.nn.LayerNorm(8)
+    counted: list[tuple[int, int]] = []
+    wrapped = recompute_wrapper(norm, counter=lambda n, b: counted.append((n, b)))
+    assert wrapped is norm and isinstance(norm, torch.nn.LayerNorm)
+    x = torch.randn(4, 8, requires_grad=True)
+    reference = torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias)
+    out = norm(x)
+    assert torch.equal(out, reference) and counted and counted[0][1] > 0
+    unwrap_recompute(norm)
+    copy = pickle.loads(pickle.dumps(recompute_wrapper(torch.nn.LayerNorm(8))))
+    assert is_recompute_wrapped(copy) and isinstance(copy, torch.nn.LayerNorm)
+    assert type(norm) is torch.nn.LayerNorm
+
+
+def test_recompute_reads_inputs_as_saved_so_an_in_place_change_is_an_error() -> None:
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    recompute_wrapper(mlp)
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 2
+    out = mlp(h).sum()
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_forward_without_backward_leaves_nothing_behind() -> None:
+    import gc
+    import weakref
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    recompute_wrapper(mlp)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = mlp(x)
+    ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is None
