@@ -47,12 +47,23 @@ def test_every_length_up_to_an_answer_fits(
         trace = trace_step(build_meta_model(config, seq=seq), fit.profile)
         for mode, answer in answers.items():
             if answer.seq is not None and seq <= answer.seq:
-                plan = plan_step(
-                    config,
-                    trace,
-                    activation_swap=mode,  # type: ignore[arg-type]
-                    offload_lag=offload_lag,
-                    state_shards=8,
+                plan = (
+                    plan_memory(
+                        config,
+                        seq=seq,
+                        activation_swap="budget",
+                        activation_memory_budget=memory,
+                        offload_lag=offload_lag,
+                        state_shards=8,
+                    )
+                    if mode == "budget"
+                    else plan_step(
+                        config,
+                        trace,
+                        activation_swap=mode,  # type: ignore[arg-type]
+                        offload_lag=offload_lag,
+                        state_shards=8,
+                    )
                 )
                 assert plan.timeline.peak_bytes <= memory, (mode, seq)
                 point = next(p for p in answer.points if p.seq == seq)
