@@ -1,9 +1,11 @@
 # Two entry points for a fresh machine: `make train` (the main job) and `make test`.
-# Both create the virtual environment first when it is missing. `make ci` is what CI runs.
+# Both create the virtual environment first when it is missing. `make ci` is what CI runs
+# (.ci/run runs the same targets, the slow installs in the background).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
 # The GPU machine's image, as far as a CPU machine can have it: torch 2.11 (the registry's
 # CUDA 13 build, which runs on CPU), transformers 5.17, networkx, pytest, hypothesis, pyyaml
@@ -28,7 +30,7 @@ FLOOR_TESTS := $(COMPAT_TESTS) tests/passes
 # No network for the dry run where this machine allows a private network namespace.
 NO_NETWORK := $(shell unshare -n true 2>/dev/null && echo unshare -n)
 
-.PHONY: train test lint env ci device-dry-run compat
+.PHONY: train test lint env docs ci device-dry-run compat
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +39,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
+
+# -qq: errors only. At -q every install here also prints setuptools' deprecation of
+# pyproject's license table and pip's notes on this machine's index settings, neither of
+# which is about the docs.
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -qq -e ".[docs]"
+	touch $(DOCS_STAMP)
 
 $(DEVICE_VENV)/.installed: Makefile
 	rm -rf $(DEVICE_VENV)
@@ -61,8 +70,15 @@ test: lint
 # ruff, and the layers contract in pyproject.toml (imports point down: application ->
 # passes -> core).
 lint: $(STAMP)
-	$(BIN)/ruff check graphswap passes tests tools
+	$(BIN)/ruff check graphswap passes tests tools docs/hooks
 	$(BIN)/lint-imports --no-cache
+
+# The documentation site in site/ (mkdocs.yml). --strict: a warning (a broken link or
+# anchor, a name an API page cites that no longer exists) fails the build.
+# NO_MKDOCS_2_WARNING silences mkdocs-material's notice about its own end of life, which
+# is printed on every build and is no warning about these pages.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # tools/device_check.sh --dry-run where the GPU check will run: the image's packages only,
 # no package index, no network. A dependency the image lacks fails here.
@@ -85,4 +101,4 @@ compat: $(DEVICE_VENV)/.installed $(FLOOR_VENV)/.installed
 		'networkx', networkx.__version__)"
 	PYTHONPATH=$(CURDIR) $(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
-ci: test device-dry-run compat
+ci: test docs device-dry-run compat
