@@ -137,6 +137,7 @@ def _recompute_class(cls: type) -> type:
 
 
 def is_recompute_wrapped(module: torch.nn.Module) -> bool:
+    """``module`` is recomputed in backward by :func:`recompute_wrapper`."""
     return isinstance(module, RecomputeWrapped)
 
 
