@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,8 +93,12 @@ def test_activation_memory_budget_decides_what_budget_recomputes(
     swap_base: TrainerConfig,
 ) -> None:
     plain = run(swap_base)
+    with pytest.raises(passes.PassSettingError) as refused:
+        run(swap_base, activation_swap="budget", activation_memory_budget=1)
+    found = re.search(r"smallest peak any plan reaches is (\d+) bytes", str(refused.value))
+    assert found is not None, "a budget no plan meets names the smallest one that does"
     plans = {}
-    for budget in ("1TiB", int(0.8 * plain.resident_activation_bytes) + (1 << 20)):
+    for budget in ("1TiB", int(found.group(1))):
         result = run(swap_base, activation_swap="budget", activation_memory_budget=budget)
         assert result.losses == plain.losses
         assert result.auto_swap is not None

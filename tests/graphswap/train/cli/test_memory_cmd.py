@@ -402,7 +402,7 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
     assert (fit["memory_bytes"], fit["seq_step"], fit["state_shards"]) == (41_500_000, 1024, 2)
     assert fit["state_fits"] and fit["traced"] == [1024, 2048]
     modes = {mode["activation_swap"]: mode for mode in fit["modes"]}
-    assert list(modes) == ["none", "attention", "layer", "auto"]
+    assert list(modes) == ["none", "attention", "layer", "auto", "budget"]
     assert [(mode["seq"], mode["capped"]) for mode in modes.values()] == [
         (1024, False),
         (1024, False),
