@@ -408,19 +408,20 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
         (1024, False),
         (2048, True),
         (2048, True),
+        (2048, True),
     ]
     lines = _memory.format_fit(fit).splitlines()
     assert lines[0].endswith("sequences in steps of 1024 up to 2048, state_shards 2")
     assert lines[2].startswith("host pool budget per rank: 128.00 GiB")
     assert lines[3].split()[:3] == ["mode", "longest", "seq"]
     assert lines[3].split()[-2:] == ["host", "peak"]
-    rows = {line.split()[0]: line.split()[1:] for line in lines[5:9]}
+    rows = {line.split()[0]: line.split()[1:] for line in lines[5:10]}
     for name, mode in modes.items():
         plan = mode["plan"]
         seq = [">=", "2048"] if mode["capped"] else ["1024"]
         assert rows[name][: len(seq) + 1] == [*seq, f"{plan['step_ratio']:.4f}"]
         assert mode["fits"] == [[1024, mode["seq"]]]
-    assert lines[10] == (
+    assert lines[11] == (
         "every multiple of 1024 up to 2048 planned (2 lengths), 2 traced: 1024, 2048; "
         ">= N: fits even at the model's max_position_embeddings"
     )
