@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._plan import LayerPlan, MemoryPlan, plan_step
-from graphswap.planning._replay import Replay, SwapChoice, replay
+from graphswap.planning._replay import Replay, replay_without_swap
 from graphswap.planning._trace import Event, StepTrace
 from graphswap.planning._units import RECOMPUTE_LEVELS, RecomputeKind
 from graphswap.runtime._tape import backward_label
@@ -154,10 +154,9 @@ def plan_budget(
     with these settings, by recompute level and swap (a fit's ``auto`` and ``layer``)."""
     plain = traces(())
     if baseline is None:
-        baseline = replay(
+        baseline = replay_without_swap(
             plain,
-            SwapChoice(None, frozenset()),
-            offload_lag=1 if offload_lag is None else offload_lag,
+            offload_lag=offload_lag,
             prefetch_depth=prefetch_depth,
             state_shards=state_shards,
         )
@@ -173,7 +172,9 @@ def plan_budget(
     options: list[BudgetOption] = []
     best: tuple[float, MemoryPlan, StepTrace, BudgetOption] | None = None
     if baseline.timeline.peak_bytes <= budget:
-        keep = plan_step(config, plain, activation_swap="none", baseline=baseline, **settings)
+        keep = (known or {}).get(((), "none")) or plan_step(
+            config, plain, activation_swap="none", baseline=baseline, **settings
+        )
         option = BudgetOption((), "none", keep.timeline.peak_bytes, keep.step_ratio)
         options.append(option)
         best = (keep.timeline.step_seconds, keep, plain, option)

@@ -33,7 +33,7 @@ from graphswap.planning._plan import (
     plan_step,
     resolve_profile,
 )
-from graphswap.planning._replay import SwapChoice, replay
+from graphswap.planning._replay import replay_without_swap
 from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
@@ -292,12 +292,8 @@ def fit_sequence(
     fixed = [mode for mode in planned if mode != "budget"]
     for seq in lengths:
         trace = series(())(seq)
-        baseline = replay(
-            trace,
-            SwapChoice(None, frozenset()),
-            offload_lag=1 if offload_lag is None else offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
+        baseline = replay_without_swap(
+            trace, offload_lag=offload_lag, prefetch_depth=prefetch_depth, state_shards=state_shards
         )
         made = {}
         for mode in fixed:

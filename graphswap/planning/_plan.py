@@ -13,7 +13,7 @@ import torch
 
 from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
 from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
-from graphswap.planning._replay import Replay, SwapChoice, replay
+from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap
 from graphswap.planning._trace import StepTrace, trace_step
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning._windows import StepTimes, group_of, step_times
@@ -573,7 +573,7 @@ def plan_step(
     schedule = {"prefetch_depth": prefetch_depth, "state_shards": state_shards}
     lag = 1 if offload_lag is None else offload_lag
     if baseline is None:
-        baseline = replay(trace, SwapChoice(None, frozenset()), offload_lag=lag, **schedule)
+        baseline = replay_without_swap(trace, offload_lag=lag, **schedule)
     candidates = layer_candidates(saved)
     per_layer = [candidates[layer.name] for layer in saved.layers]
     auto_fields: dict[str, Any] = {}

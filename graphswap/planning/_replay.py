@@ -355,3 +355,17 @@ def replay(
         ),
         host_peak,
     )
+
+
+def replay_without_swap(
+    trace: StepTrace, *, offload_lag: int | None, prefetch_depth: int, state_shards: int = 1
+) -> Replay:
+    """The step with nothing swapped: what every mode's step ratio is taken against
+    (``offload_lag`` unset: 1, as the modes other than ``auto`` take it)."""
+    return replay(
+        trace,
+        SwapChoice(None, frozenset()),
+        offload_lag=1 if offload_lag is None else offload_lag,
+        prefetch_depth=prefetch_depth,
+        state_shards=state_shards,
+    )

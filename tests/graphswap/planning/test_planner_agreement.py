@@ -129,6 +129,16 @@ def measure(
     return clock.timeline, loss, host_peak
 
 
+def assert_agrees(predicted: StepTimeline, measured: StepTimeline) -> None:
+    """Step time, compute, stalls and peak within :data:`TOLERANCE`."""
+    assert predicted.step_seconds == pytest.approx(measured.step_seconds, rel=TOLERANCE)
+    assert predicted.compute_seconds == pytest.approx(measured.compute_seconds, rel=TOLERANCE)
+    assert predicted.stall_seconds == pytest.approx(
+        measured.stall_seconds, rel=TOLERANCE, abs=TOLERANCE * 1e-2 * measured.step_seconds
+    )
+    assert predicted.peak_bytes == pytest.approx(measured.peak_bytes, rel=TOLERANCE)
+
+
 Clocked = Callable[[SwapMode, int], tuple[MemoryPlan, StepTimeline, float, int]]
 
 
@@ -164,12 +174,7 @@ def test_the_plan_agrees_with_the_clocked_runtime(
 ) -> None:
     plan, measured, _, host_peak = attention_clocked(mode, offload_lag)
     predicted = plan.timeline
-    assert predicted.step_seconds == pytest.approx(measured.step_seconds, rel=TOLERANCE)
-    assert predicted.compute_seconds == pytest.approx(measured.compute_seconds, rel=TOLERANCE)
-    assert predicted.stall_seconds == pytest.approx(
-        measured.stall_seconds, rel=TOLERANCE, abs=TOLERANCE * 1e-2 * measured.step_seconds
-    )
-    assert predicted.peak_bytes == pytest.approx(measured.peak_bytes, rel=TOLERANCE)
+    assert_agrees(predicted, measured)
     assert predicted.peak_label == measured.peak_label
     if mode in ("attention", "layer") and offload_lag == 1:
         assert measured.stall_seconds > 0.05 * measured.compute_seconds, "the case must stall"
@@ -280,12 +285,7 @@ def test_the_budget_plan_agrees_with_the_clocked_runtime_with_recompute(
     assert plan.recompute and plan.recomputed_bytes > 0, "the case must recompute"
     assert plan.swapped_bytes > 0, "the case must swap"
     predicted = plan.timeline
-    assert predicted.step_seconds == pytest.approx(measured.step_seconds, rel=TOLERANCE)
-    assert predicted.compute_seconds == pytest.approx(measured.compute_seconds, rel=TOLERANCE)
-    assert predicted.stall_seconds == pytest.approx(
-        measured.stall_seconds, rel=TOLERANCE, abs=TOLERANCE * 1e-2 * measured.step_seconds
-    )
-    assert predicted.peak_bytes == pytest.approx(measured.peak_bytes, rel=TOLERANCE)
+    assert_agrees(predicted, measured)
     assert measured.peak_bytes <= plan.activation_memory_budget * (1 + TOLERANCE)
     assert plan.host_peak_bytes == host_peak
     assert loss == clocked("none", 1)[2], "recompute and swap change no number"
