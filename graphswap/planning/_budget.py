@@ -90,10 +90,12 @@ BUDGET_SWAPS = ("auto", "layer")
 
 
 class BudgetError(PlanSettingError):
-    """No plan keeps the step's device peak within the budget; ``smallest`` is the option
-    that comes closest."""
+    """No plan keeps the step's device peak within the budget; ``options`` are those
+    weighed, ``smallest`` the one that comes closest."""
 
-    def __init__(self, budget: int, smallest: BudgetOption) -> None:
+    def __init__(self, budget: int, options: tuple[BudgetOption, ...]) -> None:
+        smallest = min(options, key=lambda o: o.peak_bytes)
+        self.options = options
         self.smallest = smallest
         super().__init__(
             "activation_memory_budget",
@@ -203,7 +205,7 @@ def plan_budget(
             if fits_hidden:
                 break
     if best is None:
-        raise BudgetError(budget, min(options, key=lambda o: o.peak_bytes))
+        raise BudgetError(budget, tuple(options))
     _, chosen, trace, option = best
     recompute_seconds = [
         max(0.0, after - before)
@@ -239,7 +241,8 @@ def _with_recompute(layer: LayerPlan, trace: StepTrace, seconds: float) -> Layer
 def _budget_assumptions(option: BudgetOption) -> tuple[str, ...]:
     return (
         "budget: recompute levels tried cheapest first (nothing, the norms, the norms and "
-        "the feed-forward block, in every layer), each traced with the recompute running "
+        "what lies between the feed-forward block's matmuls, the norms and the whole block, "
+        "in every layer), each traced with the recompute running "
         "in backward; at each, the swap of what hides (auto) and of everything (layer); the "
         "fastest option whose device peak is within the budget is kept"
         f" (here: recompute {' and '.join(option.recompute) or 'nothing'}, swap {option.swap})",

@@ -7,6 +7,10 @@ so a unit is a submodule, and a good one saves many bytes for little compute:
   inside attention, a gated norm): memory-bound elementwise work whose fp32 upcasts and
   products are among the largest saves of a layer and recompute in a fraction of a
   millisecond;
+- ``mlp_memory_bound``: what lies between the feed-forward block's matmuls (the
+  activation and its product, the experts' gathers, the router's softmax): about half
+  of the block's bytes at a few percent of its time; the matmul outputs are saved like
+  any tensor, for the swap to keep or move;
 - ``mlp``: the layer's feed-forward block (a dense MLP, or a mixture of experts with its
   router): most of what a layer saves besides attention, at the price of its matmuls.
 
@@ -21,13 +25,19 @@ from typing import Literal, get_args
 
 from torch import nn
 
-RecomputeKind = Literal["norms", "mlp"]
+RecomputeKind = Literal["norms", "mlp_memory_bound", "mlp"]
 """A kind of submodule the budget mode may recompute."""
 RECOMPUTE_KINDS: tuple[RecomputeKind, ...] = get_args(RecomputeKind)
 
-RECOMPUTE_LEVELS: tuple[tuple[RecomputeKind, ...], ...] = ((), ("norms",), ("norms", "mlp"))
+RECOMPUTE_LEVELS: tuple[tuple[RecomputeKind, ...], ...] = (
+    (),
+    ("norms",),
+    ("norms", "mlp_memory_bound"),
+    ("norms", "mlp"),
+)
 """What the budget mode recomputes in each layer, cheapest first: nothing, the norms,
-the norms and the feed-forward block."""
+the norms and the feed-forward block's memory-bound work, the norms and the whole
+feed-forward block."""
 
 _MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 """What the families call a layer's feed-forward block."""
@@ -41,7 +51,7 @@ def recompute_units(layer: nn.Module, kinds: Sequence[RecomputeKind]) -> tuple[s
     """The paths (in ``layer``) of the submodules of ``kinds``, in module order; a norm
     inside a recomputed feed-forward block is recomputed with it, not on its own."""
     units: list[str] = []
-    if "mlp" in kinds:
+    if "mlp" in kinds or "mlp_memory_bound" in kinds:
         units.extend(n for n, _ in layer.named_children() if n in _MLP_NAMES)
     if "norms" in kinds:
         units.extend(
@@ -51,3 +61,9 @@ def recompute_units(layer: nn.Module, kinds: Sequence[RecomputeKind]) -> tuple[s
         )
     order = {name: i for i, (name, _) in enumerate(layer.named_modules())}
     return tuple(sorted(units, key=order.__getitem__))
+
+
+def saves_matmuls(kinds: Sequence[RecomputeKind], unit: str) -> bool:
+    """The unit at path ``unit`` recomputes only what lies between its matmuls
+    (``recompute_wrapper(save_matmuls=True)``)."""
+    return "mlp_memory_bound" in kinds and "mlp" not in kinds and unit in _MLP_NAMES

@@ -29,6 +29,7 @@ from graphswap import _deprecated
 from graphswap.errors import HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.planning._units import saves_matmuls
 from graphswap.rewriting.rules import Rule, RuleContext, get_rule
 from graphswap.runtime import (
     is_recompute_wrapped,
@@ -199,7 +200,11 @@ class AutoSwap:
                         f"{AUTO_RULE}: {ctx.fqn} has no submodule {name!r}, which the budget "
                         "plan recomputes; plan the model that is rewritten"
                     ) from None
-                recompute_wrapper(units[-1], counter=counter)
+                recompute_wrapper(
+                    units[-1],
+                    counter=counter,
+                    save_matmuls=saves_matmuls(self.plan.recompute, name),
+                )
             return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
         except Exception:
             for unit in units:

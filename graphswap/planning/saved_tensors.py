@@ -36,7 +36,7 @@ from graphswap.hf.attention_kernels import (
 )
 from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
 from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
-from graphswap.planning._units import RecomputeKind, recompute_units
+from graphswap.planning._units import RecomputeKind, recompute_units, saves_matmuls
 from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
 from graphswap.runtime._recompute import recompute_wrapper
 from graphswap.runtime.policy import (
@@ -478,7 +478,11 @@ def build_meta_model(
     for index, (layer, names) in enumerate(zip(layers, units, strict=True)):
         counter = functools.partial(_count_recompute, meta.recompute_counts, index)
         for name in names:
-            recompute_wrapper(layer.get_submodule(name), counter=counter)
+            recompute_wrapper(
+                layer.get_submodule(name),
+                counter=counter,
+                save_matmuls=saves_matmuls(recompute, name),
+            )
     return meta
 
 

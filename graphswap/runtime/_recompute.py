@@ -1,7 +1,7 @@
 """recompute_wrapper: drop what a submodule saves for backward and run it again there.
 
-The budget mode recomputes whole submodules of a decoder layer (its norms, a dense
-MLP) with PyTorch's non-reentrant ``checkpoint``, inside the layer that the swap
+The budget mode recomputes submodules of a decoder layer (its norms, its feed-forward
+block) with PyTorch's non-reentrant ``checkpoint``, inside the layer that the swap
 wraps. Three facts of that checkpoint make the pair compose, and are why recompute is
 decided per submodule rather than per tensor:
 
@@ -14,6 +14,14 @@ decided per submodule rather than per tensor:
   inputs by autograd's version counter (the in-place error), and the RNG state is
   restored before the region runs again, so the result is bitwise the forward's.
 
+With ``save_matmuls`` only what lies between the region's matrix multiplications runs
+again (activations, products, gathers, the router's softmax: memory-bound work), the
+way a selective checkpoint policy that saves matmuls does. Torch's own selective
+checkpoint caches what it saves inside the checkpoint, where no saved-tensor hook sees
+it; here each matmul's output is handed to the hooks outside the region instead (the
+layer's swap, which keeps or moves it like any save), and the recompute takes it back
+from them in place of running the matmul again.
+
 As with ``swap_wrapper``, the module's class is swapped for a generated subclass:
 the object, its FQNs, ``state_dict`` keys and ``isinstance`` stay, the generated
 class pickles by recipe, and :func:`unwrap_recompute` restores the original type.
@@ -23,12 +31,14 @@ from __future__ import annotations
 
 import copyreg
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from graphswap.runtime.policy import is_parameter_like
@@ -47,6 +57,123 @@ class _RecomputeState:
     """The class to put back on unwrap."""
     counter: RecomputeCounter | None
     """Where the forward's dropped saves are counted (the swap manager's stats)."""
+    save_matmuls: bool
+    """Matmul outputs are saved through the outer hooks and only the operators between
+    them run again."""
+
+
+def _matmul_ops() -> frozenset[Any]:
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+_MATMULS = _matmul_ops()
+"""The operators whose outputs a ``save_matmuls`` region saves: the compute-bound ones."""
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """The pack and unpack of a region with no hooks around it: the output stays."""
+    return t
+
+
+class _Packed:
+    """One matmul output as the outer hooks packed it."""
+
+    __slots__ = ("handle", "output", "version")
+
+    def __init__(self, handle: Any, output: weakref.ref[torch.Tensor], version: int) -> None:
+        self.handle = handle
+        """What the outer pack hook returned."""
+        self.output = output
+        """The output itself, weakly: what an in-place change would change. Below
+        autograd, a detached alias does not share its version counter."""
+        self.version = version
+        """Its version when packed."""
+
+    def check(self) -> None:
+        """Autograd's in-place error, when the output was changed since it was packed."""
+        output = self.output()
+        if output is not None and output._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                "an inplace operation: a matmul output that a recomputed region saved is at "
+                f"version {output._version}; expected version {self.version} instead"
+            )
+
+
+class _SavedMatmuls:
+    """One forward's matmul outputs, packed by the saved-tensor hooks that were current
+    outside the region (or kept as they are when there were none)."""
+
+    def __init__(self) -> None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.pack: Callable[[torch.Tensor], Any] = _keep if top is None else top[0]
+        """The outer pack hook: the layer's swap when it is wrapped."""
+        self.unpack: Callable[[Any], torch.Tensor] = _keep if top is None else top[1]
+        """Its unpack hook."""
+        self.packed: dict[Any, list[_Packed | None]] = {}
+        """Per matmul operator, each call's output as packed, in call order; an entry is
+        ``None`` once the recompute has taken it back."""
+        self.storages: dict[int, StorageWeakRef] = {}
+        """Storages of the packed outputs, by address: saves of them are not dropped by
+        recompute (the weak reference tells a later storage at a reused address apart)."""
+
+    def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+        """The checkpoint's ``context_fn``: one mode for the forward, one for the recompute."""
+        return _SaveMatmuls(self), _ReplayMatmuls(self)
+
+
+class _SaveMatmuls(TorchDispatchMode):
+    """The forward: each matmul's output goes to the outer pack hook."""
+
+    def __init__(self, saved: _SavedMatmuls) -> None:
+        super().__init__()
+        self.saved = saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in _MATMULS:
+            # A detached alias: same storage and version counter, but no autograd
+            # graph, which the packed tensor would otherwise keep alive. It requires
+            # grad as the output will once autograd records it (below autograd it
+            # does not yet), so a swap policy sees it as the activation it is.
+            alias = out.detach()
+            if torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args
+            ):
+                alias.requires_grad_(True)
+            packed = _Packed(self.saved.pack(alias), weakref.ref(out), out._version)
+            self.saved.packed.setdefault(func, []).append(packed)
+            storage = out.untyped_storage()
+            self.saved.storages[storage._cdata] = StorageWeakRef(storage)
+        return out
+
+
+class _ReplayMatmuls(TorchDispatchMode):
+    """The recompute: each matmul's output is unpacked instead of computed again."""
+
+    def __init__(self, saved: _SavedMatmuls) -> None:
+        super().__init__()
+        self.saved = saved
+        self.calls: dict[Any, int] = {}
+        """Matmul calls so far in this recompute, per operator."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func not in _MATMULS:
+            return func(*args, **(kwargs or {}))
+        index = self.calls.get(func, 0)
+        self.calls[func] = index + 1
+        packed = self.saved.packed.get(func, [])
+        if index >= len(packed) or packed[index] is None:
+            raise RuntimeError(
+                f"recompute_wrapper(save_matmuls=True): {func} call {index} has no saved "
+                "output: the region ran other matmuls than in forward, or backward ran "
+                "through it twice; recompute regions support one backward"
+            )
+        entry, packed[index] = packed[index], None
+        entry.check()
+        return self.saved.unpack(entry.handle).detach()
 
 
 class RecomputeWrapped:
@@ -67,10 +194,11 @@ copyreg.pickle(_RecomputeClassMeta, _reduce_recompute_class)
 
 
 def _counted(
-    original: Callable[..., Any], counter: RecomputeCounter, inputs: set[int]
+    original: Callable[..., Any], counter: RecomputeCounter, kept: dict[int, StorageWeakRef]
 ) -> Callable[..., Any]:
     """``original``, counting on its first call (the forward, not the recompute) what
-    the checkpoint's hooks drop: non-parameter storages other than the inputs'."""
+    the checkpoint's hooks drop: non-parameter storages other than those in ``kept``
+    (the inputs', and the saved matmul outputs' as they are made)."""
     done = False
 
     def run(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -89,7 +217,8 @@ def _counted(
         def count(t: torch.Tensor) -> Any:
             storage = t.untyped_storage()
             key = storage._cdata
-            if key not in inputs and not is_parameter_like(t):
+            held = kept.get(key)
+            if (held is None or held.expired()) and not is_parameter_like(t):
                 known = seen.get(key)
                 if known is None or known.expired():
                     seen[key] = StorageWeakRef(storage)
@@ -123,10 +252,19 @@ def _recompute_class(cls: type) -> type:
                 return original(self, *args, **kwargs)
             state: _RecomputeState = self.__dict__[_STATE_ATTR]
             run = original
+            options: dict[str, Any] = {}
+            kept: dict[int, StorageWeakRef] = {}
+            if state.save_matmuls:
+                saved = _SavedMatmuls()
+                options["context_fn"] = saved.contexts
+                kept = saved.storages
             if state.counter is not None:
-                inputs = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
-                run = _counted(original, state.counter, inputs)
-            return checkpoint(run, self, *args, use_reentrant=False, **kwargs)
+                for arg in args:
+                    if isinstance(arg, torch.Tensor):
+                        storage = arg.untyped_storage()
+                        kept[storage._cdata] = StorageWeakRef(storage)
+                run = _counted(original, state.counter, kept)
+            return checkpoint(run, self, *args, use_reentrant=False, **options, **kwargs)
 
         namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
         recompute_cls = _RecomputeClassMeta(
@@ -142,11 +280,17 @@ def is_recompute_wrapped(module: torch.nn.Module) -> bool:
 
 
 def recompute_wrapper(
-    module: torch.nn.Module, *, counter: RecomputeCounter | None = None
+    module: torch.nn.Module,
+    *,
+    counter: RecomputeCounter | None = None,
+    save_matmuls: bool = False,
 ) -> torch.nn.Module:
     """Make ``module`` drop what it saves for backward and run again there to regenerate
-    it; ``counter`` is told what each forward dropped. Returns the same object, now an
-    instance of a generated ``Recompute<Class>`` subclass."""
+    it; ``counter`` is told what each forward dropped. ``save_matmuls``: the outputs of
+    its matrix multiplications are saved instead (through the saved-tensor hooks around
+    the module: the layer's swap keeps or moves them) and only the operators between
+    them run again. Returns the same object, now an instance of a generated
+    ``Recompute<Class>`` subclass."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"recompute_wrapper expects an nn.Module, got {type(module).__name__}")
     if is_recompute_wrapped(module):
@@ -156,7 +300,7 @@ def recompute_wrapper(
         )
     cls = type(module)
     recompute_cls = _recompute_class(cls)
-    module.__dict__[_STATE_ATTR] = _RecomputeState(cls, counter)
+    module.__dict__[_STATE_ATTR] = _RecomputeState(cls, counter, save_matmuls)
     module.__class__ = recompute_cls
     return module
 

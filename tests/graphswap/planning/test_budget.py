@@ -8,12 +8,14 @@ smallest one that fits.
 
 from __future__ import annotations
 
+import copy
 import pickle
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphswap
 from graphswap.hf.checkpoints import decoder_layers
@@ -63,19 +65,19 @@ def family(request: pytest.FixtureRequest, tour_config: Callable[..., Any]) -> A
     return FAMILIES[request.param]()
 
 
-def test_a_budget_that_takes_all_three_decisions_changes_no_number(family: Any) -> None:
-    config = family
-    config.num_hidden_layers = 2  # the first swaps, the last is kept
-    # The smallest peak any plan reaches: recompute and swap both, the rest kept.
+def _options(config: Any) -> tuple[Any, ...]:
+    """Every option the budget plan weighs (a budget of one byte weighs them all)."""
     with pytest.raises(PlanSettingError) as info:
         _plan(config, 1)
-    smallest = info.value.smallest.peak_bytes  # type: ignore[attr-defined]
-    plan = _plan(config, smallest)
-    assert plan.recompute and plan.swapped_bytes > 0
-    assert plan.timeline.peak_bytes <= smallest
+    return info.value.options  # type: ignore[attr-defined,no-any-return]
+
+
+def _trains_as_planned(config: Any, budget: int, plan: Any) -> None:
+    """The budget mode at ``budget`` trains bitwise equal to no swap, and its stats
+    count what ``plan`` recomputes and swaps."""
     trainer = TrainerConfig(
         activation_swap="budget",
-        activation_memory_budget=smallest,
+        activation_memory_budget=budget,
         seq_len=SEQ,
         batch_size=BATCH,
         attn_implementation=config._attn_implementation,
@@ -96,6 +98,32 @@ def test_a_budget_that_takes_all_three_decisions_changes_no_number(family: Any) 
     assert any(is_recompute_wrapped(m) for m in layer.modules())
     graphswap.unrewrite(budgeted)
     assert not any(is_recompute_wrapped(m) for m in budgeted.modules())
+
+
+def test_a_budget_that_takes_all_three_decisions_changes_no_number(family: Any) -> None:
+    config = family
+    config.num_hidden_layers = 2  # the first swaps, the last is kept
+    # The smallest peak any plan reaches: recompute and swap both, the rest kept.
+    smallest = min(o.peak_bytes for o in _options(config))
+    plan = _plan(config, smallest)
+    assert plan.recompute and plan.swapped_bytes > 0
+    assert plan.timeline.peak_bytes <= smallest
+    _trains_as_planned(config, smallest, plan)
+
+
+def test_recomputing_between_the_matmuls_swaps_their_outputs_and_changes_no_number(
+    family: Any,
+) -> None:
+    config = family
+    config.num_hidden_layers = 2
+    level = ("norms", "mlp_memory_bound")
+    options = _options(config)
+    peaks = {(o.recompute, o.swap): o.peak_bytes for o in options}
+    budget = peaks[level, "auto"]
+    assert budget < peaks[("norms",), "auto"], "what hides fits only with this level"
+    plan = _plan(config, budget)
+    assert plan.recompute == level and plan.swapped_bytes > 0
+    _trains_as_planned(config, budget, plan)
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_does() -> None:
@@ -149,3 +177,99 @@ def test_forward_without_backward_leaves_nothing_behind() -> None:
     del out
     gc.collect()
     assert ref() is None
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 16)
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmuls(module: torch.nn.Module, packed: list[torch.Tensor]) -> tuple[int, Any]:
+    """Matmuls backward runs through ``module``, and its input's gradient; the saved-tensor
+    hooks around the forward append to ``packed`` what they are handed."""
+    x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x).sum()
+    with _CountMatmuls() as counted:
+        out.backward()
+    return counted.calls, x.grad
+
+
+def test_save_matmuls_hands_the_matmul_outputs_to_the_outer_hooks_and_never_reruns_one() -> None:
+    torch.manual_seed(0)
+    reference = _GatedMLP()
+    recomputed = copy.deepcopy(reference)
+    between = copy.deepcopy(reference)
+    recompute_wrapper(recomputed)
+    recompute_wrapper(between, save_matmuls=True)
+    plain_calls, plain_grad = _backward_matmuls(reference, [])
+    recomputed_calls, recomputed_grad = _backward_matmuls(recomputed, [])
+    packed: list[torch.Tensor] = []
+    between_calls, between_grad = _backward_matmuls(between, packed)
+    assert recomputed_calls > plain_calls, "plain recompute runs matmuls again"
+    assert between_calls == plain_calls, "save_matmuls runs none again"
+    assert torch.equal(between_grad, plain_grad) and torch.equal(recomputed_grad, plain_grad)
+    for name in ("gate", "up", "down"):
+        grads = [getattr(m, name).weight.grad for m in (reference, between)]
+        assert torch.equal(*grads)
+    outputs = [t for t in packed if t.shape[-1] == 16 or (t.shape == (4, 8) and t.requires_grad)]
+    assert sum(t.shape == (4, 16) for t in outputs) == 2 and any(t.shape == (4, 8) for t in outputs)
+
+
+def test_save_matmuls_raises_when_a_saved_matmul_output_was_changed_in_place() -> None:
+    class Square(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.proj(x)
+            return h, h * h
+
+    module = recompute_wrapper(Square(), save_matmuls=True)
+    h, squared = module(torch.randn(4, 8, requires_grad=True))
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        squared.sum().backward()
+
+
+def test_save_matmuls_leaves_nothing_behind_when_backward_never_runs() -> None:
+    import gc
+    import weakref
+
+    packed: list[weakref.ref[torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        held = t.clone()
+        packed.append(weakref.ref(held))
+        return held
+
+    module = recompute_wrapper(_GatedMLP(), save_matmuls=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(torch.randn(4, 8, requires_grad=True))
+    ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is None and packed and all(r() is None for r in packed)
