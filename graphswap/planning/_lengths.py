@@ -19,10 +19,13 @@ threshold is applied to each length's bytes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
+
+import numpy as np
 
 from graphswap.planning._trace import Block, Event, StepTrace, TracedSave
 from graphswap.planning.saved_tensors import LayerTrace, SavedTensor
@@ -65,7 +68,7 @@ def _save_structure(save: SavedTensor) -> tuple[Any, ...]:
     )
 
 
-def _numbers(trace: StepTrace) -> list[float]:
+def _numbers(trace: StepTrace) -> np.ndarray:
     """Every number of ``trace`` that may depend on the length, in a fixed order."""
     values: list[float] = [b.nbytes for b in trace.blocks]
     for ops in trace.costs:
@@ -78,7 +81,7 @@ def _numbers(trace: StepTrace) -> list[float]:
         values.append(save.nbytes)
         values.append(save.storage_nbytes)
     values.extend(trace.recomputed_bytes)
-    return values
+    return np.array(values, dtype=np.float64)
 
 
 def _weights(points: Sequence[int], at: int) -> tuple[Fraction, ...]:
@@ -92,16 +95,14 @@ def _weights(points: Sequence[int], at: int) -> tuple[Fraction, ...]:
     )
 
 
-def _interpolate(points: Sequence[int], values: Sequence[Sequence[float]], at: int) -> list[float]:
+def _interpolate(points: Sequence[int], values: Sequence[np.ndarray], at: int) -> np.ndarray:
     w0, w1, w2 = (float(w) for w in _weights(points, at))
     a, b, c = values
-    return [w0 * x + w1 * y + w2 * z for x, y, z in zip(a, b, c, strict=True)]
+    return w0 * a + w1 * b + w2 * c
 
 
-def _matches(predicted: Sequence[float], traced: Sequence[float]) -> bool:
-    return all(
-        abs(p - t) <= 1e-9 * max(1.0, abs(t)) for p, t in zip(predicted, traced, strict=True)
-    )
+def _matches(predicted: np.ndarray, traced: np.ndarray) -> bool:
+    return bool(np.all(np.abs(predicted - traced) <= 1e-9 * np.maximum(1.0, np.abs(traced))))
 
 
 def _compute_positions(trace: StepTrace) -> list[int]:
@@ -131,36 +132,82 @@ def _with_saves(
     )
 
 
-def _rebuild(template: StepTrace, seq: int, values: Sequence[float]) -> StepTrace:
-    """``template`` with its length-dependent numbers replaced by ``values``
-    (:func:`_numbers`' order); compute events re-timed on its profile as
-    :meth:`~graphswap.runtime.profile.OpCost.seconds` times them."""
-    profile = template.profile
-    rate = profile.tflops * 1e12
-    attention_rate = rate * profile.attention_efficiency
-    hbm = profile.hbm_gbps * 1e9
-    it = iter(values)
-    blocks = tuple(Block(round(next(it)), block.kind) for block in template.blocks)
-    seconds: list[float] = []
-    for ops in template.costs:
-        total = 0.0
-        for op in ops:
-            flops, nbytes = next(it), round(next(it))
-            total += max(flops / (rate if op.attention is None else attention_rate), nbytes / hbm)
-        seconds.append(total)
-    events = list(template.events)
-    for position, time in zip(_compute_positions(template), seconds, strict=True):
-        events[position] = (Event.COMPUTE, time)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where each kind of number sits in :func:`_numbers`' order, for one structure."""
 
-    def fresh(save: SavedTensor) -> SavedTensor:
-        shape = tuple(round(next(it)) for _ in save.shape)
-        return dataclasses.replace(
-            save, shape=shape, nbytes=round(next(it)), storage_nbytes=round(next(it))
+    blocks: int
+    """Numbers before the operators': one per block."""
+    ops: int
+    """Operators, two numbers each (FLOPs, bytes)."""
+    attention: np.ndarray
+    """Per operator: it is attention (timed at the profile's attention efficiency)."""
+    groups: np.ndarray
+    """Where each ``COMPUTE`` event's operators begin, in operator order."""
+    positions: tuple[int, ...]
+    """The ``COMPUTE`` events' positions in the event list."""
+
+    @classmethod
+    def of(cls, trace: StepTrace) -> _Layout:
+        sizes = [len(ops) for ops in trace.costs]
+        return cls(
+            blocks=len(trace.blocks),
+            ops=sum(sizes),
+            attention=np.array(
+                [op.attention is not None for ops in trace.costs for op in ops], dtype=bool
+            ),
+            groups=np.array(list(itertools.accumulate(sizes, initial=0))[:-1], dtype=np.int64),
+            positions=tuple(_compute_positions(trace)),
         )
 
-    rebuilt = _with_saves(template, fresh, seq=seq, events=tuple(events), costs=(), blocks=blocks)
-    recomputed = tuple(round(next(it)) for _ in template.recomputed_bytes)
-    return dataclasses.replace(rebuilt, recomputed_bytes=recomputed)
+
+def _rebuild(
+    template: StepTrace, layout: _Layout, seq: int, values: np.ndarray, min_bytes: int, name: str
+) -> StepTrace:
+    """``template`` with its length-dependent numbers replaced by ``values``
+    (:func:`_numbers`' order), compute events re-timed on its profile as
+    :meth:`~graphswap.runtime.profile.OpCost.seconds` times them, and each save asked
+    the size policy of ``min_bytes`` (called ``name``)."""
+    profile = template.profile
+    rate = profile.tflops * 1e12
+    hbm = profile.hbm_gbps * 1e9
+    ints = np.rint(values).astype(np.int64)
+    blocks = tuple(
+        Block(nbytes, block.kind)
+        for nbytes, block in zip(ints[: layout.blocks].tolist(), template.blocks, strict=True)
+    )
+    ops = values[layout.blocks : layout.blocks + 2 * layout.ops]
+    rates = np.where(layout.attention, rate * profile.attention_efficiency, rate)
+    per_op = np.maximum(ops[0::2] / rates, np.rint(ops[1::2]) / hbm)
+    seconds = np.add.reduceat(per_op, layout.groups).tolist() if layout.ops else []
+    events = list(template.events)
+    for position, time in zip(layout.positions, seconds, strict=True):
+        events[position] = (Event.COMPUTE, time)
+    rest = ints[layout.blocks + 2 * layout.ops :].tolist()
+    at = 0
+
+    def fresh(save: SavedTensor) -> SavedTensor:
+        nonlocal at
+        dims = len(save.shape)
+        shape = tuple(rest[at : at + dims])
+        nbytes, storage_nbytes = rest[at + dims], rest[at + dims + 1]
+        at += dims + 2
+        return SavedTensor(
+            save.index,
+            shape,
+            save.dtype,
+            nbytes,
+            save.storage,
+            storage_nbytes,
+            save.parameter,
+            save.in_attention,
+            save.policy_swaps and nbytes >= min_bytes,
+        )
+
+    rebuilt = _with_saves(
+        template, fresh, seq=seq, events=tuple(events), costs=(), blocks=blocks, policy=name
+    )
+    return dataclasses.replace(rebuilt, recomputed_bytes=tuple(rest[at:]))
 
 
 def _thresholded(trace: StepTrace, min_bytes: int, name: str) -> StepTrace:
@@ -179,8 +226,9 @@ class _Range:
     """Lengths whose steps follow from three traces."""
 
     points: tuple[int, int, int]
-    values: tuple[list[float], list[float], list[float]]
+    values: tuple[np.ndarray, np.ndarray, np.ndarray]
     template: StepTrace
+    layout: _Layout
 
 
 class TraceLengths:
@@ -231,7 +279,8 @@ class TraceLengths:
             points = (lo, mid, hi)
             values = (_numbers(traces[0]), _numbers(traces[1]), _numbers(traces[2]))
             if _matches(_interpolate(points, values, check), _numbers(traces[3])):
-                self._ranges.append((lo, hi, _Range(points, values, traces[0])))
+                layout = _Layout.of(traces[0])
+                self._ranges.append((lo, hi, _Range(points, values, traces[0], layout)))
                 return
         half = len(lengths) // 2
         self._cover(lengths[: half + 1])
@@ -245,5 +294,5 @@ class TraceLengths:
             if found is None:
                 raise ValueError(f"{seq} is not a length of this grid")
             values = _interpolate(found.points, found.values, seq)
-            trace = _rebuild(found.template, seq, values)
+            return _rebuild(found.template, found.layout, seq, values, self._min_bytes, self._name)
         return _thresholded(trace, self._min_bytes, self._name)

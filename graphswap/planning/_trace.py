@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,9 +74,9 @@ class BlockKind(enum.Enum):
     """A temporary of the optimizer step."""
 
 
-@dataclass(frozen=True)
-class Block:
-    """One device storage's lifetime in the traced step."""
+class Block(NamedTuple):
+    """One device storage's lifetime in the traced step (a named tuple: a fit makes
+    tens of thousands per length)."""
 
     nbytes: int
     """The storage's size."""
