@@ -44,6 +44,9 @@ from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
 from graphswap.runtime._tape import step_labels
 from graphswap.runtime.profile import DeviceProfile, device_profile
 
+_use_count = torch._C._storage_Use_Count
+"""References to a storage: read once here, not through ``torch._C`` at every release."""
+
 __all__ = [
     "AcceleratorCopyEngine",
     "Copy",
@@ -323,7 +326,7 @@ class _Offload(Copy):
         batch = self._batch
         batch.lane.device.drop(hold, (batch if batch.seq else batch.sealed()).event)
         # This reference and another: the bytes stay on device whatever the swap does.
-        if torch._C._storage_Use_Count(hold._cdata) > 1:
+        if _use_count(hold._cdata) > 1:
             return weakref.ref(hold)
         return None
 

@@ -219,7 +219,8 @@ class _ForwardOps:
         if not queue:
             return
         limit = seq - self.offload_lag
-        with self._lock:
+        self._lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
             newest = None
             for ref in queue:
                 fwd = ref()
@@ -244,6 +245,8 @@ class _ForwardOps:
                             entry.held = offload.release_source()
                     fwd.queued = False
                 queue.popleft()
+        finally:
+            self._lock.release()
 
     def _release_source(self, entry: _Entry) -> None:
         """Drop the offload's device source (ordered already); one that another reference
@@ -290,7 +293,9 @@ class _ForwardOps:
         device = local.device
         engine, device = self._device_engines.get(device) or self._first_engine(device)
         stats = fwd.stats
-        with self._lock:  # one acquisition: the pool, the copy's issue and its records
+        # One acquisition: the pool, the copy's issue and its records.
+        self._lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
             if fwd.keep:
                 reason = "kept_last_layer"
             elif self._capturing:
@@ -330,6 +335,8 @@ class _ForwardOps:
                 self._in_flight.append(weakref.ref(fwd))  # ``_latest``'s: no new object
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
+        finally:
+            self._lock.release()
         return entry
 
     def _prefetch(self, fwd: _Forward) -> None:
@@ -337,7 +344,8 @@ class _ForwardOps:
         consumes them in reverse saving order, and each waits only for its own copy."""
         if not fwd.entries:
             return
-        with self._lock:
+        self._lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
             due = [
                 entry
                 for entry in reversed(fwd.entries.values())
@@ -345,6 +353,8 @@ class _ForwardOps:
             ]
             if due:
                 self._load(due, prefetched=True)
+        finally:
+            self._lock.release()
 
     def _load(self, entries: list[_Entry], *, prefetched: bool) -> None:
         """Issue the reloads of ``entries``, all of one forward (per device, one batch),

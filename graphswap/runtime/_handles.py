@@ -213,7 +213,8 @@ class _Swapped:
         waits for its last users."""
         entry = self.entry
         manager = entry.manager
-        with manager._lock:
+        manager._lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
             refs = entry.refs = entry.refs - 1
             load = entry.load
             if load is not None and self.gen != entry.gen:
@@ -249,6 +250,8 @@ class _Swapped:
             else:
                 entry.load = None
                 manager._pool.release(buf, (offload, load))
+        finally:
+            manager._lock.release()
 
 
 def unpack_hook(packed: Any) -> torch.Tensor:
@@ -277,7 +280,8 @@ def unpack_hook(packed: Any) -> torch.Tensor:
     if now != entry.version:
         size = packed.layout[2] if packed.layout is not None else entry.host.size()
         raise _integrity_error(fwd.name, size, entry.version, now)
-    with manager._lock:
+    manager._lock.acquire()  # not ``with``: it makes two bound methods a call
+    try:
         load = entry.load
         if load is None or packed.gen == entry.gen:
             entry.stats.prefetch_misses += 1
@@ -300,6 +304,8 @@ def unpack_hook(packed: Any) -> torch.Tensor:
             entry.waiting -= 1
             if entry.waiting == 0:
                 entry.load = None
+    finally:
+        manager._lock.release()
     out = load.fenced_result()
     if packed.layout is not None:
         storage = out.untyped_storage()
