@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from graphswap.runtime._manager import SwapManager
 
 _TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
 _STRIDED = torch.strided
 _MUST_SWAP = CheckpointPolicy.MUST_SWAP
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -103,7 +104,7 @@ class _Forward:
                 t.layout is not _STRIDED
                 or t.is_meta
                 or getattr(t, "_is_param", False)
-                or (base is not None and _is_parameter(base))
+                or (base is not None and (type(base) is _PARAMETER or _is_parameter(base)))
             ):
                 return (t.detach(), t._version, self)
         else:

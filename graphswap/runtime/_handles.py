@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from graphswap.runtime._manager import SwapManager
 
 
+_task_id = torch._C._current_graph_task_id
+"""The autograd graph task running now (-1: none): read at every unpack."""
+
+
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
     return SwapIntegrityError(
         f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
@@ -260,7 +264,7 @@ def unpack_hook(packed: Any) -> torch.Tensor:
     is made per forward."""
     if type(packed) is tuple:  # a kept tensor: ``Kept``
         alias, version, fwd = packed
-        task = torch._C._current_graph_task_id()
+        task = _task_id()
         if task != fwd.task and task != -1:
             # The first unpack of this forward in this backward: its backward begins.
             fwd.task = task
@@ -271,7 +275,7 @@ def unpack_hook(packed: Any) -> torch.Tensor:
         return alias
     fwd = packed.forward
     manager = fwd.manager
-    task = torch._C._current_graph_task_id()
+    task = _task_id()
     if task != fwd.task and task != -1:
         fwd.task = task
         manager._backward_begins(fwd)
@@ -280,7 +284,8 @@ def unpack_hook(packed: Any) -> torch.Tensor:
     if now != entry.version:
         size = packed.layout[2] if packed.layout is not None else entry.host.size()
         raise _integrity_error(fwd.name, size, entry.version, now)
-    manager._lock.acquire()  # not ``with``: it makes two bound methods a call
+    lock = manager._lock
+    lock.acquire()  # not ``with``: it makes two bound methods a call
     try:
         load = entry.load
         if load is None or packed.gen == entry.gen:
@@ -305,7 +310,7 @@ def unpack_hook(packed: Any) -> torch.Tensor:
             if entry.waiting == 0:
                 entry.load = None
     finally:
-        manager._lock.release()
+        lock.release()
     out = load.fenced_result()
     if packed.layout is not None:
         storage = out.untyped_storage()

@@ -50,6 +50,10 @@ from graphswap.runtime.policy import SwapPolicy, policy_name
 
 __all__ = ["SwapManager"]
 
+_task_id = torch._C._current_graph_task_id
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""What every wrapped forward asks first (``_slot._excluded``), read once here."""
+
 
 def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
     """An int, not a bool (``True`` would pass as 1) nor a string of one."""
@@ -319,9 +323,12 @@ class SwapManager(_SlotHooks, _ForwardOps):
         if not torch.is_grad_enabled():
             return forward(module, *args, **kwargs)
         slot = self._slots[module]
-        excluded = _excluded()
-        if excluded is not None:
-            _refuse(slot.name, *excluded)
+        # ``_excluded()``'s two queries inline; it names what was found only when either
+        # answers (a backward running, or saved-tensor hooks installed: ours when nested).
+        if _task_id() != -1 or _top_hooks(False) is not None:
+            excluded = _excluded()
+            if excluded is not None:
+                _refuse(slot.name, *excluded)
         self._seq = seq = self._seq + 1
         if self._pool.in_use_bytes == 0:
             # Nothing swapped is alive: a step boundary, outside every hook.
