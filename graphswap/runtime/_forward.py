@@ -19,7 +19,7 @@ import torch
 
 from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine, NoOpAccelerator
 from graphswap.runtime._handles import Kept, _Entry, _Swapped, layout_in
-from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer, Refusal
+from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import (
@@ -294,22 +294,19 @@ class _ForwardOps:
         device = local.device
         engine, device = self._device_engines.get(device) or self._first_engine(device)
         stats = fwd.stats
+        lock = self._lock
         # One acquisition: the pool, the copy's issue and its records.
-        self._lock.acquire()  # not ``with``: it makes two bound methods a call
+        lock.acquire()  # not ``with``: it makes two bound methods a call
         try:
-            if fwd.keep:
-                reason = "kept_last_layer"
-            elif self._capturing:
-                reason = "kept_capturing"
-            else:
-                buf = self._pool.acquire(device, nbytes, engine)
-                reason = buf.value if type(buf) is Refusal else None
-            if reason is not None:
-                stats.kept_tensors += 1
-                stats.kept_bytes += nbytes
-                setattr(stats, reason, getattr(stats, reason) + 1)
+            if fwd.keep or self._capturing:
+                self._count_kept(
+                    stats, nbytes, "kept_last_layer" if fwd.keep else "kept_capturing"
+                )
                 return None
-            assert type(buf) is HostBuffer
+            buf = self._pool.acquire(device, nbytes, engine)
+            if type(buf) is not HostBuffer:  # a ``Refusal``
+                self._count_kept(stats, nbytes, buf.value)
+                return None
             dtype = local.dtype
             if (
                 dtype in TYPED_VIEWS
@@ -337,8 +334,16 @@ class _ForwardOps:
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
         finally:
-            self._lock.release()
+            lock.release()
         return entry
+
+    @staticmethod
+    def _count_kept(stats: GroupStats, nbytes: int, reason: str) -> None:
+        """A tensor the policy chose to swap stays on device, for ``reason`` (a field of
+        ``stats``); called under the manager's lock."""
+        stats.kept_tensors += 1
+        stats.kept_bytes += nbytes
+        setattr(stats, reason, getattr(stats, reason) + 1)
 
     def _prefetch(self, fwd: _Forward) -> None:
         """Reload ``fwd``'s swapped storages as one batch, first needed first: backward
@@ -364,11 +369,12 @@ class _ForwardOps:
         first = entries[0]
         engine, device = first.engine, first.device  # one object per device: ``is``
         batch = entries
-        for entry in entries:
-            if entry.engine is not engine or entry.device is not device:  # a batch each
-                batch = [e for e in entries if e.engine is engine and e.device is device]
-                self._load([e for e in entries if e not in batch], prefetched=prefetched)
-                break
+        if len(self._device_engines) > 1:  # entries of several devices: a batch each
+            for entry in entries:
+                if entry.engine is not engine or entry.device is not device:
+                    batch = [e for e in entries if e.engine is engine and e.device is device]
+                    self._load([e for e in entries if e not in batch], prefetched=prefetched)
+                    break
         loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])
         nbytes = 0
         for entry, load in zip(batch, loads, strict=True):
