@@ -173,10 +173,11 @@ def _state_storages(module: torch.nn.Module) -> set[int]:
 
 
 class _ForwardOps:
-    """What ``SwapManager`` does with the forwards it records, from pack to release.
+    """What ``SwapManager`` does with the forwards it records, from offload to reload.
 
-    A base of ``SwapManager`` (methods moved, not wrapped: the pack hook is the bound
-    method itself); the state it uses is ``SwapManager``'s, commented there.
+    A base of ``SwapManager`` (methods moved, not wrapped; the pack hook is the forward's
+    record itself, ``_Forward.__call__``, which calls ``_offload`` here); the state it
+    uses is ``SwapManager``'s, commented there.
     """
 
     def _first_engine(self, device: torch.device) -> tuple[CopyEngine, torch.device]:

@@ -129,7 +129,7 @@ class _Entry:
         offload: Copy,
         first: Layout | None,
     ) -> None:
-        self.manager = manager  # its lock and ``_release``: a handle's death settles there
+        self.manager = manager  # its lock, pool and capture flag: a handle's death settles there
         self.name = name  # the wrapped module's name, for trace events
         self.stats = stats  # the wrapped module's stats: reloads and prefetch hits count there
         self.device = device  # where the storage lived and its reloads go
