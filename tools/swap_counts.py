@@ -27,7 +27,9 @@ from graphswap.runtime import NoOpAccelerator, SwapManager
 
 PHASES = {
     "_pack": "pack hook",
+    "_Forward.__call__": "pack hook",
     "_unpack": "unpack hook (reloads included)",
+    "unpack_hook": "unpack hook (reloads included)",
     "__del__": "a handle's death (source and buffer release)",
     "_boundary": "module boundaries (lag fence, source release)",
     "_backward_begins": "backward begins (prefetch)",
@@ -35,7 +37,9 @@ PHASES = {
     "_bare_pack": "bare_copy's hooks (subtracted)",
     "_bare_unpack": "bare_copy's hooks (subtracted)",
 }
-"""Entry points by code name: each bytecode counts for the innermost one running it."""
+"""Entry points by qualified or plain code name (the hooks of runtimes before and after
+they moved to the forward's record and a plain function): each bytecode counts for the
+innermost one running it."""
 
 
 def _trace(
@@ -48,8 +52,8 @@ def _trace(
 
     def trace(frame: FrameType, event: str, arg: object) -> Callable[..., Any] | None:
         if event == "call":
-            name = frame.f_code.co_name
-            phase = PHASES.get(name)
+            code = frame.f_code
+            phase = PHASES.get(code.co_qualname) or PHASES.get(code.co_name)
             if phase is None and "/torch/nn/" in frame.f_code.co_filename:
                 phase = "other"  # the model's own code, the wrapped forward's included
             if phase is None:

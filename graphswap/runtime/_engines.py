@@ -44,6 +44,9 @@ from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
 from graphswap.runtime._tape import step_labels
 from graphswap.runtime.profile import DeviceProfile, device_profile
 
+_use_count = torch._C._storage_Use_Count
+"""References to a storage: read once here, not through ``torch._C`` at every release."""
+
 __all__ = [
     "AcceleratorCopyEngine",
     "Copy",
@@ -77,6 +80,11 @@ class Copy(abc.ABC):
     @abc.abstractmethod
     def result(self) -> torch.Tensor:
         """The device tensor a load filled; legal only after ``fence()``."""
+
+    def fenced_result(self) -> torch.Tensor:
+        """``fence()``, then ``result()``: what an unpack does with its reload, one call."""
+        self.fence()
+        return self.result()
 
 
 class CopyEngine(abc.ABC):
@@ -116,6 +124,14 @@ class CopyEngine(abc.ABC):
     def capturing(self) -> bool:
         """True while the current stream captures a graph: no copy, query or wait is legal."""
 
+    def boundary(self) -> bool:
+        """A module boundary of a manager with this engine alone: ``capturing()``, and
+        ``tick()`` unless it captures; one call a boundary."""
+        if self.capturing():
+            return True
+        self.tick()
+        return False
+
 
 class _Mark:
     """A pooled event recorded on a copy stream: the end of the copies before it.
@@ -148,10 +164,6 @@ class _Progress:
         """Marks recorded on the stream so far: the ``seq`` of the newest."""
         self.done = 0
         """The newest mark the host saw completed."""
-
-    def mark(self, event: Event, free: list[Event]) -> _Mark:
-        self.marks += 1
-        return _Mark(event, free, self.marks)
 
     def finished(self, mark: _Mark) -> bool:
         """Whether the copies before ``mark`` completed; asks the device only when the
@@ -230,31 +242,41 @@ class _Lane:
         free.append(event)
 
     def seal(self) -> None:
-        """Mark the end of the open batch of offloads."""
+        """Mark the end of the open batch of offloads: the batch is its own mark."""
         batch = self.batch
         if batch is not None:
-            event = self.device.record(self.d2h, self.event(self.offload_events, "offload"))
+            free = self.offload_events
+            batch.event = self.device.record(self.d2h, self.event(free, "offload"))
+            batch.free = free
             self.batch = None
-            batch.mark = self.offloads.mark(event, self.offload_events)
+            progress = self.offloads
+            progress.marks += 1
+            batch.seq = progress.marks
 
 
-class _Batch:
+class _Batch(_Mark):
     """Offloads issued on one lane between two module boundaries: one mark ends them all,
-    so the lag fence, the completion query and the source release are a call per batch."""
+    so the lag fence, the completion query and the source release are a call per batch.
 
-    __slots__ = ("lane", "mark")
+    The batch is that mark itself (``seq`` 0 until it is sealed): one object per module
+    boundary, not two."""
+
+    __slots__ = ("lane",)
 
     def __init__(self, lane: _Lane) -> None:
         self.lane = lane
         """The device and streams the batch's offloads ran on."""
-        self.mark: _Mark | None = None
-        """Recorded when the batch is sealed (None: still open)."""
+        self.seq = 0  # the mark's; 0: open (``event`` and ``free`` are set when sealed)
 
-    def sealed(self) -> _Mark:
-        if self.mark is None:
+    def __del__(self) -> None:
+        if self.seq:  # an open batch holds no event
+            self.free.append(self.event)
+
+    def sealed(self) -> _Batch:
+        """The batch, sealed (its mark recorded) if it was still open."""
+        if not self.seq:
             self.lane.seal()
-        assert self.mark is not None
-        return self.mark
+        return self
 
     def done(self) -> bool:
         return self.lane.offloads.finished(self.sealed())
@@ -279,8 +301,8 @@ class _Offload(Copy):
 
     def done(self) -> bool:
         batch = self._batch
-        mark = batch.mark
-        if mark is not None and batch.lane.offloads.done >= mark.seq:
+        seq = batch.seq
+        if seq and batch.lane.offloads.done >= seq:
             return True  # the host saw its batch, or a later one, completed
         return batch.done()
 
@@ -289,7 +311,7 @@ class _Offload(Copy):
 
     def fence(self) -> None:
         batch = self._batch
-        mark = batch.mark or batch.sealed()
+        mark = batch if batch.seq else batch.sealed()
         lane = batch.lane
         producer = self._producer
         if lane.fenced.get(producer, 0) < mark.seq and lane.offloads.done < mark.seq:
@@ -302,9 +324,9 @@ class _Offload(Copy):
             return None
         self._hold = None
         batch = self._batch
-        batch.lane.device.drop(hold, (batch.mark or batch.sealed()).event)
+        batch.lane.device.drop(hold, (batch if batch.seq else batch.sealed()).event)
         # This reference and another: the bytes stay on device whatever the swap does.
-        if torch._C._storage_Use_Count(hold._cdata) > 1:
+        if _use_count(hold._cdata) > 1:
             return weakref.ref(hold)
         return None
 
@@ -345,6 +367,16 @@ class _Load(_Mark, Copy):
 
     def result(self) -> torch.Tensor:
         return self._lane.device.read(self._out, self.event)
+
+    def fenced_result(self) -> torch.Tensor:
+        """``fence()`` and ``result()`` inline: every unpack of a swapped tensor calls it."""
+        lane = self._lane
+        device = lane.device
+        stream = device.current_stream()
+        if lane.loaded.get(stream, 0) < self.seq:
+            stream.wait_event(self.event)
+            lane.loaded[stream] = self.seq
+        return device.read(self._out, self.event)
 
 
 class AcceleratorCopyEngine(CopyEngine):
@@ -427,7 +459,7 @@ class AcceleratorCopyEngine(CopyEngine):
             for copy in after:
                 if type(copy) is _Offload:
                     batch = copy._batch
-                    mark = batch.mark or batch.sealed()
+                    mark = batch if batch.seq else batch.sealed()
                     if mark.seq > lane.h2d_after_d2h:
                         h2d.wait_event(mark.event)
                         lane.h2d_after_d2h = mark.seq
@@ -450,6 +482,16 @@ class AcceleratorCopyEngine(CopyEngine):
 
     def capturing(self) -> bool:
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+    def boundary(self) -> bool:
+        """``capturing()`` and ``tick()`` inline (a subclass that overrides either gets
+        the base's ``boundary``)."""
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            return True
+        for lane in self._lanes.values():
+            if lane.batch is not None:
+                lane.seal()
+        return False
 
 
 class NoOpAccelerator(AcceleratorCopyEngine):
@@ -521,6 +563,8 @@ class SimulatedAccelerator(AcceleratorCopyEngine):
 
     def capturing(self) -> bool:
         return self._sim.is_capturing()
+
+    boundary = CopyEngine.boundary  # its own ``capturing`` and ``tick``
 
     @property
     def calls(self) -> collections.Counter[tuple[str, str]]:

@@ -1,24 +1,25 @@
 """One forward call's swap: pack decisions, offload, the lag fence, prefetch, load, release.
 
 One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
-saved tensors of one forward call of one wrapped module (``_Forward``) and what the
-manager does with them (``_ForwardOps``, a base of ``SwapManager``): decide at each
-pack whether a tensor stays or goes, copy it to host, fence offloads at module
-boundaries ``offload_lag`` forwards later, prefetch the forwards before it when its
-backward begins, issue reloads, and free the source and the host buffer at the end.
+saved tensors of one forward call of one wrapped module (``_Forward``, which is also that
+forward's pack hook: it decides at each pack whether a tensor stays or goes) and what
+the manager does with them (``_ForwardOps``, a base of ``SwapManager``): copy a tensor
+to host, fence offloads at module boundaries ``offload_lag`` forwards later, prefetch
+the forwards before it when its backward begins, issue reloads. A handle's death frees
+the source and the host buffer at the end (``_Swapped.__del__``).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine, NoOpAccelerator
-from graphswap.runtime._handles import _Entry, _Kept, _Swapped, layout_in
-from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer, Refusal
+from graphswap.runtime._handles import Kept, _Entry, _Swapped, layout_in
+from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import (
@@ -28,14 +29,29 @@ from graphswap.runtime.policy import (
     local_tensor,
 )
 
+if TYPE_CHECKING:
+    from graphswap.runtime._manager import SwapManager
+
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+_STRIDED = torch.strided
+_MUST_SWAP = CheckpointPolicy.MUST_SWAP
+_MUST_SAVE = CheckpointPolicy.MUST_SAVE
+"""Read once here, not looked up through their module at every pack."""
+
 
 class _Forward:
-    """The saved tensors of one forward call of one wrapped module."""
+    """The saved tensors of one forward call of one wrapped module, and its pack hook.
+
+    The object itself is the pack hook autograd calls (``__call__``): no bound method or
+    partial is made per forward, and nothing but the forward is kept from it to backward.
+    """
 
     __slots__ = (
         "__weakref__",
         "entries",
         "keep",
+        "manager",
         "prev",
         "protected",
         "queued",
@@ -48,13 +64,14 @@ class _Forward:
 
     def __init__(
         self,
+        manager: SwapManager,
         slot: _Slot,
         seq: int,
         stats: GroupStats,
-        *,
         keep: bool,
         prev: _Forward | None,
     ) -> None:
+        self.manager = manager  # the manager that recorded it: offloads, its lock, hooks
         self.slot = slot  # the wrapped module this forward ran
         self.seq = seq  # the manager's forward count when it opened: offload_lag's clock
         self.stats = stats  # the slot's stats, counted into by every pack and reload
@@ -75,6 +92,57 @@ class _Forward:
         """Pack calls so far in this forward (parameters and aliases too)."""
         self.task = -1
         """The autograd graph task whose backward reached this forward last (-1: none)."""
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        """The pack hook: keep ``t`` on device or swap it, as the policy decides."""
+        index = self.saves
+        self.saves = index + 1
+        if type(t) is _TENSOR:  # the usual case: ``is_parameter_like(t)`` inline
+            local = t
+            base = t._base
+            if (
+                t.layout is not _STRIDED
+                or t.is_meta
+                or getattr(t, "_is_param", False)
+                or (base is not None and (type(base) is _PARAMETER or _is_parameter(base)))
+            ):
+                return (t.detach(), t._version, self)
+        else:
+            local = local_tensor(t)
+            if (
+                type(local) is not _TENSOR
+                or local.layout is not _STRIDED
+                or local.is_meta
+                or is_parameter_like(t)
+            ):
+                return (t.detach(), t._version, self)
+            base = t._base
+        storage = local.untyped_storage()
+        key = storage._cdata
+        version = t._version
+        entry = self.entries.get(key)
+        if entry is None or entry.buf is None:  # none, or every handle of its copy died
+            slot = self.slot
+            decide = slot.decide
+            decision = slot.policy(t) if decide is None else decide(t, index)
+            if decision is not _MUST_SWAP:
+                if decision is not _MUST_SAVE:
+                    raise _bad_decision(slot, decision)
+                return (t.detach(), version, self)
+            protected = self.protected
+            if protected is None and (base is not None or version or t.is_leaf):
+                protected = self.protected = _state_storages(slot.module)
+            if protected is not None and key in protected:
+                return (t.detach(), version, self)
+            entry = self.manager._offload(self, local, storage)
+            if entry is None:
+                return (t.detach(), version, self)
+            entry.version = version
+            return _Swapped(self, entry, t, local, entry.first)
+        if version != entry.version:
+            return self.manager._keep_changed(self, t, entry)
+        assert entry.host is not None  # a live handle's entry holds its host copy
+        return _Swapped(self, entry, t, local, layout_in(local, entry.host))
 
     @property
     def name(self) -> str:
@@ -105,14 +173,16 @@ def _state_storages(module: torch.nn.Module) -> set[int]:
 
 
 class _ForwardOps:
-    """What ``SwapManager`` does with the forwards it records, from pack to release.
+    """What ``SwapManager`` does with the forwards it records, from offload to reload.
 
-    A base of ``SwapManager`` (methods moved, not wrapped: the pack hook is the bound
-    method itself); the state it uses is ``SwapManager``'s, commented there.
+    A base of ``SwapManager`` (methods moved, not wrapped; the pack hook is the forward's
+    record itself, ``_Forward.__call__``, which calls ``_offload`` here); the state it
+    uses is ``SwapManager``'s, commented there.
     """
 
-    def _first_engine(self, device: torch.device) -> CopyEngine:
-        """The engine of a device met for the first time: one per device type."""
+    def _first_engine(self, device: torch.device) -> tuple[CopyEngine, torch.device]:
+        """The engine of a device met for the first time (one per device type), and the
+        device object its entries name from now on (one per device: compared by identity)."""
         engine = self._engines.get(device.type)
         if engine is None:
             if self._engine_override is not None:
@@ -122,30 +192,37 @@ class _ForwardOps:
             else:
                 engine = AcceleratorCopyEngine()
             self._engines[device.type] = engine
+            self._sole_engine = engine if len(self._engines) == 1 else None
             self._capturing = self._capturing or engine.capturing()
-        self._device_engines[device] = engine
-        return engine
+        where = self._device_engines[device] = (engine, device)
+        return where
 
     def _boundary(self, seq: int) -> None:
         """A module boundary: the one capture query until the next; the offloads since
         the last boundary are closed as a batch; offloads of forwards ``offload_lag``
         forwards back are fenced (their producing stream waits for the newest of them,
         which ends all before it) and their sources dropped; finished ones too."""
-        engines = self._engines.values()
-        capturing = False
-        for engine in engines:
-            if engine.capturing():  # every engine is asked: one query each per boundary
-                capturing = True
-        self._capturing = capturing
+        sole = self._sole_engine
+        if sole is not None:  # the usual case: the query and the tick in one call
+            capturing = self._capturing = sole.boundary()
+        else:
+            engines = self._engines.values()
+            capturing = False
+            for engine in engines:
+                if engine.capturing():  # every engine is asked: one query each per boundary
+                    capturing = True
+            self._capturing = capturing
+            if not capturing:
+                for engine in engines:
+                    engine.tick()
         if capturing:
             return
-        for engine in engines:
-            engine.tick()
         queue = self._in_flight
         if not queue:
             return
         limit = seq - self.offload_lag
-        with self._lock:
+        self._lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
             newest = None
             for ref in queue:
                 fwd = ref()
@@ -170,6 +247,8 @@ class _ForwardOps:
                             entry.held = offload.release_source()
                     fwd.queued = False
                 queue.popleft()
+        finally:
+            self._lock.release()
 
     def _release_source(self, entry: _Entry) -> None:
         """Drop the offload's device source (ordered already); one that another reference
@@ -199,57 +278,7 @@ class _ForwardOps:
                 stacklevel=2,
             )
 
-    def _pack(self, fwd: _Forward, t: torch.Tensor) -> Any:
-        index = fwd.saves
-        fwd.saves = index + 1
-        if type(t) is torch.Tensor:  # the usual case: ``is_parameter_like(t)`` inline
-            local = t
-            base = t._base
-            if (
-                t.layout is not torch.strided
-                or t.is_meta
-                or getattr(t, "_is_param", False)
-                or (base is not None and _is_parameter(base))
-            ):
-                return _Kept(t, fwd)
-        else:
-            local = local_tensor(t)
-            if (
-                type(local) is not torch.Tensor
-                or local.layout is not torch.strided
-                or local.is_meta
-                or is_parameter_like(t)
-            ):
-                return _Kept(t, fwd)
-            base = t._base
-        storage = local.untyped_storage()
-        key = storage._cdata
-        version = t._version
-        entry = fwd.entries.get(key)
-        if entry is None or entry.buf is None:  # none, or every handle of its copy died
-            slot = fwd.slot
-            decide = slot.decide
-            decision = slot.policy(t) if decide is None else decide(t, index)
-            if decision is not CheckpointPolicy.MUST_SWAP:
-                if decision is not CheckpointPolicy.MUST_SAVE:
-                    raise _bad_decision(slot, decision)
-                return _Kept(t, fwd)
-            protected = fwd.protected
-            if protected is None and (base is not None or version or t.is_leaf):
-                protected = fwd.protected = _state_storages(slot.module)
-            if protected is not None and key in protected:
-                return _Kept(t, fwd)
-            entry = self._offload(fwd, local, storage)
-            if entry is None:
-                return _Kept(t, fwd)
-            entry.version = version
-            return _Swapped(fwd, entry, t, local, version, entry.first)
-        if version != entry.version:
-            return self._keep_changed(fwd, t, entry)
-        assert entry.host is not None  # a live handle's entry holds its host copy
-        return _Swapped(fwd, entry, t, local, version, layout_in(local, entry.host))
-
-    def _keep_changed(self, fwd: _Forward, t: torch.Tensor, entry: _Entry) -> _Kept:
+    def _keep_changed(self, fwd: _Forward, t: torch.Tensor, entry: _Entry) -> Kept:
         """A storage saved again after an in-place change since its copy was issued: that
         copy may hold either version, so this save keeps its own bytes on device."""
         with self._lock:
@@ -257,29 +286,28 @@ class _ForwardOps:
             stats.kept_tensors += 1
             stats.kept_bytes += entry.nbytes
             stats.kept_changed += 1
-        return _Kept(t, fwd)
+        return (t.detach(), t._version, fwd)
 
     def _offload(
         self, fwd: _Forward, local: torch.Tensor, storage: torch.UntypedStorage
     ) -> _Entry | None:
         nbytes = storage.nbytes()
         device = local.device
-        engine = self._device_engines.get(device) or self._first_engine(device)
+        engine, device = self._device_engines.get(device) or self._first_engine(device)
         stats = fwd.stats
-        with self._lock:  # one acquisition: the pool, the copy's issue and its records
-            if fwd.keep:
-                reason = "kept_last_layer"
-            elif self._capturing:
-                reason = "kept_capturing"
-            else:
-                buf = self._pool.acquire(device, nbytes, engine)
-                reason = buf.value if type(buf) is Refusal else None
-            if reason is not None:
-                stats.kept_tensors += 1
-                stats.kept_bytes += nbytes
-                setattr(stats, reason, getattr(stats, reason) + 1)
+        lock = self._lock
+        # One acquisition: the pool, the copy's issue and its records.
+        lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
+            if fwd.keep or self._capturing:
+                self._count_kept(
+                    stats, nbytes, "kept_last_layer" if fwd.keep else "kept_capturing"
+                )
                 return None
-            assert type(buf) is HostBuffer
+            buf = self._pool.acquire(device, nbytes, engine)
+            if type(buf) is not HostBuffer:  # a ``Refusal``
+                self._count_kept(stats, nbytes, buf.value)
+                return None
             dtype = local.dtype
             if (
                 dtype in TYPED_VIEWS
@@ -299,21 +327,32 @@ class _ForwardOps:
             copy = engine.offload(src, host, buf.last_use)
             entry = _Entry(
                 self, fwd.slot.name, stats, device, engine, nbytes, buf, host, copy, first
-            )
+            )  # ``device``: the one object of its device (``_first_engine``)
             fwd.entries[storage._cdata] = entry
             if not fwd.queued:
                 fwd.queued = True
                 self._in_flight.append(weakref.ref(fwd))  # ``_latest``'s: no new object
             stats.offloaded_tensors += 1
             stats.offloaded_bytes += nbytes
+        finally:
+            lock.release()
         return entry
+
+    @staticmethod
+    def _count_kept(stats: GroupStats, nbytes: int, reason: str) -> None:
+        """A tensor the policy chose to swap stays on device, for ``reason`` (a field of
+        ``stats``); called under the manager's lock."""
+        stats.kept_tensors += 1
+        stats.kept_bytes += nbytes
+        setattr(stats, reason, getattr(stats, reason) + 1)
 
     def _prefetch(self, fwd: _Forward) -> None:
         """Reload ``fwd``'s swapped storages as one batch, first needed first: backward
         consumes them in reverse saving order, and each waits only for its own copy."""
         if not fwd.entries:
             return
-        with self._lock:
+        self._lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
             due = [
                 entry
                 for entry in reversed(fwd.entries.values())
@@ -321,60 +360,35 @@ class _ForwardOps:
             ]
             if due:
                 self._load(due, prefetched=True)
+        finally:
+            self._lock.release()
 
     def _load(self, entries: list[_Entry], *, prefetched: bool) -> None:
-        """Issue the reloads of ``entries`` (per device, one batch) for the live handles
-        that have not consumed one; ``prefetched``: ahead of their first unpack."""
+        """Issue the reloads of ``entries``, all of one forward (per device, one batch),
+        for the live handles that have not consumed one; ``prefetched``: ahead of their
+        first unpack."""
         first = entries[0]
-        engine, device = first.engine, first.device
+        engine, device = first.engine, first.device  # one object per device: ``is``
         batch = entries
-        for entry in entries:
-            if entry.engine is not engine or entry.device != device:  # several: a batch each
-                batch = [e for e in entries if e.engine is engine and e.device == device]
-                self._load([e for e in entries if e not in batch], prefetched=prefetched)
-                break
+        if len(self._device_engines) > 1:  # entries of several devices: a batch each
+            for entry in entries:
+                if entry.engine is not engine or entry.device is not device:
+                    batch = [e for e in entries if e.engine is engine and e.device is device]
+                    self._load([e for e in entries if e not in batch], prefetched=prefetched)
+                    break
         loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])
+        nbytes = 0
         for entry, load in zip(batch, loads, strict=True):
             entry.load = load
             entry.gen += 1
             entry.waiting = entry.refs
             entry.prefetched = prefetched
-            stats = entry.stats
-            stats.reloaded_tensors += 1
-            stats.reloaded_bytes += entry.nbytes
+            nbytes += entry.nbytes
             held = entry.held
             if held is not None:
                 entry.held = None
                 if held() is not None:
                     self._not_freed(entry)
-
-    def _release(self, entry: _Entry) -> None:
-        """The last handle died: free the source once ordered, pool the host buffer.
-
-        Nothing here blocks the host: the stream that produced the source waits for its
-        copy still in flight, compute for a reload, and the next offload into the
-        buffer waits for its last users.
-        """
-        buf = entry.buf
-        if buf is None:
-            return
-        entry.buf = entry.host = None
-        offload, load = entry.offload, entry.load
-        if not self._capturing:
-            if not entry.released:
-                if not offload.done():
-                    offload.fence()
-                entry.released = True
-                entry.held = offload.release_source()
-            if load is not None:
-                load.fence()
-        held = entry.held
-        if held is not None:
-            entry.held = None
-            if held() is not None:
-                self._not_freed(entry)
-        if load is None:
-            self._pool.release(buf, (offload,))
-        else:
-            entry.load = None
-            self._pool.release(buf, (offload, load))
+        stats = first.stats  # the forward's
+        stats.reloaded_tensors += len(batch)
+        stats.reloaded_bytes += nbytes

@@ -1,10 +1,10 @@
 """Per-tensor handles: what autograd stores for each saved tensor, and their unpack.
 
 One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
-handles (``_Kept``, ``_Swapped``), the host copy of one storage they share
-(``_Entry``), the in-place check and its ``SwapIntegrityError``, a handle's death
-(``_Swapped.__del__``), and the manager's unpack hook (``_HandleOps``, a base of
-``SwapManager``).
+handles (a kept tensor's ``(alias, version, forward)``, ``_Swapped``), the host copy of
+one storage they share (``_Entry``), the in-place check and its ``SwapIntegrityError``,
+a handle's death (``_Swapped.__del__``), and the unpack hook (``unpack_hook``, which is
+``SwapManager._unpack``).
 
 Lifetimes follow autograd's own. Whatever the pack hook keeps or swaps, it hands
 autograd a small handle that never refers to the tensor object it was given (that
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from graphswap.runtime._manager import SwapManager
 
 
+_task_id = torch._C._current_graph_task_id
+"""The autograd graph task running now (-1: none): read at every unpack."""
+
+
 def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
     return SwapIntegrityError(
         f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
@@ -63,16 +67,16 @@ _NO_BYTES: dict[torch.device, torch.Tensor] = {}
 its bytes."""
 
 
-class _Kept:
-    """A saved tensor that stays on device: a detached alias (same storage and version
-    counter, no ``grad_fn``) and the version it had when saved."""
+Kept = tuple[torch.Tensor, int, "_Forward"]
+"""A saved tensor that stays on device: ``(alias, version, forward)``, a detached alias
+(same storage and version counter, no ``grad_fn``), the version it had when saved (unpack
+compares), and the forward that saved it (backward detection and error names). A tuple,
+built without a Python call: most tensors a decoder layer saves are kept."""
 
-    __slots__ = ("alias", "forward", "version")
 
-    def __init__(self, t: torch.Tensor, fwd: _Forward) -> None:
-        self.alias = t.detach()  # the saved tensor's storage and version counter
-        self.version = t._version  # its version when saved: unpack compares
-        self.forward = fwd  # the forward that saved it: backward detection and error names
+def kept(t: torch.Tensor, fwd: _Forward) -> Kept:
+    """The handle of a saved tensor that stays on device (for the pack's rarer paths)."""
+    return (t.detach(), t._version, fwd)
 
 
 class _Entry:
@@ -109,6 +113,8 @@ class _Entry:
         "version",
         "waiting",
     )
+    # No reference to its ``_Forward``, which holds it: a graph dropped unused is freed by
+    # reference counting alone.
 
     def __init__(
         self,
@@ -123,7 +129,7 @@ class _Entry:
         offload: Copy,
         first: Layout | None,
     ) -> None:
-        self.manager = manager  # its lock and ``_release``: a handle's death settles there
+        self.manager = manager  # its lock, pool and capture flag: a handle's death settles there
         self.name = name  # the wrapped module's name, for trace events
         self.stats = stats  # the wrapped module's stats: reloads and prefetch hits count there
         self.device = device  # where the storage lived and its reloads go
@@ -143,7 +149,8 @@ class _Entry:
         self.waiting = 0  # live handles that have not consumed the current ``load``
         self.refs = 0  # live handles (``_Swapped``) aliasing this storage
         self.version = -1
-        """The saved tensor's version when its copy was issued (set by ``_pack``)."""
+        """The saved tensor's version when its copy was issued (set by the pack): every
+        handle of the entry was saved at it (a save at another version is kept)."""
 
 
 class _Swapped:
@@ -162,7 +169,6 @@ class _Swapped:
         "gen",
         "layout",
         "spec",
-        "version",
     )
 
     def __init__(
@@ -171,7 +177,6 @@ class _Swapped:
         entry: _Entry,
         t: torch.Tensor,
         local: torch.Tensor,
-        version: int,
         layout: Layout | None,
     ) -> None:
         self.forward = fwd  # the forward that saved it: backward detection and error names
@@ -180,8 +185,8 @@ class _Swapped:
         """Where ``local`` starts in its storage, its dtype, size and stride; None when laid
         out as the entry's host copy, whose reload is then handed back as it is."""
         self.spec = None if local is t else t._spec  # type: ignore[attr-defined]
-        """A DTensor's mesh, placements and global shape, to rebuild it around its shard."""
-        self.version = version  # its version when saved: unpack compares with ``counter``
+        """A DTensor's mesh, placements and global shape, to rebuild it around its shard.
+        Its version when saved is its entry's: unpack compares ``counter`` with it."""
         # ``t``'s version counter and none of its bytes: ``detach()`` shares the counter
         # (with every view of ``t`` too) and no ``grad_fn``; setting ``.data`` then swaps its
         # storage for an empty one and keeps the counter. So an in-place change made through
@@ -204,11 +209,17 @@ class _Swapped:
             entry.waiting += 1
 
     def __del__(self) -> None:
-        """A saved-tensor slot freed this handle: settle the reload and the host buffer."""
+        """A saved-tensor slot freed this handle: settle the reload, and when it was the
+        last handle of its storage, free the source once ordered and pool the host buffer.
+
+        Nothing here blocks the host: the stream that produced the source waits for its
+        copy still in flight, compute for a reload, and the next offload into the buffer
+        waits for its last users."""
         entry = self.entry
         manager = entry.manager
-        with manager._lock:
-            entry.refs -= 1
+        manager._lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
+            refs = entry.refs = entry.refs - 1
             load = entry.load
             if load is not None and self.gen != entry.gen:
                 # It never consumed the current reload: one consumer fewer to wait for.
@@ -217,69 +228,98 @@ class _Swapped:
                     entry.load = None
                     if not manager._capturing:
                         load.fence()
-            if entry.refs == 0:
-                manager._release(entry)
+                    load = None
+            if refs:
+                return
+            buf = entry.buf
+            if buf is None:
+                return
+            entry.buf = entry.host = None
+            offload = entry.offload
+            if not manager._capturing:
+                if not entry.released:
+                    if not offload.done():
+                        offload.fence()
+                    entry.released = True
+                    entry.held = offload.release_source()
+                if load is not None:
+                    load.fence()
+            held = entry.held
+            if held is not None:
+                entry.held = None
+                if held() is not None:
+                    manager._not_freed(entry)
+            if load is None:
+                manager._pool.release(buf, (offload,))
+            else:
+                entry.load = None
+                manager._pool.release(buf, (offload, load))
+        finally:
+            manager._lock.release()
 
 
-class _HandleOps:
-    """``SwapManager``'s unpack hook (a handle's death is ``_Swapped.__del__``).
-
-    A base of ``SwapManager`` (methods moved, not wrapped: the hook is the bound
-    method itself); the state it uses is ``SwapManager``'s, commented there.
-    """
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        fwd = packed.forward
-        task = torch._C._current_graph_task_id()
+def unpack_hook(packed: Any) -> torch.Tensor:
+    """The unpack hook of every wrapped forward (``SwapManager._unpack``): a plain
+    function, the manager reached through the handle's forward, so that no bound method
+    is made per forward."""
+    if type(packed) is tuple:  # a kept tensor: ``Kept``
+        alias, version, fwd = packed
+        task = _task_id()
         if task != fwd.task and task != -1:
             # The first unpack of this forward in this backward: its backward begins.
             fwd.task = task
-            self._backward_begins(fwd)
-        if type(packed) is _Kept:
-            alias = packed.alias
-            now = alias._version
-            if now != packed.version:
-                raise _integrity_error(fwd.name, alias.size(), packed.version, now)
-            return alias
-        assert type(packed) is _Swapped
-        now = packed.counter._version
-        if now != packed.version:
-            size = packed.layout[2] if packed.layout is not None else packed.entry.host.size()
-            raise _integrity_error(fwd.name, size, packed.version, now)
-        entry = packed.entry
-        with self._lock:
-            load = entry.load
-            if load is None or packed.gen == entry.gen:
-                entry.stats.prefetch_misses += 1
-                if load is None:
-                    self._load([entry], prefetched=False)
-                    load = entry.load
-                    assert load is not None
-                else:
-                    (load,) = entry.engine.loads(
-                        entry.device,
-                        [(entry.host, (entry.offload,))],  # type: ignore[list-item]
-                    )
-                    entry.stats.reloaded_tensors += 1
-                    entry.stats.reloaded_bytes += entry.nbytes
-            elif entry.prefetched:
-                entry.stats.prefetch_hits += 1
-                entry.prefetched = False
-            if load is entry.load:
-                packed.gen = entry.gen
-                entry.waiting -= 1
-                if entry.waiting == 0:
-                    entry.load = None
-        load.fence()
-        out = load.result()
-        if packed.layout is not None:
-            storage = out.untyped_storage()
-            offset, dtype, size, stride = packed.layout
-            out = torch.empty(0, dtype=dtype, device=entry.device)
-            out.set_(storage, offset, size, stride)
-        if packed.spec is not None:
-            # Loaded only when a DTensor was packed, so torch.distributed is imported already.
-            from torch.distributed.tensor import DTensor
+            fwd.manager._backward_begins(fwd)
+        now = alias._version
+        if now != version:
+            raise _integrity_error(fwd.name, alias.size(), version, now)
+        return alias
+    fwd = packed.forward
+    manager = fwd.manager
+    task = _task_id()
+    if task != fwd.task and task != -1:
+        fwd.task = task
+        manager._backward_begins(fwd)
+    entry = packed.entry
+    now = packed.counter._version
+    if now != entry.version:
+        size = packed.layout[2] if packed.layout is not None else entry.host.size()
+        raise _integrity_error(fwd.name, size, entry.version, now)
+    lock = manager._lock
+    lock.acquire()  # not ``with``: it makes two bound methods a call
+    try:
+        load = entry.load
+        if load is None or packed.gen == entry.gen:
+            entry.stats.prefetch_misses += 1
+            if load is None:
+                manager._load([entry], prefetched=False)
+                load = entry.load
+                assert load is not None
+            else:
+                (load,) = entry.engine.loads(
+                    entry.device,
+                    [(entry.host, (entry.offload,))],  # type: ignore[list-item]
+                )
+                entry.stats.reloaded_tensors += 1
+                entry.stats.reloaded_bytes += entry.nbytes
+        elif entry.prefetched:
+            entry.stats.prefetch_hits += 1
+            entry.prefetched = False
+        if load is entry.load:
+            packed.gen = entry.gen
+            entry.waiting -= 1
+            if entry.waiting == 0:
+                entry.load = None
+    finally:
+        lock.release()
+    out = load.fenced_result()
+    if packed.layout is not None:
+        storage = out.untyped_storage()
+        offset, dtype, size, stride = packed.layout
+        out = torch.empty(0, dtype=dtype, device=entry.device)
+        out.set_(storage, offset, size, stride)
+    if packed.spec is not None:
+        # Loaded only when a DTensor was packed, so torch.distributed is imported already.
+        from torch.distributed.tensor import DTensor
 
-            return DTensor(out, packed.spec, requires_grad=False)
-        return out
+        return DTensor(out, packed.spec, requires_grad=False)
+    return out

@@ -11,20 +11,20 @@ param); each file holds one concern:
   and backward detection.
 - ``_forward.py``: one forward call (``_Forward``): pack decisions, offload, the lag
   fence at module boundaries, prefetch, load, release.
-- ``_handles.py``: per-tensor handles (``_Kept``, ``_Swapped``, ``_Entry``), the
-  in-place version check (``SwapIntegrityError``), unpack, and lifetimes.
+- ``_handles.py``: per-tensor handles (a kept tensor's tuple, ``_Swapped``, ``_Entry``),
+  the in-place version check (``SwapIntegrityError``), unpack, and lifetimes.
 
-Their behaviour lives in bases of ``SwapManager`` (``_SlotHooks``, ``_ForwardOps``,
-``_HandleOps``), moved, not wrapped: autograd's hooks are the manager's bound methods,
-no extra call per pack or unpack. Their state is the manager's, commented in
-``SwapManager.__init__``.
+Their behaviour lives in bases of ``SwapManager`` (``_SlotHooks``, ``_ForwardOps``),
+moved, not wrapped; autograd's hooks are the forward's record itself (``_Forward``, the
+pack hook) and a plain function (``_handles.unpack_hook``), so no object is made per forward
+for them and no extra call per pack or unpack. Their state is the manager's, commented
+in ``SwapManager.__init__``.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import threading
 import warnings
 import weakref
@@ -35,7 +35,7 @@ import torch
 
 from graphswap.runtime._engines import CopyEngine
 from graphswap.runtime._forward import _Forward, _ForwardOps
-from graphswap.runtime._handles import _HandleOps
+from graphswap.runtime._handles import unpack_hook
 from graphswap.runtime._pool import HostPool, check_host_bytes, host_budget
 from graphswap.runtime._slot import (
     GroupInfo,
@@ -49,6 +49,10 @@ from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime.policy import SwapPolicy, policy_name
 
 __all__ = ["SwapManager"]
+
+_task_id = torch._C._current_graph_task_id
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""What every wrapped forward asks first (``_slot._excluded``), read once here."""
 
 
 def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
@@ -65,7 +69,7 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
+class SwapManager(_SlotHooks, _ForwardOps):
     """Owns the swap of one model's wrapped modules: links, copy engine, host pool, stats.
 
     ``prefetch_depth``: how many earlier layers start coming back when a layer's
@@ -114,7 +118,9 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         )
         self._engine_override = engine  # the ``engine`` option; None: each device's own
         self._engines: dict[str, CopyEngine] = {}  # the copy engine per device type met
-        self._device_engines: dict[torch.device, CopyEngine] = {}  # the same, per device
+        self._sole_engine: CopyEngine | None = None  # the one engine, while only one was met
+        # Per device met, its engine and the one device object its entries name.
+        self._device_engines: dict[torch.device, tuple[CopyEngine, torch.device]] = {}
         self._slots: dict[torch.nn.Module, _Slot] = {}  # the registry: wrapped module -> slot
         self._registered = 0  # registrations so far: the next slot's index
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}  # links: later -> earlier
@@ -290,6 +296,9 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
                     setattr(group_stats, f.name, 0)
             self._pool.peak_in_use_bytes = self._pool.in_use_bytes
 
+    _unpack = staticmethod(unpack_hook)
+    """The unpack hook (``_handles.unpack_hook``): a plain function, no bound method a forward."""
+
     def synchronize(self) -> None:
         """Block until every offload in flight completed, and free their sources."""
         with self._lock:
@@ -314,9 +323,12 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         if not torch.is_grad_enabled():
             return forward(module, *args, **kwargs)
         slot = self._slots[module]
-        excluded = _excluded()
-        if excluded is not None:
-            _refuse(slot.name, *excluded)
+        # ``_excluded()``'s two queries inline; it names what was found only when either
+        # answers (a backward running, or saved-tensor hooks installed: ours when nested).
+        if _task_id() != -1 or _top_hooks(False) is not None:
+            excluded = _excluded()
+            if excluded is not None:
+                _refuse(slot.name, *excluded)
         self._seq = seq = self._seq + 1
         if self._pool.in_use_bytes == 0:
             # Nothing swapped is alive: a step boundary, outside every hook.
@@ -325,21 +337,23 @@ class SwapManager(_SlotHooks, _ForwardOps, _HandleOps):
         self._boundary(seq)
         prev = self._prev.get(module)
         if prev is None:
-            fwd = _Forward(slot, seq, self._stats[slot.name], keep=False, prev=None)
+            fwd = _Forward(self, slot, seq, self._stats[slot.name], False, None)
         else:
             prev_ref = self._latest.get(prev)
             fwd = _Forward(
+                self,
                 slot,
                 seq,
                 self._stats[slot.name],
-                keep=self.keep_last and module not in self._next,  # is_kept(module)
-                prev=prev_ref() if prev_ref is not None else None,
+                self.keep_last and module not in self._next,  # keep: is_kept(module)
+                prev_ref() if prev_ref is not None else None,
             )
         self._latest[module] = weakref.ref(fwd)
         # What ``torch.autograd.graph.saved_tensors_hooks`` does, without its object and
-        # calls (looked up at each forward: the planner's tracker wraps the push).
+        # calls (looked up at each forward: the planner's tracker wraps the push). The pack
+        # hook is the forward itself, the unpack hook a plain function: no object per forward.
         autograd = torch._C._autograd
-        autograd._push_saved_tensors_default_hooks(functools.partial(self._pack, fwd), self._unpack)
+        autograd._push_saved_tensors_default_hooks(fwd, self._unpack)
         try:
             out = forward(module, *args, **kwargs)
         finally:

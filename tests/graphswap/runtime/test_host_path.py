@@ -16,6 +16,7 @@ from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.planning.measure import ResidentActivationTracker
 from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime import _pool as pool_module
+from graphswap.runtime._forward import _Forward
 
 BLOCKS = 6
 WIDTH = 256
@@ -119,7 +120,7 @@ def inside_hooks(manager: SwapManager) -> Iterator[list[str]]:
         seen.append("host_cache_emptied")
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(manager, "_pack", marked(manager._pack))
+    mp.setattr(_Forward, "__call__", marked(_Forward.__call__))  # the pack hook
     mp.setattr(manager, "_unpack", marked(manager._unpack))
     mp.setattr(device, "host_empty", host_empty)
     mp.setattr(device, "host_free", host_free)

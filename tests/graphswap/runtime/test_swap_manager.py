@@ -66,8 +66,8 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
         prefetch(self, group)
         seen.append(("prefetch", group.name))
 
-    def spy_unpack(self: SwapManager, packed) -> torch.Tensor:
-        out = unpack(self, packed)
+    def spy_unpack(packed) -> torch.Tensor:
+        out = unpack(packed)
         if type(packed) is _Swapped:
             seen.append(("unpack", packed.forward.name))
         return out
@@ -75,7 +75,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     monkeypatch.setattr(SwapManager, "_offload", spy_offload)
     monkeypatch.setattr(SwapManager, "_backward_begins", spy_begins)
     monkeypatch.setattr(SwapManager, "_prefetch", spy_prefetch)
-    monkeypatch.setattr(SwapManager, "_unpack", spy_unpack)
+    monkeypatch.setattr(SwapManager, "_unpack", staticmethod(spy_unpack))  # a plain function
     return seen
 
 
