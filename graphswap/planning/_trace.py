@@ -299,6 +299,22 @@ def _first_step_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` inside the trace's modes. ``Tensor.backward`` is itself a torch
+    function, which a torch-function mode (fused attention's) handles switched off: a
+    recompute in backward would then run attention on another kernel than its forward
+    did. The autograd engine, called directly, runs with every mode on."""
+    torch.autograd.graph._engine_run_backward(
+        (loss,),
+        (torch.ones_like(loss),),
+        False,
+        False,
+        (),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
 def trace_step(
     meta: MetaModel,
     profile: DeviceProfile,
@@ -328,7 +344,7 @@ def trace_step(
     try:
         with meta.tracing(), tape, step_labels(layers, tape), recorder.collect():
             loss = meta.forward().loss
-            loss.backward()
+            _backward(loss)
             recorder.mark_gradients()
             if adamw is not None:
                 tape.label = OPTIMIZER_LABEL

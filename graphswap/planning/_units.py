@@ -12,7 +12,10 @@ so a unit is a submodule, and a good one saves many bytes for little compute:
   of the block's bytes at a few percent of its time; the matmul outputs are saved like
   any tensor, for the swap to keep or move;
 - ``mlp``: the layer's feed-forward block (a dense MLP, or a mixture of experts with its
-  router): most of what a layer saves besides attention, at the price of its matmuls.
+  router): most of what a layer saves besides attention, at the price of its matmuls;
+- ``layer``: the whole decoder layer, as the trainers' activation checkpointing runs
+  it (only its input is saved). The planner prices it for comparison; the budget mode
+  does not choose it, since its swap wraps the layer itself.
 
 Attention is never recomputed: its saves are its output and log-sum-exp, the most
 expensive bytes to make again, which swap moves instead.
@@ -25,7 +28,7 @@ from typing import Literal, get_args
 
 from torch import nn
 
-RecomputeKind = Literal["norms", "mlp_memory_bound", "mlp"]
+RecomputeKind = Literal["norms", "mlp_memory_bound", "mlp", "layer"]
 """A kind of submodule the budget mode may recompute."""
 RECOMPUTE_KINDS: tuple[RecomputeKind, ...] = get_args(RecomputeKind)
 
@@ -49,7 +52,10 @@ def _is_norm(module: nn.Module) -> bool:
 
 def recompute_units(layer: nn.Module, kinds: Sequence[RecomputeKind]) -> tuple[str, ...]:
     """The paths (in ``layer``) of the submodules of ``kinds``, in module order; a norm
-    inside a recomputed feed-forward block is recomputed with it, not on its own."""
+    inside a recomputed feed-forward block is recomputed with it, not on its own; the
+    layer itself is ``""``."""
+    if "layer" in kinds:
+        return ("",)
     units: list[str] = []
     if "mlp" in kinds or "mlp_memory_bound" in kinds:
         units.extend(n for n, _ in layer.named_children() if n in _MLP_NAMES)

@@ -282,14 +282,24 @@ class SavedTensorCollector:
         self._layer = None
 
     def _enter_attention(self, module: torch.nn.Module, args: Any) -> None:
+        if _recomputing():
+            return
         self._in_attention += 1
         assert self._layer is not None
         self._boundary(ATTENTION_SCOPE, self._layer, True)
 
     def _leave_attention(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _recomputing():
+            return
         assert self._layer is not None
         self._boundary(ATTENTION_SCOPE, self._layer, False)
         self._in_attention -= 1
+
+
+def _recomputing() -> bool:
+    """A forward running inside backward: a checkpoint regenerating what it dropped,
+    whose saves are the checkpoint's, not the step's."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _declared_attention(model: torch.nn.Module) -> tuple[type, ...]:

@@ -300,9 +300,7 @@ class _ForwardOps:
         lock.acquire()  # not ``with``: it makes two bound methods a call
         try:
             if fwd.keep or self._capturing:
-                self._count_kept(
-                    stats, nbytes, "kept_last_layer" if fwd.keep else "kept_capturing"
-                )
+                self._count_kept(stats, nbytes, "kept_last_layer" if fwd.keep else "kept_capturing")
                 return None
             buf = self._pool.acquire(device, nbytes, engine)
             if type(buf) is not HostBuffer:  # a ``Refusal``

@@ -273,3 +273,36 @@ def test_save_matmuls_leaves_nothing_behind_when_backward_never_runs() -> None:
     del out
     gc.collect()
     assert ref() is None and packed and all(r() is None for r in packed)
+
+
+def test_the_planner_traces_whole_layer_checkpointing_with_attention_on_its_kernel() -> None:
+    """The trainers' activation checkpointing, priced for comparison: each layer saves
+    only its inputs, and backward runs the layer again, attention included, on the
+    fused kernel its forward ran (not sdpa's math path: the checkpoint would find other
+    saves and refuse)."""
+    from graphswap.planning import trace_step
+    from graphswap.planning._trace import Event
+    from graphswap.planning.saved_tensors import build_meta_model
+    from graphswap.runtime.profile import device_profile
+
+    config = preset_config("tiny-llama", attn_implementation="sdpa")
+    config.num_hidden_layers = 2
+    profile = device_profile("h200")
+    plain, whole = (
+        trace_step(build_meta_model(config, seq=1024, recompute=kinds), profile)
+        for kinds in ((), ("layer",))
+    )
+
+    def activations(trace: Any) -> list[int]:
+        return [
+            sum(s.storage_nbytes for s in layer.saves if not s.parameter)
+            for layer in trace.saved.layers
+        ]
+
+    def compute(trace: Any) -> float:
+        return sum(p for e, p in trace.events if e is Event.COMPUTE)
+
+    assert whole.recomputed == (("",), ("",)) and min(whole.recomputed_bytes) > 0
+    assert all(w * 4 < p for w, p in zip(activations(whole), activations(plain), strict=True))
+    assert compute(whole) > compute(plain)
+    assert whole.attention_timing == plain.attention_timing == ("causal",)

@@ -178,3 +178,41 @@ def test_trls_activation_offloading_on_a_rewritten_model_is_refused() -> None:
     message = str(info.value)
     assert "excludes activation_offloading: 'model.layers.0' ran under TRL's activation" in message
     assert "activation_offloading=False" in message
+
+
+def test_sft_trainer_trains_a_budget_plan_that_recomputes_and_swaps(tmp_path: Path) -> None:
+    """activation_swap: budget at the smallest budget any plan meets (recompute and swap
+    both) under SFTTrainer: the losses of the plain run, with bytes recomputed and
+    swapped as the plan says."""
+    from graphswap.planning import PlanSettingError, plan_memory
+
+    config = preset_config("tiny-llama")
+    with pytest.raises(PlanSettingError) as info:
+        plan_memory(
+            config,
+            seq=SEQ,
+            batch=BATCH,
+            dtype=torch.float32,
+            attn_implementation=config._attn_implementation,
+            device="cpu",
+            activation_swap="budget",
+            activation_memory_budget=1,
+        )
+    budget = info.value.smallest.peak_bytes  # type: ignore[attr-defined]
+    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
+    torch.manual_seed(0)
+    net = from_config(
+        config,
+        trainer_config=TrainerConfig(
+            activation_swap="budget",
+            activation_memory_budget=budget,
+            seq_len=SEQ,
+            batch_size=BATCH,
+        ),
+    )
+    assert sft(net, tmp_path / "budget", bf16=False) == plain
+    report = rewrite_report(net)
+    assert report is not None
+    stats = report.manager.stats
+    assert stats.recomputed_bytes > 0 and stats.offloaded_bytes > 0
+    report.check()

@@ -1,0 +1,159 @@
+"""What each way of saving activation memory buys, by the planner: issue 28's table.
+
+Per model (Qwen3-30B-A3B, Llama-3.1-8B), in 141 GiB per rank with the state sharded over
+8 ranks (h200 profile, causal attention timing, the node's default host pool): for each
+``activation_swap`` mode of ``--fit``, the longest sequence, its step ratio there, the
+longest sequence at a step ratio of at most ``--max-ratio`` (every shorter length
+fitting at that ratio too), and the ratio and peak at 32768 tokens; beside them the
+trainers' whole-layer activation checkpointing with nothing swapped, traced by the
+planner with the recompute running in backward (its peak grows with the length, so a
+bisection finds its longest). Writes Markdown and JSON to ``bench/results/``.
+
+    python tools/budget_fit.py [--models qwen3-30b-a3b llama-3.1-8b] [--max-ratio 1.03]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from graphswap.hf.presets import preset_config
+from graphswap.planning import SwapChoice, fit_sequence, plan_step, replay, trace_step
+from graphswap.planning.saved_tensors import build_meta_model
+from graphswap.runtime.profile import device_profile
+
+MODELS = ("qwen3-30b-a3b", "llama-3.1-8b")
+MEMORY = 141 << 30
+SHARDS = 8
+AT = 32768
+GIB = 1 << 30
+
+
+def _mode_rows(name: str, max_ratio: float) -> tuple[list[dict[str, Any]], float, int]:
+    """The fit's modes: one row each; the fit's seconds and its longest length searched."""
+    started = time.perf_counter()
+    fit = fit_sequence(preset_config(name), memory_bytes=MEMORY, state_shards=SHARDS)
+    seconds = time.perf_counter() - started
+    rows = []
+    for mode in fit.modes:
+        within = None
+        for point in mode.points:
+            if point.peak_bytes > MEMORY or point.step_ratio > max_ratio:
+                break
+            within = point.seq
+        at = next((p for p in mode.points if p.seq == AT), None)
+        rows.append(
+            {
+                "strategy": mode.activation_swap,
+                "longest": mode.seq,
+                "capped": mode.capped,
+                "ratio_there": None if mode.plan is None else mode.plan.step_ratio,
+                "recompute": None if mode.plan is None else list(mode.plan.recompute),
+                "longest_within_ratio": within,
+                "ratio_at": None if at is None else at.step_ratio,
+                "peak_at_gib": None if at is None else at.peak_bytes / GIB,
+            }
+        )
+    return rows, seconds, fit.max_seq
+
+
+def _full_recompute(name: str, seq: int) -> tuple[int, float]:
+    """Whole-layer checkpointing, nothing swapped: the step's peak and its time against
+    the step without recompute."""
+    config = preset_config(name)
+    profile = device_profile("h200")
+    times = []
+    for recompute in ((), ("layer",)):
+        trace = trace_step(build_meta_model(config, seq=seq, recompute=recompute), profile)
+        schedule = {"offload_lag": 1, "prefetch_depth": 1, "state_shards": SHARDS}
+        run = replay(trace, SwapChoice(None, frozenset()), **schedule)
+        times.append(run.timeline.step_seconds)
+        peak = plan_step(config, trace, activation_swap="none", **schedule).timeline.peak_bytes
+    return peak, times[1] / times[0]
+
+
+def _full_recompute_row(name: str, max_seq: int, step: int = 512) -> dict[str, Any]:
+    def fits(seq: int) -> bool:
+        return _full_recompute(name, seq)[0] <= MEMORY
+
+    lo, hi = 0, max_seq // step  # lo fits (0: none yet), hi is the last to try
+    if fits(hi * step):
+        lo = hi
+    else:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid * step):
+                lo = mid
+            else:
+                hi = mid
+    longest = lo * step or None
+    peak_at, ratio_at = _full_recompute(name, AT)
+    return {
+        "strategy": "full recompute (whole layer, nothing swapped)",
+        "longest": longest,
+        "capped": longest == max_seq,
+        "ratio_there": None if longest is None else _full_recompute(name, longest)[1],
+        "recompute": ["layer"],
+        "longest_within_ratio": None,
+        "ratio_at": ratio_at,
+        "peak_at_gib": peak_at / GIB,
+    }
+
+
+def _cell(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(name: str, rows: list[dict[str, Any]], max_ratio: float) -> str:
+    lines = [
+        f"### {name}",
+        "",
+        f"| strategy | longest sequence | step ratio there | longest at ratio <= {max_ratio} "
+        f"| step ratio at {AT} | peak at {AT} (GiB) | recomputed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        longest = _cell(row["longest"]) + (" (model max)" if row["capped"] else "")
+        lines.append(
+            f"| {row['strategy']} | {longest} | {_cell(row['ratio_there'])} "
+            f"| {_cell(row['longest_within_ratio'])} | {_cell(row['ratio_at'])} "
+            f"| {_cell(row['peak_at_gib'], 1)} | {' and '.join(row['recompute'] or []) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--max-ratio", type=float, default=1.03)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    sections, results = [], {}
+    for name in args.models:
+        rows, seconds, max_seq = _mode_rows(name, args.max_ratio)
+        rows.append(_full_recompute_row(name, max_seq))
+        results[name] = {"rows": rows, "fit_seconds": seconds}
+        sections.append(_table(name, rows, args.max_ratio))
+        sections.append(f"\n`--fit` (all modes) took {seconds:.0f} s here.\n")
+        print(sections[-2], sections[-1], sep="\n", flush=True)
+    header = (
+        f"# The planner's answers, {date.today()}: {MEMORY // GIB} GiB per rank, state "
+        f"sharded over {SHARDS}, h200, causal attention timing (tools/budget_fit.py)\n"
+    )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"cpu-{date.today()}-budget-fit"
+    stem.with_suffix(".md").write_text("\n".join([header, *sections]))
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
