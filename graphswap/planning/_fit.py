@@ -277,7 +277,11 @@ def fit_sequence(
                 return trace_step(meta, resolved, policy)
 
             found = levels[recompute] = TraceLengths(
-                trace, lengths, min_bytes=MIN_SWAP_TENSOR_BYTES, name=policy_name(default_policy)
+                trace,
+                lengths,
+                min_bytes=MIN_SWAP_TENSOR_BYTES,
+                name=policy_name(default_policy),
+                like=levels.get(()) if recompute else None,
             )
         return found
 

@@ -237,6 +237,11 @@ class TraceLengths:
     ``trace(seq)`` traces one length, asking ``policy`` (:data:`ELIGIBLE`); ``min_bytes``
     and ``name`` are the size policy the answers stand for. Ranges are decided when
     made (a handful of traces when the model's structure holds along the grid).
+
+    ``like``: the same step with less recomputed, its ranges decided. A recompute runs
+    again operators the step already runs, so its numbers are the same polynomials of
+    the length: each of ``like``'s ranges is taken from three traces here, without a
+    fourth to check, when their structure agrees (and decided as usual when not).
     """
 
     def __init__(
@@ -246,13 +251,25 @@ class TraceLengths:
         *,
         min_bytes: int,
         name: str,
+        like: TraceLengths | None = None,
     ) -> None:
         self._trace = trace
         self._min_bytes = min_bytes
         self._name = name
         self._traces: dict[int, StepTrace] = {}
         self._ranges: list[tuple[int, int, _Range]] = []
-        self._cover(list(lengths))
+        self._decided: list[list[int]] = []
+        """The lengths of each range, in the order decided."""
+        if like is None:
+            self._cover(list(lengths))
+            return
+        covered: set[int] = set()
+        for decided in like._decided:
+            self._cover(decided, checked=True)
+            covered.update(decided)
+        for seq in lengths:
+            if seq not in covered:
+                self._traced(seq)
 
     @property
     def traced(self) -> tuple[int, ...]:
@@ -265,7 +282,9 @@ class TraceLengths:
             found = self._traces[seq] = self._trace(seq, ELIGIBLE)
         return found
 
-    def _cover(self, lengths: list[int]) -> None:
+    def _cover(self, lengths: list[int], checked: bool = False) -> None:
+        """Decide ``lengths``: one range, or split; ``checked``: a range of them was
+        checked with the same operators, so three traces decide it."""
         if len(lengths) <= _PROBES:
             for seq in lengths:
                 self._traced(seq)
@@ -273,14 +292,15 @@ class TraceLengths:
         lo, hi = lengths[0], lengths[-1]
         mid = lengths[len(lengths) // 2]
         check = lengths[len(lengths) // 4]
-        traces = [self._traced(seq) for seq in (lo, mid, hi, check)]
+        traces = [self._traced(seq) for seq in ((lo, mid, hi) if checked else (lo, mid, hi, check))]
         structure = _structure(traces[0])
         if all(_structure(t) == structure for t in traces[1:]):
             points = (lo, mid, hi)
             values = (_numbers(traces[0]), _numbers(traces[1]), _numbers(traces[2]))
-            if _matches(_interpolate(points, values, check), _numbers(traces[3])):
+            if checked or _matches(_interpolate(points, values, check), _numbers(traces[3])):
                 layout = _Layout.of(traces[0])
                 self._ranges.append((lo, hi, _Range(points, values, traces[0], layout)))
+                self._decided.append(lengths)
                 return
         half = len(lengths) // 2
         self._cover(lengths[: half + 1])

@@ -17,6 +17,7 @@ from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import StepTrace, trace_step
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._trace import Event
+from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.runtime.policy import MIN_SWAP_TENSOR_BYTES, SwapPolicy, swap_large_activations
 from graphswap.runtime.profile import device_profile
@@ -26,7 +27,9 @@ GRID = [64 * k for k in range(1, 17)]
 """64 to 1024 tokens: the tiny model's attention tensors cross 1 MiB inside it."""
 
 
-def _tracer(layers: Callable[[int], int], attn: str) -> Callable[[int, SwapPolicy], StepTrace]:
+def _tracer(
+    layers: Callable[[int], int], attn: str, recompute: tuple[RecomputeKind, ...] = ()
+) -> Callable[[int, SwapPolicy], StepTrace]:
     def trace(seq: int, policy: SwapPolicy) -> StepTrace:
         config = qwen3_moe_config("tiny", num_hidden_layers=layers(seq), attn_implementation=attn)
         meta = build_meta_model(
@@ -36,6 +39,7 @@ def _tracer(layers: Callable[[int], int], attn: str) -> Callable[[int, SwapPolic
             dtype=torch.float32,
             attn_implementation=attn,
             device="cpu",
+            recompute=recompute,
         )
         return trace_step(meta, PROFILE, policy)
 
@@ -98,3 +102,18 @@ def test_a_length_off_the_grid_is_refused(one_thread: None) -> None:
     lengths = _lengths(_tracer(lambda seq: 2, "sdpa"))
     with pytest.raises(ValueError, match="not a length of this grid"):
         lengths(GRID[-1] + 64)
+
+
+def test_a_recompute_level_takes_the_checked_ranges_from_three_traces(one_thread: None) -> None:
+    """A step with recompute runs again operators the step without it runs: the ranges
+    the latter checked serve it from three traces, and each length is still its trace."""
+    plain = _lengths(_tracer(lambda seq: 2, "sdpa"))
+    trace = _tracer(lambda seq: 2, "sdpa", ("norms", "mlp_memory_bound"))
+    lengths = TraceLengths(
+        trace, GRID, min_bytes=MIN_SWAP_TENSOR_BYTES, name="swap_large_activations", like=plain
+    )
+    assert len(lengths.traced) == 3
+    for seq in (GRID[1], GRID[9], GRID[-2]):
+        made = lengths(seq)
+        _assert_same_step(made, trace(seq, swap_large_activations))
+        assert made.recomputed_bytes == trace(seq, swap_large_activations).recomputed_bytes
