@@ -14,8 +14,8 @@ so a unit is a submodule, and a good one saves many bytes for little compute:
 - ``mlp``: the layer's feed-forward block (a dense MLP, or a mixture of experts with its
   router): most of what a layer saves besides attention, at the price of its matmuls;
 - ``layer``: the whole decoder layer, as the trainers' activation checkpointing runs
-  it (only its input is saved). The planner prices it for comparison; the budget mode
-  does not choose it, since its swap wraps the layer itself.
+  it: only its inputs are saved (and swapped), every operator runs again, attention's
+  included. The last resort, where the budget is met by nothing cheaper.
 
 Attention is never recomputed: its saves are its output and log-sum-exp, the most
 expensive bytes to make again, which swap moves instead.
@@ -37,10 +37,11 @@ RECOMPUTE_LEVELS: tuple[tuple[RecomputeKind, ...], ...] = (
     ("norms",),
     ("norms", "mlp_memory_bound"),
     ("norms", "mlp"),
+    ("layer",),
 )
 """What the budget mode recomputes in each layer, cheapest first: nothing, the norms,
 the norms and the feed-forward block's memory-bound work, the norms and the whole
-feed-forward block."""
+feed-forward block, the whole layer."""
 
 _MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 """What the families call a layer's feed-forward block."""

@@ -191,8 +191,13 @@ class AutoSwap:
         policy.on_mismatch = functools.partial(self._mismatched, ctx.manager, ctx.fqn)
         counter = functools.partial(ctx.manager.count_recompute, ctx.fqn)
         units = []
+        recomputed = self.plan.layers[ctx.index].recomputed
+        if recomputed == ("",):  # the whole layer: recomputed inside its own swap
+            return swap_wrapper(
+                module, policy=policy, manager=ctx.manager, name=ctx.fqn, recompute=True
+            )
         try:
-            for name in self.plan.layers[ctx.index].recomputed:
+            for name in recomputed:
                 try:
                     units.append(module.get_submodule(name))
                 except AttributeError:

@@ -166,8 +166,9 @@ class SwapManager(_SlotHooks, _ForwardOps):
             self._next[prev] = nxt
             self._prev[nxt] = prev
 
-    def register(self, module: torch.nn.Module, name: str | None, policy: SwapPolicy) -> None:
-        """Called by ``swap_wrapper``; ``name`` defaults to the class name and a counter."""
+    def register(self, module: torch.nn.Module, name: str | None, policy: SwapPolicy) -> str:
+        """Called by ``swap_wrapper``; ``name`` defaults to the class name and a counter.
+        Returns the name registered."""
         cls = type(module)
         name = name or f"{cls.__name__}_{self._registered}"
         if module in self._slots:
@@ -179,6 +180,7 @@ class SwapManager(_SlotHooks, _ForwardOps):
         )
         self._registered += 1
         self._stats[name] = GroupStats()
+        return name
 
     def unregister(self, module: torch.nn.Module) -> None:
         """Forget ``module`` and its links. Its stats stay readable, what it did while

@@ -234,6 +234,35 @@ def _counted(
     return run
 
 
+def run_recomputed(
+    forward: Callable[..., Any],
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    counter: RecomputeCounter | None,
+    save_matmuls: bool = False,
+) -> Any:
+    """``forward(module, *args, **kwargs)`` under a non-reentrant checkpoint: what it
+    saves is dropped and made again in backward (``counter`` told what was dropped);
+    ``save_matmuls``: its matmul outputs are saved through the hooks around it instead.
+    What a recompute-wrapped module runs, and a swap-wrapped layer recomputed whole."""
+    run = forward
+    options: dict[str, Any] = {}
+    kept: dict[int, StorageWeakRef] = {}
+    if save_matmuls:
+        saved = _SavedMatmuls()
+        options["context_fn"] = saved.contexts
+        kept = saved.storages
+    if counter is not None:
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                storage = arg.untyped_storage()
+                kept[storage._cdata] = StorageWeakRef(storage)
+        run = _counted(forward, counter, kept)
+    return checkpoint(run, module, *args, use_reentrant=False, **options, **kwargs)
+
+
 def _recompute_class(cls: type) -> type:
     """``Recompute<cls>``: its forward runs the original under a non-reentrant checkpoint
     and carries the original's signature."""
@@ -251,20 +280,9 @@ def _recompute_class(cls: type) -> type:
             if not torch.is_grad_enabled():
                 return original(self, *args, **kwargs)
             state: _RecomputeState = self.__dict__[_STATE_ATTR]
-            run = original
-            options: dict[str, Any] = {}
-            kept: dict[int, StorageWeakRef] = {}
-            if state.save_matmuls:
-                saved = _SavedMatmuls()
-                options["context_fn"] = saved.contexts
-                kept = saved.storages
-            if state.counter is not None:
-                for arg in args:
-                    if isinstance(arg, torch.Tensor):
-                        storage = arg.untyped_storage()
-                        kept[storage._cdata] = StorageWeakRef(storage)
-                run = _counted(original, state.counter, kept)
-            return checkpoint(run, self, *args, use_reentrant=False, **options, **kwargs)
+            return run_recomputed(
+                original, self, args, kwargs, counter=state.counter, save_matmuls=state.save_matmuls
+            )
 
         namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
         recompute_cls = _RecomputeClassMeta(

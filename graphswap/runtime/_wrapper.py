@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copyreg
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from graphswap.runtime._manager import SwapManager
+from graphswap.runtime._recompute import run_recomputed
 from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 
 _STATE_ATTR = "_graphswap_swap_state"
@@ -29,7 +31,12 @@ _CLASS_CACHE: dict[type, type] = {}
 @dataclass(frozen=True)
 class _SwapState:
     manager: SwapManager
+    """The manager the module is registered with."""
     original_type: type
+    """The class to put back on unwrap."""
+    recompute: str | None = None
+    """The module's name with its manager when its whole forward is recomputed in
+    backward (only its inputs are saved, and swapped); ``None``: it is not."""
 
 
 class SwapWrapped:
@@ -64,12 +71,29 @@ def _swap_class(cls: type) -> type:
         @functools.wraps(original)
         def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             state: _SwapState = self.__dict__[_STATE_ATTR]
+            if state.recompute is not None and torch.is_grad_enabled():
+                return state.manager.run_forward(
+                    self, _recomputed(original, state.manager, state.recompute), args, kwargs
+                )
             return state.manager.run_forward(self, original, args, kwargs)
 
         namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
         swap_cls = _SwapClassMeta(f"Swap{cls.__name__}", (SwapWrapped, cls), namespace)
         _CLASS_CACHE[cls] = swap_cls
     return swap_cls
+
+
+def _recomputed(
+    original: Callable[..., Any], manager: SwapManager, name: str
+) -> Callable[..., Any]:
+    """``original`` run under a checkpoint inside the swap's hooks: the checkpoint's
+    inputs are the module's saves, what the forward saves is made again in backward."""
+    counter = functools.partial(manager.count_recompute, name)
+
+    def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return run_recomputed(original, module, args, kwargs, counter=counter)
+
+    return forward
 
 
 def is_swap_wrapped(module: torch.nn.Module) -> bool:
@@ -87,11 +111,15 @@ def swap_wrapper(
     manager: SwapManager,
     policy: SwapPolicy = swap_large_activations,
     name: str | None = None,
+    recompute: bool = False,
 ) -> torch.nn.Module:
     """Make ``module`` swap the tensors it saves for backward, as ``policy`` decides.
 
-    Returns the same object, now an instance of a generated ``Swap<Class>`` subclass
-    registered with ``manager`` under ``name`` (default: class name and index).
+    ``recompute``: its whole forward is recomputed in backward, as activation
+    checkpointing runs a layer; it saves only its inputs, and those are what it swaps
+    (the recompute reloads them first, with the prefetch). Returns the same object, now
+    an instance of a generated ``Swap<Class>`` subclass registered with ``manager``
+    under ``name`` (default: class name and index).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"swap_wrapper expects an nn.Module, got {type(module).__name__}")
@@ -102,8 +130,8 @@ def swap_wrapper(
     if not callable(policy):
         raise TypeError(f"policy must be a callable Tensor -> CheckpointPolicy, got {policy!r}")
     cls = type(module)
-    manager.register(module, name, policy)
-    module.__dict__[_STATE_ATTR] = _SwapState(manager, cls)
+    registered = manager.register(module, name, policy)
+    module.__dict__[_STATE_ATTR] = _SwapState(manager, cls, registered if recompute else None)
     module.__class__ = _swap_class(cls)
     return module
 
