@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from graphswap import _deprecated
-from graphswap.errors import HierarchyError
+from graphswap.errors import GraphswapError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning._units import saves_matmuls
@@ -51,7 +51,7 @@ _BASE_RULE = "layer_swap"
 """Whole decoder layers of any Hugging Face decoder, by the classes the model declares."""
 
 
-class AutoSwapMismatchError(ValueError):
+class AutoSwapMismatchError(GraphswapError, ValueError):
     """The model saved tensors other than those the ``auto`` plan was made for."""
 
 

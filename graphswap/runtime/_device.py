@@ -19,8 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from graphswap.errors import GraphswapError
 
-class HazardError(RuntimeError):
+
+class HazardError(GraphswapError, RuntimeError):
     """An asynchronous copy was used in an order a real accelerator would corrupt."""
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from graphswap.errors import GraphswapError
 from graphswap.hf.presets import preset_names
 from graphswap.planning import DEFAULT_HIDE_MARGIN, PlanSettingError, SwapMode
 from graphswap.planning._budget import resolve_memory_budget
@@ -40,7 +41,7 @@ accepted for float settings because it is unambiguously a number."""
 DEVICES = ("auto", "cpu", "cuda")
 
 
-class ConfigError(ValueError):
+class ConfigError(GraphswapError, ValueError):
     """A setting the trainer cannot accept; ``key`` names it, the message starts with it."""
 
     def __init__(self, key: str, detail: str) -> None:
@@ -333,7 +334,7 @@ def _load(source: str | Path | Mapping[str, Any] | None) -> Mapping[Any, Any]:
     return data
 
 
-class _DuplicateKeyError(yaml.YAMLError):
+class _DuplicateKeyError(GraphswapError, yaml.YAMLError):
     def __init__(self, key: str, first: int, second: int) -> None:
         super().__init__(f"duplicate key {key!r}")
         self.key, self.first, self.second = key, first, second

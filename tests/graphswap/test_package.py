@@ -58,7 +58,7 @@ def test_import_has_no_side_effects() -> None:
 
 def test_every_export_has_a_behaviour_case() -> None:
     assert sorted(graphswap.__all__) == sorted(set(graphswap.__all__))
-    assert len(graphswap.__all__) <= 12, "a small public surface: the rest is imported by module"
+    assert len(graphswap.__all__) <= 13, "a small public surface: the rest is imported by module"
     missing = sorted(set(graphswap.__all__) - set(EXPORTS))
     assert not missing, f"exported without a behaviour case here: {missing}"
     assert set(EXPORTS) <= set(graphswap.__all__), "a case for a name no longer exported"
@@ -130,6 +130,20 @@ def test_a_rule_that_matches_nothing_is_an_error() -> None:
     with pytest.raises(errors.NoMatchError, match="qwen3_attn_swap"):
         graphswap.rewrite(model, rules="qwen3_attn_swap")
     assert type(model[0]) is nn.Linear
+
+
+@uses("GraphswapError")
+def test_one_except_catches_every_refusal_and_keeps_the_builtin_type() -> None:
+    """``except graphswap.GraphswapError`` catches what graphswap refuses; code that
+    caught the built-in type (a ``ValueError``, a ``KeyError``) still does."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(graphswap.GraphswapError) as no_match:
+        graphswap.rewrite(model, rules="qwen3_attn_swap")
+    with pytest.raises(graphswap.GraphswapError) as unknown:
+        graphswap.rewrite(model, rules="no_such_rule")
+    assert isinstance(no_match.value, ValueError)
+    assert isinstance(unknown.value, KeyError)
+    assert not issubclass(graphswap.GraphswapError, (ValueError, RuntimeError))
 
 
 @uses("Rule", "register_rule")
