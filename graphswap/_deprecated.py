@@ -58,6 +58,8 @@ NAMES: dict[str, str] = {
     "graphswap.SwapIntegrityError": "graphswap.errors:SwapIntegrityError",
     "graphswap.get_rule": "graphswap.rewriting.rules:get_rule",
     "graphswap.qwen3_attention_swap_policy": _SIZE_POLICY,
+    "graphswap.runtime.SimulatedAccelerator": "graphswap.runtime.sim:SimulatedAccelerator",
+    "graphswap.runtime.engines.SimulatedAccelerator": "graphswap.runtime.sim:SimulatedAccelerator",
     "graphswap.runtime.SwapExclusionError": "graphswap.errors:SwapExclusionError",
     "graphswap.runtime.SwapIntegrityError": "graphswap.errors:SwapIntegrityError",
     "graphswap.policy.qwen3_attention_swap_policy": _SIZE_POLICY,

@@ -19,13 +19,13 @@ from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
     CopyEngine,
-    SimulatedAccelerator,
     SwapManager,
     host_budget,
     is_swap_wrapped,
     swap_manager_of,
 )
 from graphswap.runtime.profile import DeviceProfile, simulated_profile
+from graphswap.runtime.sim import SimulatedAccelerator
 from passes.errors import PassPostconditionError, PassSettingError
 from passes.specs import SWAP_RULES
 

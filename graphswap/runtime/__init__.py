@@ -1,5 +1,6 @@
 """The swap runtime: the manager, the wrappers (swap and recompute), the copy engines and
-the host pool."""
+the host pool. The simulated accelerator is :mod:`graphswap.runtime.sim`, which this
+package does not import."""
 
 from graphswap._deprecated import module_getattr
 from graphswap.runtime._engines import (
@@ -7,7 +8,6 @@ from graphswap.runtime._engines import (
     CopyEngine,
     HazardError,
     NoOpAccelerator,
-    SimulatedAccelerator,
 )
 from graphswap.runtime._manager import SwapManager
 from graphswap.runtime._pool import host_budget
@@ -32,7 +32,6 @@ __all__ = [
     "GroupStats",
     "HazardError",
     "NoOpAccelerator",
-    "SimulatedAccelerator",
     "SwapManager",
     "SwapStats",
     "host_budget",

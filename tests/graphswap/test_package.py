@@ -44,11 +44,14 @@ def uses(*names: str) -> Callable[[Test], Test]:
 def test_import_has_no_side_effects() -> None:
     """Importing graphswap and its rewrite modules loads no model code (rules name their
     classes; a model's module is imported when a rule runs), no compiler, not the pass
-    plan (the core never imports up), and does not touch CUDA."""
+    plan (the core never imports up), not the simulator (a run on a device never uses
+    it), and does not touch CUDA."""
     code = (
         "import sys, torch, graphswap, graphswap.rewriting.rules, graphswap.rewriting.apply,"
-        " graphswap.rewriting.graph\n"
+        " graphswap.rewriting.graph, graphswap.runtime\n"
         "assert 'passes' not in sys.modules, 'the core imports the pass plan'\n"
+        "sim = [m for m in sys.modules if m.startswith('graphswap.runtime.sim')]\n"
+        "assert not sim, f'importing graphswap loaded the simulator: {sim}'\n"
         "bad = [m for m in sys.modules if m.startswith(('transformers', 'torch._dynamo'))]\n"
         "assert not bad, bad\n"
         "assert not torch.cuda.is_initialized(), 'importing graphswap touched CUDA'\n"

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import passes
-from graphswap.runtime import SimulatedAccelerator
+from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.train.build import build
 from graphswap.train.config import ConfigError, TrainerConfig
 from graphswap.train.trainer import TrainResult, train

@@ -35,9 +35,10 @@ from graphswap.planning._budget import plan_budget
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.runtime import SimulatedAccelerator, SwapManager
+from graphswap.runtime import SwapManager
 from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import device_profile
+from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.train.trainer import _state_bytes
 from passes.specs import SWAP_RULES
 from passes.swap import apply_swap
