@@ -138,7 +138,7 @@ class TrainingSettings:
 
 @dataclass(frozen=True)
 class InfrastructureSettings:
-    """The passes ``passes.apply_model_infrastructure`` applies, in the plan's order."""
+    """The passes ``graphswap.passes.apply_model_infrastructure`` applies, in the plan's order."""
 
     compile: bool = False
     """``torch.compile`` each decoder layer."""
@@ -155,7 +155,7 @@ class InfrastructureSettings:
     fsdp: bool = False
     """FSDP2 ``fully_shard`` per decoder layer and the root."""
     pass_order: tuple[str, ...] | None = None
-    """The passes in the order to run them, checked as given by ``passes.plan``;
+    """The passes in the order to run them, checked as given by ``graphswap.passes.plan``;
     ``None``: the canonical order of the passes the other settings enable."""
 
 

@@ -10,21 +10,20 @@ import warnings
 from types import ModuleType
 
 import graphswap
-import passes
 from graphswap import _deprecated
 from graphswap.errors import GraphswapError
 
 
 def every_module() -> list[ModuleType]:
-    """Every module of the packages, imported (0.1.0's shims define nothing and warn)."""
-    modules = []
+    """Every module of the package, the pass plan's included, imported (0.1.0's shims
+    define nothing and warn)."""
+    modules = [graphswap]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for package in (graphswap, passes):
-            modules.append(package)
-            for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
-                if info.name not in _deprecated.MODULES and not info.name.endswith(".__main__"):
-                    modules.append(importlib.import_module(info.name))
+        for info in pkgutil.walk_packages(graphswap.__path__, "graphswap."):
+            if info.name not in _deprecated.MODULES and not info.name.endswith(".__main__"):
+                modules.append(importlib.import_module(info.name))
+    assert "graphswap.passes.errors" in {module.__name__ for module in modules}
     return modules
 
 

@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
-    import passes
+    from graphswap import passes
     from graphswap.train.config import ConfigError, parse_names, resolve_config
     from graphswap.train.preflight import check_model, check_swap_rule
 
