@@ -269,7 +269,7 @@ class AutoSwap:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's data (``plan``), what it was made for and what run time found;
-        ``graphswap train`` renders it (``graphswap.train.cli._memory.format_auto_report``)."""
+        ``graphswap train`` renders it (``graphswap.train.reports.format_auto_report``)."""
         return {
             "made_for": self.made_for,
             "measured_bandwidth": None
@@ -284,9 +284,9 @@ class AutoSwap:
         """Deprecated (0.1.0's name), removed in 0.3: the report ``graphswap train`` prints."""
         _deprecated.warn(
             "AutoSwap.format_report is deprecated:"
-            " use graphswap.train.cli._memory.format_auto_report(auto.to_dict())"
+            " use graphswap.train.reports.format_auto_report(auto.to_dict())"
         )
-        report = _deprecated.resolve("graphswap.train.cli._memory:format_auto_report")
+        report = _deprecated.resolve("graphswap.train.reports:format_auto_report")
         return str(report(self.to_dict()))
 
 

@@ -18,6 +18,7 @@ from graphswap.runtime._recompute import (
 )
 from graphswap.runtime._slot import GroupInfo
 from graphswap.runtime._stats import GroupStats, SwapStats
+from graphswap.runtime._tape import step_labels
 from graphswap.runtime._wrapper import (
     is_swap_wrapped,
     swap_manager_of,
@@ -38,6 +39,7 @@ __all__ = [
     "is_recompute_wrapped",
     "is_swap_wrapped",
     "recompute_wrapper",
+    "step_labels",
     "swap_manager_of",
     "swap_wrapper",
     "unwrap_recompute",
