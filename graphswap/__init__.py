@@ -3,9 +3,9 @@
 Saved activations move to host memory after forward and come back one layer ahead of
 the backward. By hand, one :class:`SwapManager` per model, :func:`swap_wrapper` per
 module and :meth:`SwapManager.link` per pair of consecutive modules; by rule,
-:func:`rewrite` does the same with checks, a report and an undo. The errors are in
-:mod:`graphswap.errors`; the trainer and the ``graphswap`` command in
-:mod:`graphswap.train`.
+:func:`rewrite` does the same with checks, a report and an undo. Every error graphswap
+raises derives from :class:`GraphswapError`; the errors are in :mod:`graphswap.errors`,
+the trainer and the ``graphswap`` command in :mod:`graphswap.train`.
 
 Importing this package has no side effects: it does not touch CUDA, query the
 platform, or import transformers model code. The names and module paths of 0.1.0
@@ -16,6 +16,7 @@ that moved still work until 0.3, with a ``DeprecationWarning`` naming the new on
 import sys
 
 from graphswap import _deprecated
+from graphswap.errors import GraphswapError
 from graphswap.rewriting.apply import RewriteReport, rewrite, rewrite_report, unrewrite
 from graphswap.rewriting.rules import Rule, available_rules, register_rule
 from graphswap.runtime import SwapManager, SwapStats, swap_wrapper, unwrap_swap
@@ -23,6 +24,7 @@ from graphswap.runtime.policy import CheckpointPolicy
 
 __all__ = [
     "CheckpointPolicy",
+    "GraphswapError",
     "RewriteReport",
     "Rule",
     "SwapManager",

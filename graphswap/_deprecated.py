@@ -13,6 +13,7 @@ Delete this module, the shims and the ``__getattr__`` hooks that call it in 0.3.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import sys
 import types
 import warnings
@@ -58,6 +59,8 @@ NAMES: dict[str, str] = {
     "graphswap.SwapIntegrityError": "graphswap.errors:SwapIntegrityError",
     "graphswap.get_rule": "graphswap.rewriting.rules:get_rule",
     "graphswap.qwen3_attention_swap_policy": _SIZE_POLICY,
+    "graphswap.runtime.SimulatedAccelerator": "graphswap.runtime.sim:SimulatedAccelerator",
+    "graphswap.runtime.engines.SimulatedAccelerator": "graphswap.runtime.sim:SimulatedAccelerator",
     "graphswap.runtime.SwapExclusionError": "graphswap.errors:SwapExclusionError",
     "graphswap.runtime.SwapIntegrityError": "graphswap.errors:SwapIntegrityError",
     "graphswap.policy.qwen3_attention_swap_policy": _SIZE_POLICY,
@@ -94,6 +97,10 @@ NAMES: dict[str, str] = {
 """Old ``module.name`` -> ``new_module:name``, for names that moved out of their module
 (or out of ``graphswap`` itself) or were renamed."""
 
+PACKAGES: dict[str, str] = {"passes": "graphswap.passes"}
+"""0.1.0's top-level packages -> their place under graphswap. An installed graphswap has
+no top-level ``passes``; a source checkout still finds the folder on ``sys.path``."""
+
 _PROFILE = "the device profile's figures (graphswap.runtime.profile.device_profile)"
 REMOVED: dict[str, str] = {
     "graphswap.config.DEFAULT_SWAP_BANDWIDTH_GBPS": _PROFILE,
@@ -124,7 +131,8 @@ def warn(message: str) -> None:
     shims and the import machinery, so Python's default filter shows it in scripts."""
     level, frame = 2, sys._getframe(1)
     while frame is not None and (
-        frame.f_globals.get("__name__") in (__name__, "importlib", *MODULES) or _bootstrap(frame)
+        frame.f_globals.get("__name__") in (__name__, "importlib", *MODULES, *PACKAGES)
+        or _bootstrap(frame)
     ):
         # warnings.warn leaves the import system's own frames out of the count itself.
         level, frame = level + (not _bootstrap(frame)), frame.f_back
@@ -170,6 +178,21 @@ def moved(old: str) -> Callable[[str], Any]:
     new = MODULES[old]
     warn(f"{old} is deprecated: import from {new[0]}")
     return lambda name: _name(f"{old}.{name}", new)
+
+
+def moved_package(old: str) -> None:
+    """Called by the package's ``__init__`` when it runs under its old top-level name:
+    warn, and make the old name and its submodules the new modules themselves. A second
+    copy would have classes of its own, and ``except passes.PlanError`` would miss the
+    errors graphswap raises."""
+    new = PACKAGES[old]
+    warn(f"{old} is deprecated: import from {new}")
+    package = importlib.import_module(new)
+    for info in pkgutil.iter_modules(package.__path__, f"{new}."):
+        importlib.import_module(info.name)
+    for name, module in list(sys.modules.items()):
+        if name == new or name.startswith(f"{new}."):
+            sys.modules[old + name.removeprefix(new)] = module
 
 
 class Package(types.ModuleType):

@@ -4,7 +4,14 @@ raises the same type for the same fact, and users import them from one place."""
 from __future__ import annotations
 
 
-class RewriteError(ValueError):
+class GraphswapError(Exception):
+    """Base of every error graphswap defines: ``except GraphswapError`` catches what
+    graphswap refuses, and not a bug elsewhere. Each error also keeps the built-in type
+    it had (``ValueError`` for a bad input, ``RuntimeError`` for a failure at run time),
+    so code that caught that still does."""
+
+
+class RewriteError(GraphswapError, ValueError):
     """Base of every error a rewrite raises; the model is unchanged when it is raised."""
 
 
@@ -33,9 +40,9 @@ class UnknownRuleError(RewriteError, KeyError):
         return str(self.args[0])
 
 
-class SwapExclusionError(RuntimeError):
+class SwapExclusionError(GraphswapError, RuntimeError):
     """A swap-wrapped module ran under a transform that activation swap excludes."""
 
 
-class SwapIntegrityError(RuntimeError):
+class SwapIntegrityError(GraphswapError, RuntimeError):
     """A tensor saved for backward changed after it was saved: its gradient would be wrong."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import nn
 
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.passes.postconditions import require_every_layer
 from graphswap.rewriting.transforms import Transform
-from passes.postconditions import require_every_layer
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

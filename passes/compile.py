@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.passes.postconditions import require_every_layer
 from graphswap.rewriting.transforms import Transform
-from passes.postconditions import require_every_layer
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from graphswap.errors import GraphswapError
 
-class PlanError(ValueError):
+
+class PlanError(GraphswapError, ValueError):
     """A pass plan the trainer refuses to run."""
 
 
@@ -29,5 +31,5 @@ class PassNotImplementedError(PlanError, NotImplementedError):
     """A declared pass that graphswap checks but cannot apply yet."""
 
 
-class PassPostconditionError(RuntimeError):
+class PassPostconditionError(GraphswapError, RuntimeError):
     """A pass ran but the model does not show its effect: never a silent no-op (I2)."""

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.passes.errors import PassPostconditionError
+from graphswap.passes.postconditions import layers_without
 from graphswap.rewriting.transforms import Transform, shown_by
-from passes.errors import PassPostconditionError
-from passes.postconditions import layers_without
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

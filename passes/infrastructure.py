@@ -16,22 +16,22 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from graphswap.errors import AlreadyTransformedError
+from graphswap.passes.activation_checkpointing import apply_activation_checkpointing
+from graphswap.passes.compile import apply_compile
+from graphswap.passes.fsdp import apply_fsdp
+from graphswap.passes.mesh import Meshes, resolve_meshes
+from graphswap.passes.plan import Plan, plan
+from graphswap.passes.specs import pass_specs
+from graphswap.passes.swap import PLANNED_MODES, apply_swap, plan_auto_swap, swap_engine
+from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
 from graphswap.rewriting.transforms import find_transforms
-from passes.activation_checkpointing import apply_activation_checkpointing
-from passes.compile import apply_compile
-from passes.fsdp import apply_fsdp
-from passes.mesh import Meshes, resolve_meshes
-from passes.plan import Plan, plan
-from passes.specs import pass_specs
-from passes.swap import PLANNED_MODES, apply_swap, plan_auto_swap, swap_engine
-from passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from graphswap.passes.settings import PassSettings
     from graphswap.planning.auto_swap import AutoSwap
     from graphswap.rewriting.apply import RewriteReport
-    from passes.settings import PassSettings
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from passes.errors import PassRequirementError, PassSettingError
-from passes.plan import Plan, plan
-from passes.specs import DISTRIBUTED, PassSpec
+from graphswap.passes.errors import PassRequirementError, PassSettingError
+from graphswap.passes.plan import Plan, plan
+from graphswap.passes.specs import DISTRIBUTED, PassSpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from passes.settings import PassSettings
+    from graphswap.passes.settings import PassSettings
 
 TP = "tp"
 DP_SHARD = "dp_shard"

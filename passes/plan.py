@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
-from passes.errors import (
+from graphswap.passes.errors import (
     PassConflictError,
     PassNotImplementedError,
     PassOrderError,
     PassSettingError,
     PlanError,
 )
-from passes.specs import CANONICAL_ORDER, PassSpec, pass_specs
+from graphswap.passes.specs import CANONICAL_ORDER, PassSpec, pass_specs
 
 if TYPE_CHECKING:
-    from passes.settings import PassSettings
+    from graphswap.passes.settings import PassSettings
 
 
 PASS_ORDER = "pass_order"
@@ -215,7 +215,7 @@ class Plan:
             legal = nx.lexicographical_topological_sort(self.graph, key=self.position)
             works = f"an order that runs: {self.order_from}: [{', '.join(legal)}]"
         else:
-            works = f"passes.plan orders them {_canonical(self.names)}"
+            works = f"graphswap.passes.plan orders them {_canonical(self.names)}"
         raise PassOrderError(
             f"{_lead(self.order_from)}{self.label(first)} must run before {self.label(then)}:"
             f" move {first} ahead of {then} ({works}) or turn one off: set"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.passes.errors import PassPostconditionError
 from graphswap.rewriting.transforms import Transform, shown_by
-from passes.errors import PassPostconditionError
 
 
 def layers_without(model: nn.Module, kind: Transform) -> list[tuple[str, nn.Module]]:

@@ -12,12 +12,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from graphswap.passes.errors import PlanError
 from graphswap.rewriting.rules import SWAP_MODE_RULES, Rule, get_rule
 from graphswap.rewriting.transforms import Transform
-from passes.errors import PlanError
 
 if TYPE_CHECKING:
-    from passes.settings import PassSettings
+    from graphswap.passes.settings import PassSettings
 
 SWAP_RULE = SWAP_MODE_RULES["attention"]
 """The rewrite rule the swap pass applies for ``activation_swap: attention``: any Hugging
@@ -37,7 +37,7 @@ CANONICAL_ORDER: tuple[str, ...] = (
     "compile",
     "fsdp",
 )
-"""The order ``passes.plan`` emits. Pipeline parallel splits the model into stages
+"""The order ``graphswap.passes.plan`` emits. Pipeline parallel splits the model into stages
 first (as in torchtitan); every other pass then runs per stage."""
 
 DISTRIBUTED = "distributed"

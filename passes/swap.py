@@ -13,25 +13,25 @@ from torch import nn
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
+from graphswap.passes.errors import PassPostconditionError, PassSettingError
+from graphswap.passes.specs import SWAP_RULES
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning._budget import resolve_memory_budget
 from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
     CopyEngine,
-    SimulatedAccelerator,
     SwapManager,
     host_budget,
     is_swap_wrapped,
     swap_manager_of,
 )
 from graphswap.runtime.profile import DeviceProfile, simulated_profile
-from passes.errors import PassPostconditionError, PassSettingError
-from passes.specs import SWAP_RULES
+from graphswap.runtime.sim import SimulatedAccelerator
 
 if TYPE_CHECKING:
+    from graphswap.passes.settings import PassSettings
     from graphswap.rewriting.apply import RewriteReport
-    from passes.settings import PassSettings
 
 _PLAN_KEYS = {
     "seq": "seq_len",

@@ -19,7 +19,7 @@ from torch import nn
 
 from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.decoder import HEAD_NORMS, HEAD_PROJECTIONS, head_sharding_problem
-from passes.errors import PassPostconditionError, PassRequirementError
+from graphswap.passes.errors import PassPostconditionError, PassRequirementError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -206,9 +206,9 @@ def _predictions(
     this shape: zero-grad, forward and backward, no optimizer (``optimizer=False``), on the
     profile the auto mode plans on (h200 with --swap-bandwidth and --swap-tflops). One
     trace serves every mode."""
-    from graphswap.planning import SwapChoice, plan_step, replay, trace_step
-    from graphswap.planning._plan import DEFAULT_PROFILE, resolve_profile
+    from graphswap.planning import DEFAULT_PROFILE, SwapChoice, plan_step, replay, trace_step
     from graphswap.planning.saved_tensors import build_meta_model
+    from graphswap.runtime.profile import device_profile
 
     modes = [name for name in args.modes if name in PLANNED_MODES]
     if not modes:
@@ -221,9 +221,11 @@ def _predictions(
         attn_implementation=args.attn,
         device="cuda" if device.type == "cuda" else "cpu",
     )
-    profile = resolve_profile(
-        DEFAULT_PROFILE, bandwidth_gbps=args.swap_bandwidth, tflops=args.swap_tflops
-    )
+    profile = device_profile(DEFAULT_PROFILE)
+    replaced = {"link_gbps": args.swap_bandwidth, "tflops": args.swap_tflops}
+    replaced = {figure: value for figure, value in replaced.items() if value is not None}
+    if replaced:
+        profile = profile.with_figures(**replaced)
     trace = trace_step(meta, profile, optimizer=False)
     baseline = replay(trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1)
     found = {}
@@ -287,7 +289,7 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
     """Untimed, CUDA only: one plain step under :class:`PeakByLabel`; its peak allocated and
     the label it falls in."""
     from graphswap.hf.checkpoints import decoder_layers
-    from graphswap.runtime._tape import step_labels
+    from graphswap.runtime import step_labels
 
     model, device = mode.model, mode.device
     with mode.installed():
@@ -296,7 +298,7 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         recorder = PeakByLabel(device)
-        with step_labels(layers, recorder):  # type: ignore[arg-type]  # any .label works
+        with step_labels(layers, recorder):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             _sync(device)
@@ -351,7 +353,7 @@ def run_seq(
     modes = [Mode(name, model, device, auto if name == AUTO else None) for name in args.modes]
     _untimed_steps(modes, ids, run, files, predictions)
     if auto is not None:
-        from graphswap.train.cli._memory import auto_verdict
+        from graphswap.train.reports import auto_verdict
 
         offloaded = run["modes"][AUTO]["verify"]["counters"]["offloaded_bytes"]
         run["auto_plan"] = {

@@ -29,11 +29,11 @@ from graphswap.hf.presets import qwen3_moe_config
 from graphswap.runtime import (
     CopyEngine,
     NoOpAccelerator,
-    SimulatedAccelerator,
     SwapManager,
     swap_wrapper,
     unwrap_swap,
 )
+from graphswap.runtime.sim import SimulatedAccelerator
 
 ENGINES: dict[str, Callable[[], CopyEngine]] = {
     "noop": NoOpAccelerator,

@@ -39,12 +39,12 @@ from graphswap.runtime import (
     AcceleratorCopyEngine,
     CopyEngine,
     NoOpAccelerator,
-    SimulatedAccelerator,
     SwapManager,
     swap_wrapper,
     unwrap_swap,
 )
 from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, is_parameter_like
+from graphswap.runtime.sim import SimulatedAccelerator
 
 TARGET_US_PER_TENSOR = 20.0
 """graphswap's whole host time per swapped tensor, copies included."""

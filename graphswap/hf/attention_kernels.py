@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphswap.errors import GraphswapError
+
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 KERNELS = ("flash", "efficient", "cudnn", "math")
@@ -52,7 +54,7 @@ _REPEATS_KV = frozenset({"efficient", "cudnn"})
 _MATH_SAVES = "the seq x seq attention probabilities (float32 for 16-bit inputs)"
 
 
-class PlanSettingError(ValueError):
+class PlanSettingError(GraphswapError, ValueError):
     """A planner setting that cannot be traced: names the setting, its value and what works."""
 
     def __init__(self, setting: str, value: object, detail: str) -> None:

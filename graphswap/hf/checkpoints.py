@@ -18,14 +18,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from graphswap.errors import HierarchyError
+from graphswap.errors import GraphswapError, HierarchyError
 from graphswap.hf.presets import preset_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-class CheckpointError(ValueError):
+class CheckpointError(GraphswapError, ValueError):
     """A local checkpoint folder that graphswap cannot use; the message names the file."""
 
 
@@ -178,7 +178,7 @@ def model_config(
     return config
 
 
-class LayerCountError(ValueError):
+class LayerCountError(GraphswapError, ValueError):
     """A number of decoder layers the model's per-layer settings cannot follow."""
 
 

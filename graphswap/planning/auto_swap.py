@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from graphswap import _deprecated
-from graphswap.errors import HierarchyError
+from graphswap.errors import GraphswapError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning._units import saves_matmuls
@@ -51,7 +51,7 @@ _BASE_RULE = "layer_swap"
 """Whole decoder layers of any Hugging Face decoder, by the classes the model declares."""
 
 
-class AutoSwapMismatchError(ValueError):
+class AutoSwapMismatchError(GraphswapError, ValueError):
     """The model saved tensors other than those the ``auto`` plan was made for."""
 
 
@@ -274,7 +274,7 @@ class AutoSwap:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's data (``plan``), what it was made for and what run time found;
-        ``graphswap train`` renders it (``graphswap.train.cli._memory.format_auto_report``)."""
+        ``graphswap train`` renders it (``graphswap.train.reports.format_auto_report``)."""
         return {
             "made_for": self.made_for,
             "measured_bandwidth": None
@@ -289,9 +289,9 @@ class AutoSwap:
         """Deprecated (0.1.0's name), removed in 0.3: the report ``graphswap train`` prints."""
         _deprecated.warn(
             "AutoSwap.format_report is deprecated:"
-            " use graphswap.train.cli._memory.format_auto_report(auto.to_dict())"
+            " use graphswap.train.reports.format_auto_report(auto.to_dict())"
         )
-        report = _deprecated.resolve("graphswap.train.cli._memory:format_auto_report")
+        report = _deprecated.resolve("graphswap.train.reports:format_auto_report")
         return str(report(self.to_dict()))
 
 

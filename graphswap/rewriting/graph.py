@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
+from graphswap.errors import GraphswapError
+
 if TYPE_CHECKING:
     from graphswap.runtime import SwapManager
 
@@ -24,11 +26,11 @@ RENDER_FORMATS: tuple[str, ...] = ("svg", "png")
 _LAYER_IN_FQN = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
-class PrefetchGraphError(ValueError):
+class PrefetchGraphError(GraphswapError, ValueError):
     """The prefetch schedule breaks an invariant of the swap runtime."""
 
 
-class GraphvizNotFoundError(RuntimeError):
+class GraphvizNotFoundError(GraphswapError, RuntimeError):
     """Rendering to an image needs Graphviz's ``dot`` executable."""
 
 

@@ -1,5 +1,6 @@
 """The swap runtime: the manager, the wrappers (swap and recompute), the copy engines and
-the host pool."""
+the host pool. The simulated accelerator is :mod:`graphswap.runtime.sim`, which this
+package does not import."""
 
 from graphswap._deprecated import module_getattr
 from graphswap.runtime._engines import (
@@ -7,7 +8,6 @@ from graphswap.runtime._engines import (
     CopyEngine,
     HazardError,
     NoOpAccelerator,
-    SimulatedAccelerator,
 )
 from graphswap.runtime._manager import SwapManager
 from graphswap.runtime._pool import host_budget
@@ -18,6 +18,7 @@ from graphswap.runtime._recompute import (
 )
 from graphswap.runtime._slot import GroupInfo
 from graphswap.runtime._stats import GroupStats, SwapStats
+from graphswap.runtime._tape import step_labels
 from graphswap.runtime._wrapper import (
     is_swap_wrapped,
     swap_manager_of,
@@ -32,13 +33,13 @@ __all__ = [
     "GroupStats",
     "HazardError",
     "NoOpAccelerator",
-    "SimulatedAccelerator",
     "SwapManager",
     "SwapStats",
     "host_budget",
     "is_recompute_wrapped",
     "is_swap_wrapped",
     "recompute_wrapper",
+    "step_labels",
     "swap_manager_of",
     "swap_wrapper",
     "unwrap_recompute",

@@ -6,7 +6,7 @@ directions, device and host allocations, and a word when it lets go of a source 
 copy read. Waits and queries are made through the methods ``torch.Stream`` and
 ``torch.Event`` have, so on a GPU the engine holds torch's own objects and calls
 them directly; everything else goes through a :class:`Device`. :class:`TorchDevice`
-is torch's accelerator API; the simulated device (``graphswap.runtime._simdevice``)
+is torch's accelerator API; the simulated device (``graphswap.runtime.sim``)
 is the same interface on CPU, with every ordering hazard checked, so the engine a GPU
 runs is the engine CI runs; :class:`NoOpDevice` is the interface with nothing to
 order: each copy is done when its call returns, so streams, events and waits are no-ops.
@@ -19,8 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from graphswap.errors import GraphswapError
 
-class HazardError(RuntimeError):
+
+class HazardError(GraphswapError, RuntimeError):
     """An asynchronous copy was used in an order a real accelerator would corrupt."""
 
 

@@ -14,10 +14,11 @@ of those calls is what keeps memory correct:
 
 ``AcceleratorCopyEngine`` is written once against the device interface of
 ``graphswap.runtime._device``: on a GPU it drives torch's streams and events;
-``SimulatedAccelerator`` is the same engine over a simulated device on CPU tensors
-that lags a chosen number of module boundaries behind the host, turns every call in
-the wrong order into a ``HazardError``, and, given a device profile, keeps a clock:
-the CPU test suite runs the engine a GPU runs (invariant I11). ``NoOpAccelerator`` is
+``SimulatedAccelerator`` (:mod:`graphswap.runtime.sim`, loaded only where asked for)
+is the same engine over a simulated device on CPU tensors that lags a chosen number of
+module boundaries behind the host, turns every call in the wrong order into a
+``HazardError``, and, given a device profile, keeps a clock: the CPU test suite runs
+the engine a GPU runs (invariant I11). ``NoOpAccelerator`` is
 the same engine over a device whose copies are done when issued (``NoOpDevice``): no
 hazard to check, nothing to simulate, the engine's own host time only.
 """
@@ -25,10 +26,8 @@ hazard to check, nothing to simulate, the engine's own host time only.
 from __future__ import annotations
 
 import abc
-import collections
-import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -40,9 +39,6 @@ from graphswap.runtime._device import (
     Stream,
     TorchDevice,
 )
-from graphswap.runtime._simdevice import Clock, SimDevice, SimStream
-from graphswap.runtime._tape import step_labels
-from graphswap.runtime.profile import DeviceProfile, device_profile
 
 _use_count = torch._C._storage_Use_Count
 """References to a storage: read once here, not through ``torch._C`` at every release."""
@@ -53,7 +49,6 @@ __all__ = [
     "CopyEngine",
     "HazardError",
     "NoOpAccelerator",
-    "SimulatedAccelerator",
 ]
 
 
@@ -510,103 +505,3 @@ class NoOpAccelerator(AcceleratorCopyEngine):
 
     def _open(self, device: torch.device) -> Device:
         return NoOpDevice(device)
-
-
-class SimulatedAccelerator(AcceleratorCopyEngine):
-    """The accelerator engine over a simulated device on CPU tensors.
-
-    ``lag``: a copy completes when the device reaches it, ``lag`` ticks (module
-    boundaries) after it was issued (0: at once), in issue order per stream and after
-    what it waits for, or earlier when a compute stream waits for it. Sources are held
-    until the manager releases them. Every ordering hazard raises ``HazardError``: a
-    source released before the stream that allocated it waited for its copy (or the
-    host saw it completed), a reload read before the reading stream waited for it, a
-    copy that reads bytes its stream has not waited for (a tensor written on another
-    stream, a host buffer before its offload filled it), a host buffer rewritten while
-    a reload still reads it, and any copy, query or wait while ``capture()`` is active.
-
-    User code makes streams with ``stream()`` and runs on one under ``with stream:``,
-    as it would with ``torch.Stream``; ``current_stream()`` is the one it runs on.
-
-    ``profile``: a device profile (a preset name such as ``"h200"``, with figures
-    optionally replaced, or a ``DeviceProfile``); with one, ``clock()`` measures a step.
-    """
-
-    pin = False
-
-    def __init__(self, lag: int = 0, profile: str | DeviceProfile | None = None) -> None:
-        if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
-            raise ValueError(f"lag must be an int >= 0, got {lag!r}")
-        super().__init__()
-        self.lag = lag
-        """Module boundaries a copy trails the host by."""
-        self.profile = None if profile is None else device_profile(profile)
-        """What the clock costs work with (None: no clock)."""
-        self._sim = SimDevice(lag, self.profile)
-        """The one simulated device, whatever ``torch.device`` its tensors name."""
-
-    def __repr__(self) -> str:
-        if self.profile is None:
-            return f"SimulatedAccelerator(lag={self.lag})"
-        return f"SimulatedAccelerator(lag={self.lag}, profile={self.profile.name!r})"
-
-    def __reduce__(self) -> tuple[type, tuple[int, DeviceProfile | None]]:  # type: ignore[override]
-        """A copy is a fresh device with the same lag and profile, nothing in flight."""
-        return SimulatedAccelerator, (self.lag, self.profile)
-
-    def _open(self, device: torch.device) -> Device:
-        return self._sim
-
-    def tick(self) -> None:
-        super().tick()
-        self._sim.tick()
-
-    def capturing(self) -> bool:
-        return self._sim.is_capturing()
-
-    boundary = CopyEngine.boundary  # its own ``capturing`` and ``tick``
-
-    @property
-    def calls(self) -> collections.Counter[tuple[str, str]]:
-        """Accelerator calls made so far, by (kind, what they serve): what a GPU would be
-        asked, counted (``SimDevice.calls`` lists the kinds)."""
-        return self._sim.calls
-
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        """Behave as if the current stream captured a graph."""
-        with self._sim.capture():
-            yield
-
-    def stream(self) -> SimStream:
-        """A new stream for user code (``torch.Stream()`` on a GPU)."""
-        return self._sim.compute_stream()
-
-    def current_stream(self) -> SimStream:
-        """The stream operators run on now (``torch.accelerator.current_stream()``)."""
-        return self._sim.current
-
-    @contextlib.contextmanager
-    def clock(
-        self, layers: Sequence[torch.nn.Module] = (), *, base_bytes: int = 0
-    ) -> Iterator[Clock]:
-        """Measure one step run inside: ``clock.timeline`` is filled when it ends.
-
-        ``layers``: the decoder layers, in forward order, that label the timeline
-        (``F<i>``, ``B<i>``); ``base_bytes``: device memory already held when the step
-        begins (parameters, gradients, optimizer state), counted in every figure of
-        memory. ``clock.label("optimizer")`` names what runs next.
-        """
-        if self.profile is None:
-            raise ValueError(
-                "SimulatedAccelerator(profile=None) keeps no clock; pass a device profile,"
-                " e.g. SimulatedAccelerator(profile='h200') or a DeviceProfile"
-            )
-        if not isinstance(base_bytes, int) or isinstance(base_bytes, bool) or base_bytes < 0:
-            raise ValueError(f"base_bytes must be an int >= 0, got {base_bytes!r}")
-        clock = self._sim.start_clock(base_bytes)
-        try:
-            with clock.tape, step_labels(layers, clock.tape):
-                yield clock
-        finally:
-            self._sim.stop_clock()

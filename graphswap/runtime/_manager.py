@@ -83,7 +83,8 @@ class SwapManager(_SlotHooks, _ForwardOps):
     stream that produced the tensor waits for the copy there, the host never blocks.
     ``engine``: the copy engine (default: ``AcceleratorCopyEngine`` for accelerator
     tensors, ``NoOpAccelerator`` for CPU tensors, where nothing needs ordering; pass a
-    ``SimulatedAccelerator`` to have every ordering hazard checked, as tests do).
+    ``graphswap.runtime.sim.SimulatedAccelerator`` to have every ordering hazard checked,
+    as tests do).
 
     Every forward of a wrapped module is recorded on its own, linked to the forward
     its prev module ran last, so several forwards before one backward (gradient

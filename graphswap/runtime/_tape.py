@@ -150,12 +150,22 @@ class OpTape(TorchDispatchMode):
         self._live.clear()
 
 
+class Labelled(Protocol):
+    """What :func:`step_labels` labels: a tape, or a user's own recorder."""
+
+    label: str
+
+
 @contextlib.contextmanager
-def step_labels(layers: Sequence[torch.nn.Module], tape: OpTape) -> Iterator[None]:
+def step_labels(layers: Sequence[torch.nn.Module], tape: Labelled) -> Iterator[None]:
     """Label the tape by decoder layer: ``embed``, ``F<i>`` in layer i's forward,
     ``head`` after the last, ``B<i>`` from when the gradient of layer i's output
     arrives (its backward begins) until the next layer's does. The caller sets
-    ``optimizer`` itself."""
+    ``optimizer`` itself.
+
+    The planner and the clocked simulator name a step's peak and stalls by these
+    labels (``StepTimeline.peak_label``); a recorder of one's own (any object with a
+    ``label`` attribute, read while it measures) gets the same names on a real device."""
 
     def enter(index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:

@@ -23,13 +23,15 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from graphswap.errors import GraphswapError
+
 HOST_SHARE = 0.5
 """The share of a node's host memory the swap's host pools take by default, divided
 among the ranks on the node: the other half is left to the processes themselves, their
 data loaders and the page cache."""
 
 
-class ProfileError(ValueError):
+class ProfileError(GraphswapError, ValueError):
     """A device profile name or figure that cannot describe a device."""
 
 

@@ -2,7 +2,7 @@
 it asks for.
 
 The plain model (config, instance, weights) comes from :mod:`graphswap.hf.checkpoints`; this module
-adds the infrastructure through ``passes.apply_model_infrastructure``, so every builder
+adds the infrastructure through ``graphswap.passes.apply_model_infrastructure``, so every builder
 takes one path from settings to model."""
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from graphswap.hf.checkpoints import (
     load_weights,
     model_config,
 )
+from graphswap.passes import apply_model_infrastructure, plan
 from graphswap.planning import SwapMode
 from graphswap.train.config import DType, TrainerConfig
-from passes import apply_model_infrastructure, plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig
 
+    from graphswap.passes import InfrastructureResult
     from graphswap.planning.auto_swap import AutoSwap
     from graphswap.runtime import SwapManager
-    from passes import InfrastructureResult
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def build(
     is a local checkpoint folder to load, by default ``model_path``: a checkpoint is
     trained from its weights, never from a random init of its shape. The
     infrastructure (swap, sharding, compile, FSDP) is applied by
-    ``passes.apply_model_infrastructure`` from the same ``config``, so a setting
+    ``graphswap.passes.apply_model_infrastructure`` from the same ``config``, so a setting
     cannot be dropped on the way.
     """
     plan(config).check()  # a plan that cannot run is refused before a model is built

@@ -23,6 +23,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from graphswap.errors import GraphswapError
 from graphswap.hf.presets import preset_names
 from graphswap.planning import DEFAULT_HIDE_MARGIN, PlanSettingError, SwapMode
 from graphswap.planning._budget import resolve_memory_budget
@@ -40,7 +41,7 @@ accepted for float settings because it is unambiguously a number."""
 DEVICES = ("auto", "cpu", "cuda")
 
 
-class ConfigError(ValueError):
+class ConfigError(GraphswapError, ValueError):
     """A setting the trainer cannot accept; ``key`` names it, the message starts with it."""
 
     def __init__(self, key: str, detail: str) -> None:
@@ -137,7 +138,7 @@ class TrainingSettings:
 
 @dataclass(frozen=True)
 class InfrastructureSettings:
-    """The passes ``passes.apply_model_infrastructure`` applies, in the plan's order."""
+    """The passes ``graphswap.passes.apply_model_infrastructure`` applies, in the plan's order."""
 
     compile: bool = False
     """``torch.compile`` each decoder layer."""
@@ -154,7 +155,7 @@ class InfrastructureSettings:
     fsdp: bool = False
     """FSDP2 ``fully_shard`` per decoder layer and the root."""
     pass_order: tuple[str, ...] | None = None
-    """The passes in the order to run them, checked as given by ``passes.plan``;
+    """The passes in the order to run them, checked as given by ``graphswap.passes.plan``;
     ``None``: the canonical order of the passes the other settings enable."""
 
 
@@ -333,7 +334,7 @@ def _load(source: str | Path | Mapping[str, Any] | None) -> Mapping[Any, Any]:
     return data
 
 
-class _DuplicateKeyError(yaml.YAMLError):
+class _DuplicateKeyError(GraphswapError, yaml.YAMLError):
     def __init__(self, key: str, first: int, second: int) -> None:
         super().__init__(f"duplicate key {key!r}")
         self.key, self.first, self.second = key, first, second

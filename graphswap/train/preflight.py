@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import passes
+from graphswap import passes
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import (
@@ -28,12 +28,12 @@ from graphswap.hf.checkpoints import (
     eager_only,
     weight_files,
 )
+from graphswap.passes import SWAP_RULES, PassRequirementError
+from graphswap.passes.tensor_parallel import check_head_layout, check_heads_divisible
 from graphswap.planning.auto_swap import check_measurable
 from graphswap.rewriting.rules import check_rule
 from graphswap.train.build import trainer_hf_config
 from graphswap.train.config import ConfigError, TrainerConfig
-from passes import SWAP_RULES, PassRequirementError
-from passes.tensor_parallel import check_head_layout, check_heads_divisible
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -19,9 +19,9 @@ from tqdm import tqdm
 
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
-from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import simulated_profile
+from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.train.build import BuiltModel, build
 from graphswap.train.config import TrainerConfig
 from graphswap.train.preflight import check_data, check_inputs, resolve_device

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import types
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ import pytest
 import graphswap
 from graphswap import _deprecated
 from graphswap._deprecated import MODULES, NAMES, REMOVED
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RELEASE: dict[str, str] = {
     "graphswap": "AlreadyTransformedError CheckpointPolicy MIN_SWAP_TENSOR_BYTES NoMatchError"
@@ -171,3 +174,26 @@ def test_python_m_graphswap_cli_runs_the_command() -> None:
     assert done.stdout.startswith("usage: graphswap")
     assert "python -m graphswap.cli is deprecated" in done.stderr
     assert "python -m graphswap.train.cli" in done.stderr
+
+
+def test_the_top_level_passes_of_a_checkout_warns_and_is_graphswap_passes() -> None:
+    """0.1.0 installed a top-level ``passes``; an installed graphswap no longer has one
+    (``tests/test_packaging.py``), but a checkout's root still finds the folder. There it
+    warns and is the same package, so ``except passes.PlanError`` catches graphswap's."""
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import passes\n"
+        "    from passes.errors import PlanError\n"
+        "import graphswap.passes, graphswap.passes.errors\n"
+        "assert passes is graphswap.passes and PlanError is graphswap.passes.errors.PlanError\n"
+        "print(*{str(w.message) for w in caught if w.category is DeprecationWarning})\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "passes is deprecated: import from graphswap.passes (removed in 0.3)"
+    )

@@ -44,11 +44,14 @@ def uses(*names: str) -> Callable[[Test], Test]:
 def test_import_has_no_side_effects() -> None:
     """Importing graphswap and its rewrite modules loads no model code (rules name their
     classes; a model's module is imported when a rule runs), no compiler, not the pass
-    plan (the core never imports up), and does not touch CUDA."""
+    plan (the core never imports up), not the simulator (a run on a device never uses
+    it), and does not touch CUDA."""
     code = (
         "import sys, torch, graphswap, graphswap.rewriting.rules, graphswap.rewriting.apply,"
-        " graphswap.rewriting.graph\n"
-        "assert 'passes' not in sys.modules, 'the core imports the pass plan'\n"
+        " graphswap.rewriting.graph, graphswap.runtime\n"
+        "assert 'graphswap.passes' not in sys.modules, 'the core imports the pass plan'\n"
+        "sim = [m for m in sys.modules if m.startswith('graphswap.runtime.sim')]\n"
+        "assert not sim, f'importing graphswap loaded the simulator: {sim}'\n"
         "bad = [m for m in sys.modules if m.startswith(('transformers', 'torch._dynamo'))]\n"
         "assert not bad, bad\n"
         "assert not torch.cuda.is_initialized(), 'importing graphswap touched CUDA'\n"
@@ -58,7 +61,7 @@ def test_import_has_no_side_effects() -> None:
 
 def test_every_export_has_a_behaviour_case() -> None:
     assert sorted(graphswap.__all__) == sorted(set(graphswap.__all__))
-    assert len(graphswap.__all__) <= 12, "a small public surface: the rest is imported by module"
+    assert len(graphswap.__all__) <= 13, "a small public surface: the rest is imported by module"
     missing = sorted(set(graphswap.__all__) - set(EXPORTS))
     assert not missing, f"exported without a behaviour case here: {missing}"
     assert set(EXPORTS) <= set(graphswap.__all__), "a case for a name no longer exported"
@@ -130,6 +133,20 @@ def test_a_rule_that_matches_nothing_is_an_error() -> None:
     with pytest.raises(errors.NoMatchError, match="qwen3_attn_swap"):
         graphswap.rewrite(model, rules="qwen3_attn_swap")
     assert type(model[0]) is nn.Linear
+
+
+@uses("GraphswapError")
+def test_one_except_catches_every_refusal_and_keeps_the_builtin_type() -> None:
+    """``except graphswap.GraphswapError`` catches what graphswap refuses; code that
+    caught the built-in type (a ``ValueError``, a ``KeyError``) still does."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(graphswap.GraphswapError) as no_match:
+        graphswap.rewrite(model, rules="qwen3_attn_swap")
+    with pytest.raises(graphswap.GraphswapError) as unknown:
+        graphswap.rewrite(model, rules="no_such_rule")
+    assert isinstance(no_match.value, ValueError)
+    assert isinstance(unknown.value, KeyError)
+    assert not issubclass(graphswap.GraphswapError, (ValueError, RuntimeError))
 
 
 @uses("Rule", "register_rule")

@@ -2,7 +2,7 @@
 argument on the way to the builder, which silently skipped the module replacement).
 
 Each field has one test that changes it and observes the difference from outside,
-through the public entry points only: the plan (``passes.plan``), the built model
+through the public entry points only: the plan (``graphswap.passes.plan``), the built model
 (``graphswap.train.build.build``), the training run (``graphswap.train.trainer.train``: losses,
 measured activations, applied passes, swap statistics), the files ``graphswap train``
 writes, or an error that names the field. ``test_every_field_has_a_behaviour_case``
@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-import passes
-from graphswap.runtime import SimulatedAccelerator
+from graphswap import passes
+from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.train.build import build
 from graphswap.train.config import ConfigError, TrainerConfig
 from graphswap.train.trainer import TrainResult, train

@@ -105,7 +105,7 @@ COMPOSITIONS = {
 
 
 def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
-    import passes
+    from graphswap import passes
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:

@@ -9,10 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-import passes
+from graphswap import passes
 from graphswap.errors import AlreadyTransformedError
-from graphswap.train.config import TrainerConfig
-from passes import (
+from graphswap.passes import (
     PassConflictError,
     PassNotImplementedError,
     PassOrderError,
@@ -20,11 +19,12 @@ from passes import (
     PassRequirementError,
     PassSettingError,
 )
-from passes.activation_checkpointing import verify_activation_checkpointing
-from passes.compile import apply_compile, verify_compile
-from passes.fsdp import verify_fsdp
-from passes.swap import apply_swap, verify_swap
-from passes.tensor_parallel import apply_tensor_parallel
+from graphswap.passes.activation_checkpointing import verify_activation_checkpointing
+from graphswap.passes.compile import apply_compile, verify_compile
+from graphswap.passes.fsdp import verify_fsdp
+from graphswap.passes.swap import apply_swap, verify_swap
+from graphswap.passes.tensor_parallel import apply_tensor_parallel
+from graphswap.train.config import TrainerConfig
 
 Model = Callable[..., nn.Module]
 
@@ -177,7 +177,7 @@ def test_declared_passes_are_never_ignored(
 
 
 def test_every_pass_it_says_it_applies_has_its_step() -> None:
-    from passes.infrastructure import _APPLY
+    from graphswap.passes.infrastructure import _APPLY
 
     assert set(_APPLY) == {spec.name for spec in passes.pass_specs().values() if spec.implemented}
 

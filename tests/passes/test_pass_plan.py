@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import passes
-from graphswap.train.config import TrainerConfig
-from passes import (
+from graphswap import passes
+from graphswap.passes import (
     PassConflictError,
     PassOrderError,
     PassSettingError,
@@ -22,6 +21,7 @@ from passes import (
     Plan,
     PlanError,
 )
+from graphswap.train.config import TrainerConfig
 
 ON: dict[str, dict[str, Any]] = {
     "swap": {"activation_swap": "attention"},
@@ -132,9 +132,9 @@ def test_a_swap_rule_naming_an_unknown_pass_is_refused(
 ) -> None:
     """The pass names live in passes/ only; a rule's constraints are checked where the
     plan reads them, so a misspelt pass is an error, never an ignored constraint."""
+    from graphswap.passes import specs
     from graphswap.rewriting import rules
     from graphswap.rewriting.rules import Rule
-    from passes import specs
 
     base = rules.get_rule("qwen3_attn_swap")
     misspelt = Rule(
@@ -306,8 +306,8 @@ def test_sharding_first_is_rejected_at_plan_time() -> None:
         Plan.from_names(["tensor_parallel", "swap"], config).check()
     assert str(info.value) == (
         "swap (position 2) must run before tensor_parallel (position 1): move swap ahead of"
-        " tensor_parallel (passes.plan orders them swap -> tensor_parallel) or turn one off:"
-        " set activation_swap: none or tp_size: 1"
+        " tensor_parallel (graphswap.passes.plan orders them swap -> tensor_parallel) or turn"
+        " one off: set activation_swap: none or tp_size: 1"
     )
     config = TrainerConfig(activation_swap="attention", fsdp=True)
     with pytest.raises(PassOrderError, match=r"^swap \(position 2\) must run before fsdp"):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from graphswap.hf.checkpoints import build_model
+from graphswap.passes import PassRequirementError
+from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_head_layout
 from graphswap.planning import PlanSettingError, plan_memory
 from graphswap.train.config import TrainerConfig
 from graphswap.train.preflight import check_model
-from passes import PassRequirementError
-from passes.tensor_parallel import apply_tensor_parallel, check_head_layout
 
 REFUSED = {
     "tiny-deepseek-v3": "DeepseekV3Attention has no q_proj, k_proj, v_proj projection",

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from graphswap.train.cli._args import Once, user_error
+from graphswap.train.cli._args import USER_ERROR, Once, user_error
 
 FORMATS = ("text", "dot", "json")
 
@@ -21,9 +21,9 @@ def add_parser(subparsers: Any) -> None:
             " checkpointing, compile, FSDP, ...) in the order they run (canonical, or the"
             " config's pass_order, or --order), and check their order and exclusions, and"
             " check the model it names (its config.json and weights,"
-            " heads divisible by tp_size). Exits 1 with the reason on stderr when graphswap"
-            " train would refuse the config. The world size is not known here: the ranks"
-            " the plan needs are printed to stderr."
+            f" heads divisible by tp_size). Exits {USER_ERROR} with the reason on stderr when"
+            " graphswap train would refuse the config. The world size is not known here: the"
+            " ranks the plan needs are printed to stderr."
         ),
     )
     parser.add_argument(
@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
-    import passes
+    from graphswap import passes
     from graphswap.train.config import ConfigError, parse_names, resolve_config
     from graphswap.train.preflight import check_model, check_swap_rule
 

@@ -51,8 +51,8 @@ def _init_distributed(config: Any) -> Any:
     import torch
     import torch.distributed as dist
 
+    from graphswap.passes import build_mesh
     from graphswap.train.preflight import check_world, resolve_device
-    from passes import build_mesh
 
     # Before the rendezvous: a refused rank must not leave the others waiting for it.
     check_world(config, world_size)
@@ -87,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from graphswap.hf.checkpoints import CheckpointError
+    from graphswap.passes import PlanError
     from graphswap.planning.auto_swap import AutoSwapMismatchError
     from graphswap.train.cli._memory import format_auto_report
     from graphswap.train.config import ConfigError, resolve_config
     from graphswap.train.trainer import format_summary, train_side_by_side, write_summary
-    from passes import PlanError
 
     try:
         config = resolve_config(args.config or EMBEDDED_DEFAULT, args.overrides)

@@ -15,6 +15,7 @@ import torch
 
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.passes import PassSettingError
 from graphswap.planning import MemoryPlan, StepTrace, plan_step
 from graphswap.planning.auto_swap import (
     AutoSwap,
@@ -29,7 +30,6 @@ from graphswap.runtime.policy import CheckpointPolicy
 from graphswap.train.build import BuiltModel, build
 from graphswap.train.cli._memory import format_auto_report
 from graphswap.train.config import ConfigError, TrainerConfig
-from passes import PassSettingError
 
 SEQ = 512
 """The shortest sequence at which sdpa saves tensors of the 1 MiB swap threshold."""

@@ -23,6 +23,8 @@ from transformers import PretrainedConfig
 import graphswap
 from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.passes.specs import SWAP_RULES
+from graphswap.passes.swap import apply_swap
 from graphswap.planning import (
     DEFAULT_HIDE_MARGIN,
     MemoryPlan,
@@ -35,12 +37,11 @@ from graphswap.planning._budget import plan_budget
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.runtime import SimulatedAccelerator, SwapManager
+from graphswap.runtime import SwapManager
 from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import device_profile
+from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.train.trainer import _state_bytes
-from passes.specs import SWAP_RULES
-from passes.swap import apply_swap
 
 PROFILE = device_profile("h200,tflops=60,hbm_gbps=1980")
 """At these figures the tiny model's 2 MiB attention probabilities copy in about as

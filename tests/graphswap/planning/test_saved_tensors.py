@@ -163,7 +163,7 @@ def fake_world() -> Iterator[Any]:
 def test_one_rank_under_the_tensor_parallel_plan_matches_the_trace(
     fake_world: Any, attn_implementation: str, one_thread: None
 ) -> None:
-    from passes.tensor_parallel import apply_tensor_parallel
+    from graphswap.passes.tensor_parallel import apply_tensor_parallel
 
     config = qwen3_moe_config("tiny", num_hidden_layers=2, attn_implementation=attn_implementation)
     model = build_model(config).train()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import graphswap
-import passes
+from graphswap import passes
 from graphswap.rewriting.transforms import Transform, find_transforms, shown_by
 from graphswap.runtime import SwapManager, swap_wrapper
 from graphswap.train.config import TrainerConfig
@@ -96,7 +96,7 @@ def test_fsdp_parameters_are_not_mistaken_for_tensor_parallel(
 def test_tensor_parallel_shows_as_sharded_parameters(tiny_model: Model, world: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from passes.tensor_parallel import apply_tensor_parallel
+    from graphswap.passes.tensor_parallel import apply_tensor_parallel
 
     model = tiny_model(num_hidden_layers=1)
     apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))

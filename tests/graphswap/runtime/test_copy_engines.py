@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphswap.runtime import HazardError, NoOpAccelerator, SimulatedAccelerator
+from graphswap.runtime import HazardError, NoOpAccelerator
 from graphswap.runtime._engines import Copy
 from graphswap.runtime._pool import HostPool, Refusal, size_class
+from graphswap.runtime.sim import SimulatedAccelerator
 
 CPU = torch.device("cpu")
 

@@ -14,9 +14,9 @@ import torch
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.planning.measure import ResidentActivationTracker
-from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime import _pool as pool_module
 from graphswap.runtime._forward import _Forward
+from graphswap.runtime.sim import SimulatedAccelerator
 
 BLOCKS = 6
 WIDTH = 256

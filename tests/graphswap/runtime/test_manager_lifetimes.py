@@ -15,9 +15,9 @@ import torch
 
 from graphswap import SwapManager, swap_wrapper
 from graphswap.errors import SwapExclusionError, SwapIntegrityError
-from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime._handles import _Entry
 from graphswap.runtime.policy import size_threshold_policy
+from graphswap.runtime.sim import SimulatedAccelerator
 
 VOCAB = 512
 SEQ = 256

@@ -32,8 +32,8 @@ from hypothesis.stateful import (
 
 from graphswap import SwapManager
 from graphswap.errors import SwapIntegrityError
-from graphswap.runtime import SimulatedAccelerator
 from graphswap.runtime.policy import size_threshold_policy
+from graphswap.runtime.sim import SimulatedAccelerator
 
 LAYERS = 2
 swap_from_4k = size_threshold_policy(4096)

@@ -11,9 +11,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
-from graphswap.runtime import HazardError, SimulatedAccelerator
+from graphswap.runtime import HazardError
 from graphswap.runtime._engines import _Offload
 from graphswap.runtime.policy import size_threshold_policy
+from graphswap.runtime.sim import SimulatedAccelerator
 
 LAYERS = 6
 swap_from_64k = size_threshold_policy(1 << 16)

@@ -15,9 +15,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.errors import SwapIntegrityError
-from graphswap.runtime import NoOpAccelerator, SimulatedAccelerator
+from graphswap.runtime import NoOpAccelerator
 from graphswap.runtime._handles import _Swapped
 from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
+from graphswap.runtime.sim import SimulatedAccelerator
 
 VOCAB = 512
 SEQ = 256

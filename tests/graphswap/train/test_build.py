@@ -59,7 +59,7 @@ def test_build_exposes_the_swap_manager() -> None:
 
 def test_build_refuses_a_plan_that_cannot_run_before_it_reads_the_model(tmp_path) -> None:
     """The plan is checked first: a folder with no checkpoint in it is never opened."""
-    from passes import PassConflictError
+    from graphswap.passes import PassConflictError
 
     config = TrainerConfig(activation_swap="attention", compile=True)
     with pytest.raises(PassConflictError, match=r"^activation_swap: attention excludes compile"):

@@ -5,6 +5,7 @@ import torch
 
 from graphswap.hf.checkpoints import CheckpointError, build_model
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.passes import PassRequirementError
 from graphswap.train.config import ConfigError, TrainerConfig
 from graphswap.train.preflight import check_model, check_world
 from graphswap.train.trainer import (
@@ -16,7 +17,6 @@ from graphswap.train.trainer import (
     train_side_by_side,
     write_summary,
 )
-from passes import PassRequirementError
 
 FAST = {"num_layers": 2, "seq_len": 256, "steps": 3}
 

@@ -48,7 +48,12 @@ def test_json_and_dot(capsys: pytest.CaptureFixture[str]) -> None:
     assert dot.startswith("digraph plan {") and '"swap" -> "fsdp";' in dot
 
 
-def test_rejected_plan_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
+def test_rejected_plan_exits_with_the_code_its_help_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        run_plan(["--help"])
+    assert "Exits 2 with the reason on stderr" in " ".join(capsys.readouterr().out.split())
     assert run_plan(["activation_swap=attention", "compile=true"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -11,9 +11,10 @@ import pickle
 import pytest
 import torch
 
-from graphswap.runtime import HazardError, SimulatedAccelerator
+from graphswap.runtime import HazardError
 from graphswap.runtime._engines import Copy
-from graphswap.runtime._simdevice import SimDevice
+from graphswap.runtime.sim import SimulatedAccelerator
+from graphswap.runtime.sim._device import SimDevice
 
 CPU = torch.device("cpu")
 
