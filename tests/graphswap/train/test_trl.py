@@ -180,15 +180,17 @@ def test_trls_activation_offloading_on_a_rewritten_model_is_refused() -> None:
     assert "activation_offloading=False" in message
 
 
-def test_sft_trainer_trains_a_budget_plan_that_recomputes_and_swaps(tmp_path: Path) -> None:
-    """activation_swap: budget at the smallest budget any plan meets (recompute and swap
-    both) under SFTTrainer: the losses of the plain run, with bytes recomputed and
-    swapped as the plan says."""
+def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path: Path) -> None:
+    """activation_swap: budget under SFTTrainer (its own gradient checkpointing off:
+    graphswap owns recompute), at the smallest budget any plan meets: every layer
+    recomputed inside its swap, the losses of the plain run, and the bytes recomputed
+    and swapped that the plan says."""
     from graphswap.planning import PlanSettingError, plan_memory
 
     config = preset_config("tiny-llama")
-    with pytest.raises(PlanSettingError) as info:
-        plan_memory(
+
+    def planned(budget: int) -> Any:
+        return plan_memory(
             config,
             seq=SEQ,
             batch=BATCH,
@@ -196,9 +198,14 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_and_swaps(tmp_path: Pa
             attn_implementation=config._attn_implementation,
             device="cpu",
             activation_swap="budget",
-            activation_memory_budget=1,
+            activation_memory_budget=budget,
         )
+
+    with pytest.raises(PlanSettingError) as info:
+        planned(1)
     budget = info.value.smallest.peak_bytes  # type: ignore[attr-defined]
+    plan = planned(budget)
+    assert plan.recompute == ("layer",)
     plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
     torch.manual_seed(0)
     net = from_config(
@@ -214,5 +221,6 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_and_swaps(tmp_path: Pa
     report = rewrite_report(net)
     assert report is not None
     stats = report.manager.stats
-    assert stats.recomputed_bytes > 0 and stats.offloaded_bytes > 0
+    assert stats.recomputed_bytes == STEPS * plan.recomputed_bytes > 0  # the plan is a step's
+    assert stats.offloaded_bytes == STEPS * plan.swapped_bytes
     report.check()
