@@ -106,3 +106,9 @@ if __name__ == "__main__":
             "modes": results,
         }
         (out / "world.json").write_text(json.dumps(world))
+    # A rank that exits with its process group alive tears gloo's threads down in
+    # static destructors, which can abort it ("terminate called without an active
+    # exception") after it trained: the group is closed first, as torch asks.
+    state.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
