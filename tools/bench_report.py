@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from swap_modes import ATTENTION, NONE, SAVE_ON_CPU
+from swap_modes import ATTENTION, BUDGET, NONE, SAVE_ON_CPU
 
 PEAK_REDUCTION_OF_PLAN = 0.99
 STEP_RATIO_TARGET = 1.02
@@ -57,6 +57,8 @@ def targets(run: dict[str, Any], *, device: str, attn: str) -> list[Target]:
             found.append(_overhead_vs_save_on_cpu(run))
     if any(m.get("prediction") for m in modes.values()):
         found.append(_prediction(run, device))
+    if "budget_plan" in run:
+        found.append(_budget_plan(run))
     return found
 
 
@@ -93,6 +95,41 @@ def _prediction(run: dict[str, Any], device: str) -> Target:
         )
     why = "calibration, not judged" if device == "cuda" else "CPU: no allocator peak"
     return Target("prediction", None, f"{'; '.join(parts)}; {why}")
+
+
+def _budget_plan(run: dict[str, Any]) -> Target:
+    """The budget mode against its plan: it recomputed and offloaded the bytes the plan
+    says, and its gradients are ``none``'s bit for bit (recompute must not change a
+    number). Its peaks, predicted and measured, are shown beside the budget, not judged:
+    the first GPU run calibrates the model."""
+    plan = run["budget_plan"]
+    got = measured(run, BUDGET)
+    peak = got["peak_allocated_bytes"]
+    without = size(plan["peak_without_swap_bytes"])
+    fraction = f"{plan['budget_fraction']:g} of the predicted {without}"
+    asked = f"budget {size(plan['budget_bytes'])} ({fraction} without swap)"
+    if "note" in plan:
+        asked = (
+            f"budget {size(plan['budget_bytes'])}, the smallest peak any plan reaches (none "
+            f"meets {size(plan['asked_budget_bytes'])}, {fraction} without swap)"
+        )
+    bitwise = {
+        True: "bitwise equal to none's",
+        False: "NOT equal to none's",
+        None: "not compared (no none mode)",
+    }[plan["gradients_as_none"]]
+    text = (
+        f"{asked}: recomputes {' and '.join(plan['recompute']) or 'nothing'}, swaps "
+        f"{plan['swap']}; recomputed {size(plan['measured_recomputed_bytes'])} (plan "
+        f"{size(plan['recomputed_bytes'])}), offloaded {size(plan['offloaded_bytes'])} (plan "
+        f"{size(plan['swapped_bytes'])}); gradients {bitwise}; peak "
+        f"{'-' if peak is None else size(peak)} (pred {size(plan['predicted_peak_bytes'])})"
+    )
+    if plan["gradients_as_none"] is False and not run["none_reproducible"]:
+        return Target("budget_plan", None, text + "; without swap two runs already differ")
+    return Target(
+        "budget_plan", plan["matches_plan"] and plan["gradients_as_none"] is not False, text
+    )
 
 
 def _numbers_unchanged(run: dict[str, Any]) -> Target:
@@ -234,8 +271,8 @@ def _run_markdown(run: dict[str, Any]) -> list[str]:
         "",
         "| mode | median step ms | p25-p75 ms | step ratio | peak allocated MiB "
         "| peak reserved MiB | reserved after empty_cache MiB | resident MiB "
-        "| offloaded MiB | reloaded MiB | prefetch hit/miss | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| offloaded MiB | reloaded MiB | recomputed MiB | prefetch hit/miss | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     none_median = _median(run["modes"].get(NONE, {}))
     for name, mode in run["modes"].items():
@@ -254,6 +291,7 @@ def _run_markdown(run: dict[str, Any]) -> list[str]:
             f"{mib(max(mode['peak_reserved_bytes'], default=None))} | "
             f"{mib(verify['peak_reserved_bytes'])} | {mib(mode['resident_saved_bytes'])} | "
             f"{mib(counters['offloaded_bytes'])} | {mib(counters['reloaded_bytes'])} | "
+            f"{mib(counters['recomputed_bytes'])} | "
             f"{counters['prefetch_hits']}/{counters['prefetch_misses']} | {verify['loss']:.6f} |"
         )
     lines += _prediction_markdown(run)

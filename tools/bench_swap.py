@@ -1,4 +1,4 @@
-"""Benchmark activation swap: none / attention / layer / save_on_cpu, side by side.
+"""Benchmark activation swap: none / attention / layer / auto / budget / save_on_cpu, side by side.
 
 One model, one seed, one input batch. The modes are installed on the same model in
 turn and interleaved step by step (A B C D A B C D ...), so machine noise hits all of
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from bench_report import targets, to_markdown
-from swap_modes import ATTENTION, AUTO, LAYER, MODES, NONE, Mode
+from swap_modes import ATTENTION, AUTO, BUDGET, LAYER, MODES, NONE, Mode
 from swap_overhead import (
     OverheadConfig,
     bookkeeping_line,
@@ -169,7 +169,8 @@ def _plan_memory(
     args: argparse.Namespace, config: Any, seq: int, device: torch.device, **swap: Any
 ) -> Any:
     """The planner's prediction for this run's shape and the kernel this device runs (CPU
-    flash on CPU); ``swap``: the swap mode and its link model, when not attention."""
+    flash on CPU); ``swap``: the swap mode, its link model and other settings, when not
+    attention."""
     from graphswap.planning import plan_memory
 
     return plan_memory(
@@ -195,24 +196,21 @@ def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device)
     }
 
 
-PLANNED_MODES = (NONE, ATTENTION, LAYER, AUTO)
+PLANNED_MODES = (NONE, ATTENTION, LAYER, AUTO, BUDGET)
 """The modes the planner predicts (``save_on_cpu`` is not graphswap's)."""
 
 
-def _predictions(
+def _bench_step(
     args: argparse.Namespace, config: Any, seq: int, device: torch.device
-) -> dict[str, dict[str, Any]]:
-    """Per planned mode in ``args.modes``, the planner's prediction of the bench's step at
-    this shape: zero-grad, forward and backward, no optimizer (``optimizer=False``), on the
-    profile the auto mode plans on (h200 with --swap-bandwidth and --swap-tflops). One
-    trace serves every mode."""
-    from graphswap.planning import DEFAULT_PROFILE, SwapChoice, plan_step, replay, trace_step
+) -> tuple[Any, Any]:
+    """The bench's own step at this shape, traced on meta: zero-grad, forward and backward,
+    no optimizer (``optimizer=False``), on the profile the auto mode plans on (h200 with
+    --swap-bandwidth and --swap-tflops); and that step replayed without swap. One trace
+    serves every planned mode's prediction and sizes the budget mode's budget."""
+    from graphswap.planning import DEFAULT_PROFILE, SwapChoice, replay, trace_step
     from graphswap.planning.saved_tensors import build_meta_model
     from graphswap.runtime.profile import device_profile
 
-    modes = [name for name in args.modes if name in PLANNED_MODES]
-    if not modes:
-        return {}
     meta = build_meta_model(
         config,
         seq=seq,
@@ -227,15 +225,31 @@ def _predictions(
     if replaced:
         profile = profile.with_figures(**replaced)
     trace = trace_step(meta, profile, optimizer=False)
-    baseline = replay(trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1)
+    return trace, replay(trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1)
+
+
+def _predictions(
+    args: argparse.Namespace, config: Any, trace: Any, baseline: Any, budget: Any
+) -> dict[str, dict[str, Any]]:
+    """Per planned mode in ``args.modes``, the planner's prediction of the bench's step
+    (:func:`_bench_step`'s ``trace`` and ``baseline``); ``budget``: the budget mode's
+    AutoSwap, whose plan is of this step already, or ``None``."""
+    from graphswap.planning import plan_step
+
     found = {}
-    for name in modes:
-        plan = plan_step(
-            config,
-            trace,
-            activation_swap=name,
-            hide_margin=args.swap_hide_margin,
-            baseline=baseline,
+    for name in args.modes:
+        if name not in PLANNED_MODES:
+            continue
+        plan = (
+            budget.plan
+            if name == BUDGET
+            else plan_step(
+                config,
+                trace,
+                activation_swap=name,
+                hide_margin=args.swap_hide_margin,
+                baseline=baseline,
+            )
         )
         found[name] = {
             "step_ratio": plan.step_ratio,
@@ -246,6 +260,7 @@ def _predictions(
             "peak_label": plan.timeline.peak_label,
             "base_bytes": plan.timeline.base_bytes,
             "swapped_bytes": plan.swapped_bytes,
+            "recomputed_bytes": plan.recomputed_bytes,
         }
     return found
 
@@ -326,8 +341,56 @@ def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.de
         activation_swap="auto",
         hide_margin=args.swap_hide_margin,
     )
-    made_for = f"--seq {seq}, --batch {args.batch}, --dtype {args.dtype}, --attn {args.attn}"
-    return AutoSwap(plan, made_for=made_for)
+    return AutoSwap(plan, made_for=_made_for(args, seq))
+
+
+def _made_for(args: argparse.Namespace, seq: int) -> str:
+    return f"--seq {seq}, --batch {args.batch}, --dtype {args.dtype}, --attn {args.attn}"
+
+
+def _budget_swap(
+    args: argparse.Namespace, config: Any, seq: int, device: torch.device, without_swap: int
+) -> tuple[Any, dict[str, Any]]:
+    """The ``budget`` plan of the bench's own step (no optimizer, the auto mode's profile)
+    within ``--budget-fraction`` of its predicted peak without swap (``without_swap``), and
+    how that budget was set. Where no plan meets the fraction, the plan within the smallest
+    peak any plan reaches: the mode still runs its deepest recompute, which is what the
+    check is for."""
+    from graphswap.planning import PlanSettingError
+    from graphswap.planning.auto_swap import AutoSwap
+
+    def plan_within(budget: int) -> Any:
+        return _plan_memory(
+            args,
+            config,
+            seq,
+            device,
+            bandwidth_gbps=args.swap_bandwidth,
+            tflops=args.swap_tflops,
+            activation_swap="budget",
+            hide_margin=args.swap_hide_margin,
+            optimizer=False,
+            activation_memory_budget=budget,
+        )
+
+    asked = int(args.budget_fraction * without_swap)
+    how: dict[str, Any] = {
+        "budget_fraction": args.budget_fraction,
+        "peak_without_swap_bytes": without_swap,
+        "asked_budget_bytes": asked,
+    }
+    try:
+        plan = plan_within(asked)
+    except PlanSettingError as error:
+        smallest = getattr(error, "smallest", None)  # a BudgetError: no plan meets the budget
+        if smallest is None:
+            raise
+        plan = plan_within(smallest.peak_bytes)
+        how["note"] = (
+            f"no plan meets {args.budget_fraction:g} of the peak without swap "
+            f"({asked} bytes); planned within the smallest peak any plan reaches instead"
+        )
+    return AutoSwap(plan, made_for=_made_for(args, seq)), how
 
 
 def run_seq(
@@ -347,10 +410,17 @@ def run_seq(
         "plan": _plan(args, config, seq, device),
     }
     run["modes"] = {}
-    predictions = _predictions(args, config, seq, device)
+    predictions, budget, budget_how = {}, None, {}
+    if any(name in PLANNED_MODES for name in args.modes):
+        trace, baseline = _bench_step(args, config, seq, device)
+        if BUDGET in args.modes:
+            without_swap = baseline.timeline.peak_bytes
+            budget, budget_how = _budget_swap(args, config, seq, device, without_swap)
+        predictions = _predictions(args, config, trace, baseline, budget)
     files.result["runs"].append(run)
     auto = _auto_swap(args, config, seq, device) if AUTO in args.modes else None
-    modes = [Mode(name, model, device, auto if name == AUTO else None) for name in args.modes]
+    plans = {AUTO: auto, BUDGET: budget}
+    modes = [Mode(name, model, device, plans.get(name)) for name in args.modes]
     _untimed_steps(modes, ids, run, files, predictions)
     if auto is not None:
         from graphswap.train.reports import auto_verdict
@@ -363,12 +433,42 @@ def run_seq(
             "mismatched_tensors": auto.mismatched_tensors,
             "matches_plan": offloaded == auto.plan.swapped_bytes and not auto.mismatched_tensors,
         }
+    if budget is not None:
+        run["budget_plan"] = _budget_record(budget, budget_how, run)
     _timed_rounds(args, modes, ids, run, files)
     found = targets(run, device=device.type, attn=args.attn)
     run["targets"] = [target.to_dict() for target in found]
     files.flush()
     for target in found:
         print(target.line(), flush=True)
+
+
+def _budget_record(budget: Any, how: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The budget plan beside what its verify step did: the bytes it recomputed and
+    offloaded against the plan's, and whether its gradients are ``none``'s bit for bit."""
+    plan, modes = budget.plan, run["modes"]
+    counters = modes[BUDGET]["verify"]["counters"]
+    recomputed, offloaded = counters["recomputed_bytes"], counters["offloaded_bytes"]
+    digest = modes[BUDGET]["verify"]["grad_digest"]
+    return how | {
+        "budget_bytes": plan.activation_memory_budget,
+        "recompute": list(plan.recompute),
+        "swap": plan.budget_swap,
+        "offload_lag": plan.offload_lag,
+        "predicted_peak_bytes": plan.timeline.peak_bytes,
+        "predicted_step_ratio": plan.step_ratio,
+        "recomputed_bytes": plan.recomputed_bytes,
+        "swapped_bytes": plan.swapped_bytes,
+        "measured_recomputed_bytes": recomputed,
+        "offloaded_bytes": offloaded,
+        "mismatched_tensors": budget.mismatched_tensors,
+        "matches_plan": recomputed == plan.recomputed_bytes
+        and offloaded == plan.swapped_bytes
+        and not budget.mismatched_tensors,
+        "gradients_as_none": digest == modes[NONE]["verify"]["grad_digest"]
+        if NONE in modes
+        else None,
+    }
 
 
 def _untimed_steps(
@@ -554,10 +654,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         + ")",
     )
     parser.add_argument("--tag", help="appended to the file names: <device>-<date>-<tag>.json")
-    auto = parser.add_argument_group("the auto mode: activation_swap: auto's link model")
+    auto = parser.add_argument_group("the auto and budget modes: their plans' link model")
     auto.add_argument("--swap-bandwidth", type=float, default=50.0, help="host link GB/s")
     auto.add_argument("--swap-tflops", type=float, default=400.0, help="compute TFLOP/s")
     auto.add_argument("--swap-hide-margin", type=float, default=0.1)
+    auto.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.7,
+        help="the budget mode plans within this fraction of the predicted peak without swap "
+        "of the bench's step (the smallest peak any plan reaches, where none meets it)",
+    )
     overhead = parser.add_argument_group("--overhead: host time per swapped tensor")
     overhead.add_argument("--overhead", action="store_true", help="run only this measurement")
     overhead.add_argument("--blocks", type=int, default=OverheadConfig.blocks)
@@ -584,6 +691,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "layers", "batch", "share_seq", "blocks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.budget_fraction <= 1:
+        parser.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
     if args.warmup < 0 or min(args.seq) < 1:
         parser.error("--warmup must be >= 0 and every --seq >= 1")
     return args

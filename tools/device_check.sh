@@ -137,6 +137,7 @@ expected = {
         "step_time_ratio",
         "overhead_vs_save_on_cpu",
         "prediction",
+        "budget_plan",
     ),
     "overhead.log": (
         "host_overhead_per_swapped_tensor",

@@ -3,8 +3,10 @@
 ``none``: autograd as is. ``attention``: graphswap on every layer's attention (the
 ``qwen3_attn_swap`` layout). ``layer``: graphswap on whole decoder layers. ``auto``:
 ``activation_swap: auto``, whole layers swapping what the planner says the link hides.
-``save_on_cpu``: PyTorch's ``torch.autograd.graph.save_on_cpu`` around every attention,
-the synchronous baseline. Each mode reports what it copied with the same counters.
+``budget``: ``activation_swap: budget``, per layer what to keep, swap or recompute so that
+the predicted peak stays within a budget. ``save_on_cpu``: PyTorch's
+``torch.autograd.graph.save_on_cpu`` around every attention, the synchronous baseline.
+Each mode reports what it copied and recomputed with the same counters.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from typing import Any
 
 import torch
 
-NONE, ATTENTION, LAYER, AUTO, SAVE_ON_CPU = "none", "attention", "layer", "auto", "save_on_cpu"
-MODES = (NONE, ATTENTION, LAYER, AUTO, SAVE_ON_CPU)
+NONE, ATTENTION, LAYER, AUTO, BUDGET = "none", "attention", "layer", "auto", "budget"
+SAVE_ON_CPU = "save_on_cpu"
+MODES = (NONE, ATTENTION, LAYER, AUTO, BUDGET, SAVE_ON_CPU)
+PLANNED = (AUTO, BUDGET)
+"""The modes that run an ``AutoSwap`` of their own plan."""
 COUNTERS = (
     "offloaded_tensors",
     "offloaded_bytes",
@@ -26,6 +31,7 @@ COUNTERS = (
     "prefetch_hits",
     "prefetch_misses",
     "peak_host_bytes",
+    "recomputed_bytes",
 )
 
 
@@ -58,18 +64,20 @@ class Mode:
     ) -> None:
         if name not in MODES:
             raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-        if (name == AUTO) != (auto is not None):
-            raise ValueError("the auto mode, and only it, takes an AutoSwap plan")
+        if (name in PLANNED) != (auto is not None) or (
+            auto is not None and auto.plan.activation_swap != name
+        ):
+            raise ValueError("the auto and budget modes, and only they, take their AutoSwap")
         self.name = name
         self.auto = auto
         self.model = model
         self.device = device
         self.manager: Any = None
         self._copied = dict.fromkeys(COUNTERS, 0)
-        if name in (ATTENTION, LAYER, AUTO):
+        if name in (ATTENTION, LAYER, *PLANNED):
             from graphswap.runtime import SwapManager
 
-            # auto runs at the offload lag its plan was made at (the plan may choose 2).
+            # A planned mode runs at the offload lag its plan was made at (it may choose 2).
             lag = 1 if auto is None else auto.plan.offload_lag
             self.manager = SwapManager(offload_lag=lag)
 

@@ -181,3 +181,57 @@ def test_prediction_line_shows_each_mode_predicted_against_measured(report: Modu
         "| attention | 1.010 / 1.020 | 900.0 / 905.0 / 969.0 | 100.0 / 95.0 / 95.0 | B7 / B7 |"
         in (table)
     )
+
+
+def budget_plan(**changed: Any) -> dict[str, Any]:
+    """What the bench records of a budget plan that recomputed and swapped as planned."""
+    return {
+        "budget_fraction": 0.7,
+        "peak_without_swap_bytes": 1000 * MIB,
+        "asked_budget_bytes": 700 * MIB,
+        "budget_bytes": 700 * MIB,
+        "recompute": ["norms"],
+        "swap": "auto",
+        "predicted_peak_bytes": 650 * MIB,
+        "recomputed_bytes": 30 * MIB,
+        "swapped_bytes": 200 * MIB,
+        "measured_recomputed_bytes": 30 * MIB,
+        "offloaded_bytes": 200 * MIB,
+        "matches_plan": True,
+        "gradients_as_none": True,
+    } | changed
+
+
+def budget_target(report: ModuleType, plan: dict[str, Any], **changed: Any) -> Any:
+    measured = run(budget=mode(1.05, 660 * MIB)) | {"budget_plan": plan} | changed
+    [target] = [
+        t for t in report.targets(measured, device="cuda", attn="sdpa") if t.name == "budget_plan"
+    ]
+    return target
+
+
+def test_budget_plan_is_met_when_the_run_does_what_the_plan_says_bit_for_bit(
+    report: ModuleType,
+) -> None:
+    target = budget_target(report, budget_plan())
+    assert target.met is True
+    assert target.text == (
+        "budget 700.0 MiB (0.7 of the predicted 1000.0 MiB without swap): recomputes norms, "
+        "swaps auto; recomputed 30.0 MiB (plan 30.0 MiB), offloaded 200.0 MiB (plan 200.0 MiB); "
+        "gradients bitwise equal to none's; peak 660.0 MiB (pred 650.0 MiB)"
+    )
+    assert budget_target(report, budget_plan(matches_plan=False)).met is False
+    assert budget_target(report, budget_plan(gradients_as_none=False)).met is False
+    # Without swap two runs already differ: a difference is not the budget mode's.
+    assert (
+        budget_target(report, budget_plan(gradients_as_none=False), none_reproducible=False).met
+        is None
+    )
+
+
+def test_budget_plan_says_when_no_plan_meets_the_fraction(report: ModuleType) -> None:
+    plan = budget_plan(budget_bytes=800 * MIB, note="no plan meets 0.7 of the peak without swap")
+    assert budget_target(report, plan).text.startswith(
+        "budget 800.0 MiB, the smallest peak any plan reaches (none meets 700.0 MiB, 0.7 of "
+        "the predicted 1000.0 MiB without swap): "
+    )

@@ -70,11 +70,12 @@ def test_bench_writes_every_mode_with_identical_numbers(
     result = json.loads(result_file.read_text())
     [run] = result["runs"]
     modes = run["modes"]
-    assert list(modes) == ["none", "attention", "layer", "auto", "save_on_cpu"]
-    for mode in modes.values():
+    assert list(modes) == ["none", "attention", "layer", "auto", "budget", "save_on_cpu"]
+    for name, mode in modes.items():
         assert len(mode["step_times_s"]) == 1
         counters = mode["verify"]["counters"]
         assert counters["reloaded_bytes"] == counters["offloaded_bytes"]
+        assert (counters["recomputed_bytes"] > 0) == (name == "budget")
     targets = {target["name"]: target for target in run["targets"]}
     assert targets["numbers_unchanged"]["met"] is True
     assert targets["step_time_ratio"]["met"] is None  # its target is for CUDA at seq 8192
@@ -91,8 +92,17 @@ def test_bench_writes_every_mode_with_identical_numbers(
     assert (
         modes["auto"]["verify"]["counters"]["offloaded_bytes"] == run["auto_plan"]["swapped_bytes"]
     )
+    # budget plans within 0.7 of the bench step's predicted peak without swap, which the
+    # planner meets here, and recomputes and swaps exactly what it planned, bit for bit.
+    budget = run["budget_plan"]
+    assert budget["budget_bytes"] == int(0.7 * budget["peak_without_swap_bytes"])
+    assert "note" not in budget and budget["recompute"]
+    assert budget["predicted_peak_bytes"] <= budget["budget_bytes"]
+    assert budget["matches_plan"] is True and budget["gradients_as_none"] is True
+    assert budget["measured_recomputed_bytes"] == budget["recomputed_bytes"] > 0
+    assert targets["budget_plan"]["met"] is True
     # The planner's prediction of the bench's step (no optimizer) beside every planned mode.
-    for name in ("none", "attention", "layer", "auto"):
+    for name in ("none", "attention", "layer", "auto", "budget"):
         prediction = modes[name]["prediction"]
         assert set(prediction) >= {
             "step_ratio", "peak_bytes", "peak_without_swap_bytes", "drop_bytes", "peak_label"
@@ -103,6 +113,11 @@ def test_bench_writes_every_mode_with_identical_numbers(
         assert prediction["peak_label"] != "optimizer"
         assert modes[name]["measured_peak"] is None  # CPU: no allocator peak to place
     assert modes["none"]["prediction"]["drop_bytes"] == 0
+    assert modes["budget"]["prediction"]["peak_bytes"] == budget["predicted_peak_bytes"]
+    assert (
+        modes["budget"]["prediction"]["peak_without_swap_bytes"]
+        == (budget["peak_without_swap_bytes"])
+    )
     assert modes["attention"]["prediction"]["drop_bytes"] > 0
     assert modes["save_on_cpu"]["prediction"] is None
     assert "TARGET prediction: n/a (none: step x" in done.stdout
@@ -111,6 +126,26 @@ def test_bench_writes_every_mode_with_identical_numbers(
     assert set(shares) == {"eager", "math"}
     for row in shares.values():
         assert row["seq"] == 256 and 0 < row["share"] < 1
+
+
+def test_budget_no_plan_meets_runs_within_the_smallest_peak(
+    run_bench: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    done = run_bench(
+        "--out-dir", str(tmp_path), "--attn", "eager", "--seq", "256", "--layers", "3",
+        "--steps", "1", "--warmup", "0", "--share-kernels", "--modes", "none", "budget",
+        "--budget-fraction", "0.05",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    [result_file] = tmp_path.glob("cpu-*.json")
+    [run] = json.loads(result_file.read_text())["runs"]
+    budget = run["budget_plan"]
+    assert budget["asked_budget_bytes"] < budget["budget_bytes"]
+    assert budget["budget_bytes"] == budget["predicted_peak_bytes"]
+    assert "no plan meets 0.05" in budget["note"]
+    assert budget["matches_plan"] is True and budget["gradients_as_none"] is True
+    assert "TARGET budget_plan: met (budget " in done.stdout
+    assert "the smallest peak any plan reaches" in done.stdout
 
 
 def test_overhead_reports_microseconds_per_swapped_tensor(
