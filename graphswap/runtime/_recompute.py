@@ -228,6 +228,10 @@ def _counted(
 
         with torch.autograd.graph.saved_tensors_hooks(count, unpack):
             out = original(module, *args, **kwargs)
+        # Autograd may keep ``count`` with each save (torch 2.9 does): the weak
+        # references go now, not with the saves, so no storage outlives its region's
+        # forward for them (a storage's Python object is what reports its death).
+        seen.clear()
         counter(totals[0], totals[1])
         return out
 
@@ -260,7 +264,10 @@ def run_recomputed(
                 storage = arg.untyped_storage()
                 kept[storage._cdata] = StorageWeakRef(storage)
         run = _counted(forward, counter, kept)
-    return checkpoint(run, module, *args, use_reentrant=False, **options, **kwargs)
+    try:
+        return checkpoint(run, module, *args, use_reentrant=False, **options, **kwargs)
+    finally:
+        kept.clear()  # needed while the forward counts; the recompute reads none of it
 
 
 def _recompute_class(cls: type) -> type:
