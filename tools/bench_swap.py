@@ -331,17 +331,17 @@ def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.de
     """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
     from graphswap.planning.auto_swap import AutoSwap
 
-    plan = _plan_memory(
-        args,
-        config,
-        seq,
-        device,
-        bandwidth_gbps=args.swap_bandwidth,
-        tflops=args.swap_tflops,
-        activation_swap="auto",
-        hide_margin=args.swap_hide_margin,
-    )
+    plan = _plan_memory(args, config, seq, device, activation_swap="auto", **_link_model(args))
     return AutoSwap(plan, made_for=_made_for(args, seq))
+
+
+def _link_model(args: argparse.Namespace) -> dict[str, float]:
+    """The planned modes' link and compute, and how much of a window auto leaves free."""
+    return {
+        "bandwidth_gbps": args.swap_bandwidth,
+        "tflops": args.swap_tflops,
+        "hide_margin": args.swap_hide_margin,
+    }
 
 
 def _made_for(args: argparse.Namespace, seq: int) -> str:
@@ -365,12 +365,10 @@ def _budget_swap(
             config,
             seq,
             device,
-            bandwidth_gbps=args.swap_bandwidth,
-            tflops=args.swap_tflops,
             activation_swap="budget",
-            hide_margin=args.swap_hide_margin,
             optimizer=False,
             activation_memory_budget=budget,
+            **_link_model(args),
         )
 
     asked = int(args.budget_fraction * without_swap)
