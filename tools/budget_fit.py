@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import SwapChoice, fit_sequence, plan_step, replay, trace_step
+from graphswap.planning import SwapChoice, fit_sequence, replay, trace_step
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.runtime.profile import device_profile
 
@@ -61,24 +61,29 @@ def _mode_rows(name: str, max_ratio: float) -> tuple[list[dict[str, Any]], float
     return rows, seconds, fit.max_seq
 
 
+def _without_swap(name: str, seq: int, recompute: tuple[str, ...]) -> tuple[int, float]:
+    """The step at ``seq`` with ``recompute`` and nothing swapped: its device peak and
+    its seconds."""
+    trace = trace_step(
+        build_meta_model(preset_config(name), seq=seq, recompute=recompute),  # type: ignore[arg-type]
+        device_profile("h200"),
+    )
+    run = replay(
+        trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1, state_shards=SHARDS
+    )
+    return run.timeline.peak_bytes, run.timeline.step_seconds
+
+
 def _full_recompute(name: str, seq: int) -> tuple[int, float]:
     """Whole-layer checkpointing, nothing swapped: the step's peak and its time against
     the step without recompute."""
-    config = preset_config(name)
-    profile = device_profile("h200")
-    times = []
-    for recompute in ((), ("layer",)):
-        trace = trace_step(build_meta_model(config, seq=seq, recompute=recompute), profile)
-        schedule = {"offload_lag": 1, "prefetch_depth": 1, "state_shards": SHARDS}
-        run = replay(trace, SwapChoice(None, frozenset()), **schedule)
-        times.append(run.timeline.step_seconds)
-        peak = plan_step(config, trace, activation_swap="none", **schedule).timeline.peak_bytes
-    return peak, times[1] / times[0]
+    peak, seconds = _without_swap(name, seq, ("layer",))
+    return peak, seconds / _without_swap(name, seq, ())[1]
 
 
 def _full_recompute_row(name: str, max_seq: int, step: int = 512) -> dict[str, Any]:
     def fits(seq: int) -> bool:
-        return _full_recompute(name, seq)[0] <= MEMORY
+        return _without_swap(name, seq, ("layer",))[0] <= MEMORY
 
     lo, hi = 0, max_seq // step  # lo fits (0: none yet), hi is the last to try
     if fits(hi * step):

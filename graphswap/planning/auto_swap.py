@@ -189,13 +189,13 @@ class AutoSwap:
     def _wrap(self, module: nn.Module, ctx: RuleContext) -> nn.Module:
         policy = self.policies[ctx.index]
         policy.on_mismatch = functools.partial(self._mismatched, ctx.manager, ctx.fqn)
-        counter = functools.partial(ctx.manager.count_recompute, ctx.fqn)
-        units = []
         recomputed = self.plan.layers[ctx.index].recomputed
         if recomputed == ("",):  # the whole layer: recomputed inside its own swap
             return swap_wrapper(
                 module, policy=policy, manager=ctx.manager, name=ctx.fqn, recompute=True
             )
+        counter = functools.partial(ctx.manager.count_recompute, ctx.fqn)
+        units = []
         try:
             for name in recomputed:
                 try:

@@ -134,10 +134,11 @@ class _SaveMatmuls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if func in _MATMULS:
-            # A detached alias: same storage and version counter, but no autograd
-            # graph, which the packed tensor would otherwise keep alive. It requires
-            # grad as the output will once autograd records it (below autograd it
-            # does not yet), so a swap policy sees it as the activation it is.
+            # A detached alias: the same storage, but no autograd graph, which the
+            # packed tensor would otherwise keep alive (nor, below autograd, the
+            # output's version counter: ``_Packed`` watches the output for that). It
+            # requires grad as the output will once autograd records it, so a swap
+            # policy sees it as the activation it is.
             alias = out.detach()
             if torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args
