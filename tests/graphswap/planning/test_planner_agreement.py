@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from graphswap.planning import (
     plan_step,
     trace_step,
 )
-from graphswap.planning._budget import plan_budget
+from graphswap.planning._budget import BudgetError, plan_budget
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
@@ -288,5 +289,37 @@ def test_the_budget_plan_agrees_with_the_clocked_runtime_with_recompute(
     predicted = plan.timeline
     assert_agrees(predicted, measured)
     assert measured.peak_bytes <= plan.activation_memory_budget * (1 + TOLERANCE)
+    assert plan.host_peak_bytes == host_peak
+    assert loss == clocked("none", 1)[2], "recompute and swap change no number"
+
+
+@pytest.mark.parametrize("level", [("norms", "mlp_memory_bound"), ("layer",)])
+def test_each_deeper_recompute_level_agrees_with_the_clocked_runtime(
+    level: tuple[RecomputeKind, ...],
+    config: PretrainedConfig,
+    trace: StepTrace,
+    clocked: Clocked,
+    one_thread: None,
+) -> None:
+    """At the peak of ``level`` swapping what hides: the matmul outputs saved through the
+    swap (level 2), the whole layer recomputed inside its swap (level 4)."""
+    traces = functools.cache(lambda kinds: trace if not kinds else _trace(config, SEQ, kinds))
+    settings: dict[str, Any] = {
+        "hide_margin": DEFAULT_HIDE_MARGIN,
+        "offload_lag": 1,
+        "prefetch_depth": 1,
+        "state_shards": 1,
+        "max_host_bytes": None,
+    }
+    with pytest.raises(BudgetError) as info:
+        plan_budget(config, traces, budget=1, **settings)
+    budget = next(
+        o.peak_bytes for o in info.value.options if (o.recompute, o.swap) == (level, "auto")
+    )
+    plan = plan_budget(config, traces, budget=budget, **settings)
+    assert plan.recompute == level and plan.recomputed_bytes > 0
+    measured, loss, host_peak = measure(config, plan, "budget", 1)
+    assert_agrees(plan.timeline, measured)
+    assert measured.peak_bytes <= budget * (1 + TOLERANCE)
     assert plan.host_peak_bytes == host_peak
     assert loss == clocked("none", 1)[2], "recompute and swap change no number"
