@@ -61,7 +61,10 @@ class _Run:
 def _swap(run: _Run) -> None:
     config = run.config
     if config.activation_swap in PLANNED_MODES:
-        run.auto_swap = plan_auto_swap(run.model, config)
+        shards = run.meshes.dp_shard
+        run.auto_swap = plan_auto_swap(
+            run.model, config, state_shards=1 if shards is None else shards.size()
+        )
     run.report = apply_swap(
         run.model,
         activation_swap=config.activation_swap,

@@ -133,7 +133,7 @@ def verify_swap(
         )
 
 
-def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
+def plan_auto_swap(model: nn.Module, config: PassSettings, *, state_shards: int = 1) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size`` and the ``swap_*`` keys from
     ``config`` (the bandwidth and TFLOP/s, when set, override the device profile: the
@@ -143,7 +143,9 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
     built. A bandwidth of ``measure`` is timed
     here, on the model's device. ``activation_swap: budget`` plans what to keep, swap and
     recompute within ``activation_memory_budget`` (a fraction: of the device's memory,
-    the simulated profile's on ``sim:``)."""
+    the simulated profile's on ``sim:``). ``state_shards``: the ranks FSDP shards the
+    parameters, gradients and optimizer state over, so that a rank's budget is weighed
+    against its own share of them, not the whole model's."""
     param = next(model.parameters())
     device = param.device
     hf_config = model.config
@@ -177,6 +179,7 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
             offload_lag=config.swap_offload_lag,
             max_host_bytes=host_budget(),
             profile=profile,
+            state_shards=state_shards,
         )
     except PlanSettingError as error:
         key = _PLAN_KEYS.get(error.setting, error.setting)
@@ -187,6 +190,7 @@ def plan_auto_swap(model: nn.Module, config: PassSettings) -> AutoSwap:
     made_for = (
         f"seq_len: {config.seq_len}, batch_size: {config.batch_size}, dtype: {dtype},"
         f" attn_implementation: {attn}, tp_size: {config.tp_size}"
+        + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
     )
     return AutoSwap(plan, made_for=made_for, measured=measured)
 

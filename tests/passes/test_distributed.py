@@ -1,5 +1,6 @@
 """A two-process gloo world on CPU: swap composed with tensor parallel, with FSDP2, and
-with both on another family, trains like one process.
+with both on another family, trains like one process; so does the budget mode, keeping,
+swapping and recomputing, under tensor parallel and under FSDP2.
 
 Tolerances: the distributed runs reduce partial sums across ranks (the row-parallel
 o_proj all-reduce, FSDP's gradient reduce-scatter, the loss average), which changes
@@ -12,6 +13,7 @@ parameter after the last step is compared too, at atol 1e-6, where that bug is ~
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,28 +34,30 @@ BATCH = 2
 SEQ = 256
 """Long enough that each layer's eager attention probabilities (>= 1 MiB per rank)
 pass the swap policy's size threshold, so the swap really moves tensors."""
+BUDGET_SEQ = 2048
+"""The budget mode's: long enough that what it plans to swap passes the size threshold."""
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-6
 
 
-def batches(vocab_size: int) -> list[torch.Tensor]:
+def batches(vocab_size: int, seq: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
-    return [torch.randint(0, vocab_size, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    return [torch.randint(0, vocab_size, (BATCH, seq), generator=gen) for _ in range(STEPS)]
 
 
-def build(preset: str) -> nn.Module:
+def build(preset: str, attn: str) -> nn.Module:
     from graphswap.hf.checkpoints import build_model
     from graphswap.hf.presets import preset_config
 
     torch.manual_seed(0)
-    return build_model(preset_config(preset, attn_implementation="eager", use_cache=False))
+    return build_model(preset_config(preset, attn_implementation=attn, use_cache=False))
 
 
-def train(model: nn.Module, rows: slice, world: int) -> list[float]:
+def train(model: nn.Module, rows: slice, world: int, seq: int) -> list[float]:
     """Plain SGD; the reported loss is averaged over ranks, as the trainer reports it."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for ids in batches(model.config.vocab_size):
+    for ids in batches(model.config.vocab_size, seq):
         ids = ids[rows]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -84,6 +88,11 @@ class Composition:
     preset: str
     config: TrainerConfig
     applied: tuple[str, ...]
+    seq: int = SEQ
+    attn: str = "eager"
+    recompute: tuple[str, ...] = ()
+    """``budget``: the level whose peak (swapping what hides) is the budget, so that the
+    plan keeps (the last layer's saves), swaps and recomputes."""
 
 
 COMPOSITIONS = {
@@ -100,8 +109,53 @@ COMPOSITIONS = {
         TrainerConfig(activation_swap="attention", tp_size=2, fsdp=True),
         ("swap", "tensor_parallel", "fsdp"),
     ),
+    # The budget mode plans on each rank for its share: the heads and experts tensor
+    # parallel leaves it, or the state FSDP shards over the two ranks (one row each).
+    # Under FSDP the whole layer is recomputed inside its swap, so the recompute runs
+    # where FSDP has gathered the layer's parameters for its backward.
+    "budget+tp": Composition(
+        "tiny",
+        TrainerConfig(
+            activation_swap="budget",
+            activation_memory_budget=1,
+            tp_size=2,
+            seq_len=BUDGET_SEQ,
+            batch_size=BATCH,
+        ),
+        ("swap", "tensor_parallel"),
+        BUDGET_SEQ,
+        "sdpa",
+        ("norms", "mlp_memory_bound"),
+    ),
+    "budget+fsdp": Composition(
+        "tiny",
+        TrainerConfig(
+            activation_swap="budget",
+            activation_memory_budget=1,
+            fsdp=True,
+            seq_len=BUDGET_SEQ,
+            batch_size=BATCH // WORLD,
+        ),
+        ("swap", "fsdp"),
+        BUDGET_SEQ,
+        "sdpa",
+        ("layer",),
+    ),
 }
 """What one world trains, one composition after the other, each on a fresh model."""
+
+
+def _level_budget(model: nn.Module, composition: Composition, state_shards: int) -> int:
+    """The peak of the composition's recompute level swapping what hides, as the swap pass
+    plans it on this rank (a budget of one byte is refused, listing every option)."""
+    from graphswap.passes.errors import PassSettingError
+    from graphswap.passes.swap import plan_auto_swap
+
+    with pytest.raises(PassSettingError) as refused:
+        plan_auto_swap(model, composition.config, state_shards=state_shards)
+    options = refused.value.__cause__.options  # type: ignore[union-attr]
+    level = (composition.recompute, "auto")
+    return next(o.peak_bytes for o in options if (o.recompute, o.swap) == level)
 
 
 def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
@@ -111,7 +165,11 @@ def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
     try:
         for name, composition in COMPOSITIONS.items():
             config = composition.config
-            model = build(composition.preset)
+            model = build(composition.preset, composition.attn)
+            if config.activation_swap == "budget":
+                shards = WORLD // config.tp_size if config.fsdp else 1
+                budget = _level_budget(model, composition, shards)
+                config = dataclasses.replace(config, activation_memory_budget=budget)
             result = passes.apply_model_infrastructure(model, config)
             assert result.report is not None
             # The ranks of one replica (its tensor-parallel shards) read the same rows.
@@ -119,13 +177,23 @@ def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
             per_replica = BATCH // replicas
             replica = rank // config.tp_size
             rows = slice(replica * per_replica, (replica + 1) * per_replica)
-            losses = train(model, rows, WORLD)
+            losses = train(model, rows, WORLD, composition.seq)
             params = full_parameters(model)
             if rank == 0:
                 torch.save(params, out / f"{name}.pt")
             stats = result.report.manager.stats
+            planned = result.auto_swap.plan if result.auto_swap is not None else None
             queue.put(
-                (name, rank, result.applied, losses, stats.offloaded_bytes, stats.reloaded_bytes)
+                (
+                    name,
+                    rank,
+                    result.applied,
+                    losses,
+                    stats.offloaded_bytes,
+                    stats.reloaded_bytes,
+                    stats.recomputed_bytes,
+                    (planned.recompute, planned.state_shards) if planned is not None else None,
+                )
             )
     finally:
         dist.destroy_process_group()
@@ -157,17 +225,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Callable[[str], tuple[list[float], dict[str, torch.Tensor]]]:
-    """``reference(preset)``: one process, no swap, no sharding: what every composition
-    of that model must reproduce (computed once per model)."""
+def reference() -> Callable[[Composition], tuple[list[float], dict[str, torch.Tensor]]]:
+    """``reference(composition)``: one process, no swap, no sharding: what every
+    composition of that model, length and attention must reproduce (computed once each)."""
 
     @functools.cache
-    def train_once(preset: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-        model = build(preset)
-        losses = train(model, slice(None), world=1)
+    def train_once(preset: str, seq: int, attn: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = build(preset, attn)
+        losses = train(model, slice(None), world=1, seq=seq)
         return losses, full_parameters(model)
 
-    return train_once
+    return lambda composition: train_once(composition.preset, composition.seq, composition.attn)
 
 
 @pytest.mark.distributed
@@ -175,15 +243,19 @@ def reference() -> Callable[[str], tuple[list[float], dict[str, torch.Tensor]]]:
 def test_two_ranks_train_like_one(
     composition: str,
     world: World,
-    reference: Callable[[str], tuple[list[float], dict[str, torch.Tensor]]],
+    reference: Callable[[Composition], tuple[list[float], dict[str, torch.Tensor]]],
 ) -> None:
-    reference_losses, reference_params = reference(COMPOSITIONS[composition].preset)
+    ran_as = COMPOSITIONS[composition]
+    reference_losses, reference_params = reference(ran_as)
     results, params = world[composition]
-    applied = COMPOSITIONS[composition].applied
     assert [rank for rank, *_ in results] == [0, 1]
-    for _, ran, losses, offloaded, reloaded in results:
-        assert ran == applied
+    for _, ran, losses, offloaded, reloaded, recomputed, planned in results:
+        assert ran == ran_as.applied
         assert offloaded > 0 and reloaded == offloaded, "the swap moved nothing"
+        if ran_as.config.activation_swap == "budget":
+            shards = WORLD // ran_as.config.tp_size if ran_as.config.fsdp else 1
+            assert planned == (ran_as.recompute, shards)
+            assert recomputed > 0, "the budget plan recomputed nothing"
         assert losses == pytest.approx(reference_losses, rel=LOSS_RTOL)
     assert params.keys() == reference_params.keys()
     for name, expected in reference_params.items():
