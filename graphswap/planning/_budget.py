@@ -241,8 +241,9 @@ def _with_recompute(layer: LayerPlan, trace: StepTrace, seconds: float) -> Layer
 def _budget_assumptions(option: BudgetOption) -> tuple[str, ...]:
     return (
         "budget: recompute levels tried cheapest first (nothing, the norms, the norms and "
-        "what lies between the feed-forward block's matmuls, the norms and the whole block, "
-        "the whole layer; in every layer), each traced with the recompute running "
+        "what lies between the feed-forward block's matmuls, that and its down projections, "
+        "the norms and the whole block, the whole layer; in every layer), each traced with "
+        "the recompute running "
         "in backward; at each, the swap of what hides (auto) and of everything (layer); the "
         "fastest option whose device peak is within the budget is kept"
         f" (here: recompute {' and '.join(option.recompute) or 'nothing'}, swap {option.swap})",

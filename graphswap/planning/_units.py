@@ -11,6 +11,12 @@ so a unit is a submodule, and a good one saves many bytes for little compute:
   activation and its product, the experts' gathers, the router's softmax): about half
   of the block's bytes at a few percent of its time; the matmul outputs are saved like
   any tensor, for the swap to keep or move;
+- ``mlp_down``: with ``mlp_memory_bound``, also the block's matmuls back to the
+  hidden width (its down projections): their outputs are not saved, and run again
+  where a later operator saved them (a mixture of experts' routing-weight product
+  does: the widest save the block keeps otherwise), at the price of those matmuls,
+  about a third of the block's; a dense block's down projection feeds the residual
+  add only, so this drops a save the level before kept for nothing;
 - ``mlp``: the layer's feed-forward block (a dense MLP, or a mixture of experts with its
   router): most of what a layer saves besides attention, at the price of its matmuls;
 - ``layer``: the whole decoder layer, as the trainers' activation checkpointing runs
@@ -28,7 +34,7 @@ from typing import Literal, get_args
 
 from torch import nn
 
-RecomputeKind = Literal["norms", "mlp_memory_bound", "mlp", "layer"]
+RecomputeKind = Literal["norms", "mlp_memory_bound", "mlp_down", "mlp", "layer"]
 """A kind of submodule the budget mode may recompute."""
 RECOMPUTE_KINDS: tuple[RecomputeKind, ...] = get_args(RecomputeKind)
 
@@ -36,12 +42,13 @@ RECOMPUTE_LEVELS: tuple[tuple[RecomputeKind, ...], ...] = (
     (),
     ("norms",),
     ("norms", "mlp_memory_bound"),
+    ("norms", "mlp_memory_bound", "mlp_down"),
     ("norms", "mlp"),
     ("layer",),
 )
 """What the budget mode recomputes in each layer, cheapest first: nothing, the norms,
-the norms and the feed-forward block's memory-bound work, the norms and the whole
-feed-forward block, the whole layer."""
+the norms and the feed-forward block's memory-bound work, that and the block's down
+projections, the norms and the whole feed-forward block, the whole layer."""
 
 _MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 """What the families call a layer's feed-forward block."""
@@ -74,3 +81,9 @@ def saves_matmuls(kinds: Sequence[RecomputeKind], unit: str) -> bool:
     """The unit at path ``unit`` recomputes only what lies between its matmuls
     (``recompute_wrapper(save_matmuls=True)``)."""
     return "mlp_memory_bound" in kinds and "mlp" not in kinds and unit in _MLP_NAMES
+
+
+def reruns_down_projections(kinds: Sequence[RecomputeKind], unit: str) -> bool:
+    """The unit at path ``unit`` saves its matmul outputs but its down projections'
+    (``recompute_wrapper(save_matmuls=True, rerun_to_input_width=True)``)."""
+    return saves_matmuls(kinds, unit) and "mlp_down" in kinds

@@ -29,7 +29,7 @@ from graphswap import _deprecated
 from graphswap.errors import GraphswapError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
-from graphswap.planning._units import saves_matmuls
+from graphswap.planning._units import reruns_down_projections, saves_matmuls
 from graphswap.rewriting.rules import Rule, RuleContext, get_rule
 from graphswap.runtime import (
     is_recompute_wrapped,
@@ -209,6 +209,7 @@ class AutoSwap:
                     units[-1],
                     counter=counter,
                     save_matmuls=saves_matmuls(self.plan.recompute, name),
+                    rerun_to_input_width=reruns_down_projections(self.plan.recompute, name),
                 )
             return swap_wrapper(module, policy=policy, manager=ctx.manager, name=ctx.fqn)
         except Exception:

@@ -36,7 +36,12 @@ from graphswap.hf.attention_kernels import (
 )
 from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
 from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
-from graphswap.planning._units import RecomputeKind, recompute_units, saves_matmuls
+from graphswap.planning._units import (
+    RecomputeKind,
+    recompute_units,
+    reruns_down_projections,
+    saves_matmuls,
+)
 from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
 from graphswap.runtime._recompute import recompute_wrapper
 from graphswap.runtime.policy import (
@@ -492,6 +497,7 @@ def build_meta_model(
                 layer.get_submodule(name),
                 counter=counter,
                 save_matmuls=saves_matmuls(recompute, name),
+                rerun_to_input_width=reruns_down_projections(recompute, name),
             )
     return meta
 

@@ -20,7 +20,12 @@ way a selective checkpoint policy that saves matmuls does. Torch's own selective
 checkpoint caches what it saves inside the checkpoint, where no saved-tensor hook sees
 it; here each matmul's output is handed to the hooks outside the region instead (the
 layer's swap, which keeps or moves it like any save), and the recompute takes it back
-from them in place of running the matmul again.
+from them in place of running the matmul again. With ``rerun_to_input_width`` as well,
+the matmuls whose output has the width of the region's input (a feed-forward block's
+down projections, back to the hidden size) are not saved: the recompute runs them
+again where an operator after them saved their output (the experts' routing-weight
+product), and, as the checkpoint stops once every save is regenerated, not at all
+where none did (a dense block's down projection feeds the residual add only).
 
 As with ``swap_wrapper``, the module's class is swapped for a generated subclass:
 the object, its FQNs, ``state_dict`` keys and ``isinstance`` stay, the generated
@@ -60,6 +65,9 @@ class _RecomputeState:
     save_matmuls: bool
     """Matmul outputs are saved through the outer hooks and only the operators between
     them run again."""
+    rerun_to_input_width: bool
+    """With ``save_matmuls``: not those whose output has the width of the region's
+    first input; they run again."""
 
 
 def _matmul_ops() -> frozenset[Any]:
@@ -102,19 +110,26 @@ class _Packed:
             )
 
 
+_RERUN = object()
+"""The entry of a matmul call whose output was not saved: the recompute runs it."""
+
+
 class _SavedMatmuls:
     """One forward's matmul outputs, packed by the saved-tensor hooks that were current
     outside the region (or kept as they are when there were none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rerun_width: int | None) -> None:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.pack: Callable[[torch.Tensor], Any] = _keep if top is None else top[0]
         """The outer pack hook: the layer's swap when it is wrapped."""
         self.unpack: Callable[[Any], torch.Tensor] = _keep if top is None else top[1]
         """Its unpack hook."""
-        self.packed: dict[Any, list[_Packed | None]] = {}
-        """Per matmul operator, each call's output as packed, in call order; an entry is
-        ``None`` once the recompute has taken it back."""
+        self.rerun_width = rerun_width
+        """Matmul outputs this wide (the last dimension) are not saved; ``None``: all are."""
+        self.packed: dict[Any, list[Any]] = {}
+        """Per matmul operator, each call's output as packed (a :class:`_Packed`), in
+        call order; ``_RERUN`` for a call whose output was not saved, ``None`` once the
+        recompute has taken the output back."""
         self.storages: dict[int, StorageWeakRef] = {}
         """Storages of the packed outputs, by address: saves of them are not dropped by
         recompute (the weak reference tells a later storage at a reused address apart)."""
@@ -133,7 +148,9 @@ class _SaveMatmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func in _MATMULS:
+        if func in _MATMULS and out.shape[-1] == self.saved.rerun_width:
+            self.saved.packed.setdefault(func, []).append(_RERUN)
+        elif func in _MATMULS:
             # A detached alias: the same storage, but no autograd graph, which the
             # packed tensor would otherwise keep alive (nor, below autograd, the
             # output's version counter: ``_Packed`` watches the output for that). It
@@ -166,6 +183,8 @@ class _ReplayMatmuls(TorchDispatchMode):
         index = self.calls.get(func, 0)
         self.calls[func] = index + 1
         packed = self.saved.packed.get(func, [])
+        if index < len(packed) and packed[index] is _RERUN:
+            return func(*args, **(kwargs or {}))
         if index >= len(packed) or packed[index] is None:
             raise RuntimeError(
                 f"recompute_wrapper(save_matmuls=True): {func} call {index} has no saved "
@@ -247,16 +266,20 @@ def run_recomputed(
     *,
     counter: RecomputeCounter | None,
     save_matmuls: bool = False,
+    rerun_to_input_width: bool = False,
 ) -> Any:
     """``forward(module, *args, **kwargs)`` under a non-reentrant checkpoint: what it
     saves is dropped and made again in backward (``counter`` told what was dropped);
-    ``save_matmuls``: its matmul outputs are saved through the hooks around it instead.
-    What a recompute-wrapped module runs, and a swap-wrapped layer recomputed whole."""
+    ``save_matmuls``: its matmul outputs are saved through the hooks around it instead,
+    but for those as wide as its first input with ``rerun_to_input_width``. What a
+    recompute-wrapped module runs, and a swap-wrapped layer recomputed whole."""
     run = forward
     options: dict[str, Any] = {}
     kept: dict[int, StorageWeakRef] = {}
     if save_matmuls:
-        saved = _SavedMatmuls()
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        width = first.shape[-1] if rerun_to_input_width and first is not None else None
+        saved = _SavedMatmuls(width)
         options["context_fn"] = saved.contexts
         kept = saved.storages
     if counter is not None:
@@ -289,7 +312,13 @@ def _recompute_class(cls: type) -> type:
                 return original(self, *args, **kwargs)
             state: _RecomputeState = self.__dict__[_STATE_ATTR]
             return run_recomputed(
-                original, self, args, kwargs, counter=state.counter, save_matmuls=state.save_matmuls
+                original,
+                self,
+                args,
+                kwargs,
+                counter=state.counter,
+                save_matmuls=state.save_matmuls,
+                rerun_to_input_width=state.rerun_to_input_width,
             )
 
         namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
@@ -310,15 +339,24 @@ def recompute_wrapper(
     *,
     counter: RecomputeCounter | None = None,
     save_matmuls: bool = False,
+    rerun_to_input_width: bool = False,
 ) -> torch.nn.Module:
     """Make ``module`` drop what it saves for backward and run again there to regenerate
     it; ``counter`` is told what each forward dropped. ``save_matmuls``: the outputs of
     its matrix multiplications are saved instead (through the saved-tensor hooks around
     the module: the layer's swap keeps or moves them) and only the operators between
-    them run again. Returns the same object, now an instance of a generated
-    ``Recompute<Class>`` subclass."""
+    them run again. ``rerun_to_input_width`` (with ``save_matmuls``): but for the
+    matmuls whose output is as wide as the module's first input (a feed-forward block's
+    down projections), which run again where a later operator saved their output.
+    Returns the same object, now an instance of a generated ``Recompute<Class>``
+    subclass."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"recompute_wrapper expects an nn.Module, got {type(module).__name__}")
+    if rerun_to_input_width and not save_matmuls:
+        raise ValueError(
+            "recompute_wrapper: rerun_to_input_width chooses which matmul outputs "
+            "save_matmuls saves; set save_matmuls=True with it"
+        )
     if is_recompute_wrapped(module):
         raise ValueError(
             f"{type(module).__name__} is already recompute-wrapped; call"
@@ -326,7 +364,7 @@ def recompute_wrapper(
         )
     cls = type(module)
     recompute_cls = _recompute_class(cls)
-    module.__dict__[_STATE_ATTR] = _RecomputeState(cls, counter, save_matmuls)
+    module.__dict__[_STATE_ATTR] = _RecomputeState(cls, counter, save_matmuls, rerun_to_input_width)
     module.__class__ = recompute_cls
     return module
 

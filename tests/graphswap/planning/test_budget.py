@@ -118,13 +118,15 @@ def test_the_smallest_budget_recomputes_whole_layers_and_changes_no_number(name:
 def test_recomputing_between_the_matmuls_swaps_their_outputs_and_changes_no_number(
     family: Any,
 ) -> None:
+    """Level 3: the matmul outputs are saved through the swap, but for the down
+    projections' (the experts' run again in backward; a dense block's are never saved)."""
     config = family
     config.num_hidden_layers = 2
-    level = ("norms", "mlp_memory_bound")
+    level = ("norms", "mlp_memory_bound", "mlp_down")
     options = _options(config)
     peaks = {(o.recompute, o.swap): o.peak_bytes for o in options}
     budget = peaks[level, "auto"]
-    assert budget < peaks[("norms",), "auto"], "what hides fits only with this level"
+    assert budget < peaks[("norms", "mlp_memory_bound"), "auto"], "it fits only at this level"
     plan = _plan(config, budget)
     assert plan.recompute == level and plan.swapped_bytes > 0
     _trains_as_planned(config, budget, plan)
@@ -204,7 +206,9 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_matmuls(module: torch.nn.Module, packed: list[torch.Tensor]) -> tuple[int, Any]:
+def _backward_matmuls(
+    module: torch.nn.Module, packed: list[torch.Tensor], *extra: torch.Tensor
+) -> tuple[int, Any]:
     """Matmuls backward runs through ``module``, and its input's gradient; the saved-tensor
     hooks around the forward append to ``packed`` what they are handed."""
     x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))
@@ -214,7 +218,7 @@ def _backward_matmuls(module: torch.nn.Module, packed: list[torch.Tensor]) -> tu
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x).sum()
+        out = module(x, *extra).sum()
     with _CountMatmuls() as counted:
         out.backward()
     return counted.calls, x.grad
@@ -239,6 +243,42 @@ def test_save_matmuls_hands_the_matmul_outputs_to_the_outer_hooks_and_never_reru
         assert torch.equal(*grads)
     outputs = [t for t in packed if t.shape[-1] == 16 or (t.shape == (4, 8) and t.requires_grad)]
     assert sum(t.shape == (4, 16) for t in outputs) == 2 and any(t.shape == (4, 8) for t in outputs)
+
+
+class _RoutedMLP(_GatedMLP):
+    """An expert: its down projection's output is saved by the routing-weight product."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) * weight
+
+
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "dense"])
+def test_rerun_to_input_width_saves_only_the_widening_matmuls(routed: bool) -> None:
+    """The down projection's output (as wide as the input) is not handed to the outer
+    hooks: it runs again in backward where the routing-weight product saved it, and not
+    at all in a dense block, where nothing did."""
+    torch.manual_seed(0)
+    reference = _RoutedMLP() if routed else _GatedMLP()
+    rerun = recompute_wrapper(
+        copy.deepcopy(reference), save_matmuls=True, rerun_to_input_width=True
+    )
+    weight = torch.rand(4, 1, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    extra = (weight,) if routed else ()
+    plain_calls, plain_grad = _backward_matmuls(reference, [], *extra)
+    packed: list[torch.Tensor] = []
+    rerun_calls, rerun_grad = _backward_matmuls(rerun, packed, *extra)
+    assert rerun_calls == plain_calls + routed, "only the down projection runs again"
+    assert torch.equal(rerun_grad, plain_grad)
+    for name in ("gate", "up", "down"):
+        assert torch.equal(getattr(reference, name).weight.grad, getattr(rerun, name).weight.grad)
+    assert sum(t.shape == (4, 16) for t in packed) == 2, "gate and up outputs are saved"
+    inputs_and_down = [t for t in packed if t.shape == (4, 8) and t.requires_grad]
+    assert len(inputs_and_down) == 1, "the region's input is saved, down's output is not"
+
+
+def test_rerun_to_input_width_needs_save_matmuls() -> None:
+    with pytest.raises(ValueError, match="set save_matmuls=True"):
+        recompute_wrapper(_GatedMLP(), rerun_to_input_width=True)
 
 
 def test_save_matmuls_raises_when_a_saved_matmul_output_was_changed_in_place() -> None:
