@@ -63,15 +63,15 @@ def apply_swap(
     (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own).
     ``offload_lag`` unset: the lag the ``auto`` plan was made at, else 1."""
     if activation_swap not in SWAP_RULES:
-        raise ValueError(
+        raise PassSettingError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
         )
     if (activation_swap in PLANNED_MODES) != (auto is not None):
-        raise ValueError(
+        raise PassSettingError(
             "apply_swap: a plan goes with activation_swap: auto or budget, and only there"
         )
     if auto is not None and auto.plan.activation_swap != activation_swap:
-        raise ValueError(
+        raise PassSettingError(
             f"apply_swap: activation_swap: {activation_swap} was given a plan of"
             f" {auto.plan.activation_swap}"
         )
