@@ -162,8 +162,8 @@ _TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 class PresetError(GraphswapError, ValueError):
-    """A model preset name that is not defined, or one of another family than the
-    builder asked builds; the message lists what works."""
+    """A model preset name that is not defined, or a preset of a family the builder asked
+    does not build; the message says what to use instead."""
 
 
 @dataclass(frozen=True)
