@@ -11,8 +11,16 @@ class GraphswapError(Exception):
     so code that caught that still does."""
 
 
+class GraphswapTypeError(GraphswapError, TypeError):
+    """An argument, or a callback's answer, of a type graphswap cannot use (a module that
+    is not an ``nn.Module``, a policy that is not callable or answers something other
+    than a ``CheckpointPolicy``, rules that are neither names nor ``Rule`` objects); the
+    message names it, what it got and what it takes."""
+
+
 class RewriteError(GraphswapError, ValueError):
-    """Base of every error a rewrite raises; the model is unchanged when it is raised."""
+    """Base of every error a rewrite raises, and of a rule that cannot be defined or
+    registered; the model is unchanged when it is raised."""
 
 
 class NoMatchError(RewriteError):
@@ -40,9 +48,24 @@ class UnknownRuleError(RewriteError, KeyError):
         return str(self.args[0])
 
 
+class SwapSetupError(GraphswapError, ValueError):
+    """The swap runtime was set up in a way that cannot work: a setting out of range
+    (``prefetch_depth``, ``offload_lag``, ``max_host_bytes``, a policy's ``min_bytes``, a
+    simulated device's ``lag``), a module wrapped or registered twice or not wrapped, a
+    prefetch link that repeats or closes a cycle. Raised when the call is made, before
+    anything runs; the message names the argument and the fix."""
+
+
+class SwapStateError(GraphswapError, RuntimeError):
+    """The swap runtime was asked, while it runs, for what its state cannot give: a
+    clock started while one is running, or a recompute region's backward that finds no
+    matmul output its forward saved (it ran other matmuls, or backward ran twice)."""
+
+
 class SwapExclusionError(GraphswapError, RuntimeError):
     """A swap-wrapped module ran under a transform that activation swap excludes."""
 
 
 class SwapIntegrityError(GraphswapError, RuntimeError):
-    """A tensor saved for backward changed after it was saved: its gradient would be wrong."""
+    """A tensor saved for backward, swapped, kept or saved by a recompute region, changed
+    after it was saved: its gradient would be wrong."""

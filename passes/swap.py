@@ -63,17 +63,18 @@ def apply_swap(
     (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own).
     ``offload_lag`` unset: the lag the ``auto`` plan was made at, else 1."""
     if activation_swap not in SWAP_RULES:
-        raise ValueError(
+        raise PassSettingError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
         )
     if (activation_swap in PLANNED_MODES) != (auto is not None):
-        raise ValueError(
-            "apply_swap: a plan goes with activation_swap: auto or budget, and only there"
+        raise PassSettingError(
+            "apply_swap: a plan (auto=) goes with activation_swap: auto or budget, and only"
+            " there; make one with plan_auto_swap, or drop auto= for the other modes"
         )
     if auto is not None and auto.plan.activation_swap != activation_swap:
-        raise ValueError(
+        raise PassSettingError(
             f"apply_swap: activation_swap: {activation_swap} was given a plan of"
-            f" {auto.plan.activation_swap}"
+            f" {auto.plan.activation_swap}; plan again with activation_swap: {activation_swap}"
         )
     rule = auto.rule() if auto is not None else SWAP_RULES[activation_swap]
     if offload_lag is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from graphswap.errors import GraphswapError
 from graphswap.hf import qwen3_moe
 
 if TYPE_CHECKING:
@@ -160,6 +161,11 @@ _TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+class PresetError(GraphswapError, ValueError):
+    """A model preset name that is not defined, or a preset of a family the builder asked
+    does not build; the message says what to use instead."""
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named model shape: its family and the config values it sets."""
@@ -196,7 +202,7 @@ def preset_names() -> list[str]:
 
 def _preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise ValueError(
+        raise PresetError(
             f"unknown model preset {name!r}; available presets: {', '.join(preset_names())}"
         )
     return PRESETS[name]
@@ -228,7 +234,7 @@ def qwen3_moe_config(
     """
     chosen = _preset(preset)
     if chosen.model_type != qwen3_moe.MODEL_TYPE:
-        raise ValueError(
+        raise PresetError(
             f"model preset {preset!r} is a {chosen.model_type} model, not Qwen3-MoE; build it"
             " with graphswap.hf.presets.preset_config"
         )

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._trace import Block, Event, StepTrace, TracedSave
 from graphswap.planning.saved_tensors import LayerTrace, SavedTensor
 from graphswap.runtime.policy import SwapPolicy, size_threshold_policy
@@ -312,7 +313,9 @@ class TraceLengths:
         if trace is None:
             found = next((r for lo, hi, r in self._ranges if lo <= seq <= hi), None)
             if found is None:
-                raise ValueError(f"{seq} is not a length of this grid")
+                raise PlanSettingError(
+                    "seq", seq, "not a length of this grid; ask for one it was made with"
+                )
             values = _interpolate(found.points, found.values, seq)
             return _rebuild(found.template, found.layout, seq, values, self._min_bytes, self._name)
         return _thresholded(trace, self._min_bytes, self._name)

@@ -15,6 +15,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
+from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._trace import Event, StepTrace, TracedSave
 from graphswap.planning.saved_tensors import ATTENTION_SCOPE, LAYER_SCOPE
 
@@ -26,7 +27,9 @@ def group_of(save: TracedSave, scope: str) -> int | None:
         return save.layer if save.save.in_attention else None
     if scope == LAYER_SCOPE:
         return save.layer
-    raise ValueError(f"unknown swap scope {scope!r}; scopes: {ATTENTION_SCOPE}, {LAYER_SCOPE}")
+    raise PlanSettingError(
+        "scope", scope, f"the swap scopes are {ATTENTION_SCOPE} and {LAYER_SCOPE}"
+    )
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from graphswap import _deprecated
-from graphswap.errors import GraphswapError, HierarchyError
+from graphswap.errors import GraphswapError, GraphswapTypeError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning._units import reruns_down_projections, saves_matmuls
@@ -131,7 +131,7 @@ class AutoSwapPolicy:
         return CheckpointPolicy.MUST_SAVE
 
     def __call__(self, t: torch.Tensor) -> CheckpointPolicy:
-        raise TypeError(
+        raise GraphswapTypeError(
             "auto_swap_policy decides by the save's index in the layer's forward: run it "
             "under a graphswap SwapManager, which calls decide(t, index)"
         )
@@ -149,9 +149,11 @@ class AutoSwap:
         self, plan: MemoryPlan, *, made_for: str, measured: CopyBandwidth | None = None
     ) -> None:
         if plan.activation_swap not in ("auto", "budget"):
-            raise ValueError(
-                "AutoSwap needs a plan_memory(activation_swap='auto' or 'budget') plan, got"
-                f" activation_swap={plan.activation_swap!r}"
+            raise PlanSettingError(
+                "activation_swap",
+                plan.activation_swap,
+                "AutoSwap carries out a plan_memory(activation_swap='auto' or 'budget') plan;"
+                " plan with one of those",
             )
         self.plan = plan
         self.made_for = made_for

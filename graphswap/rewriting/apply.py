@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from graphswap.errors import (
     AlreadyTransformedError,
+    GraphswapTypeError,
     HierarchyError,
     NoMatchError,
     RewriteError,
@@ -362,12 +363,14 @@ def _resolve_rules(rules: str | Rule | Sequence[str | Rule]) -> list[Rule]:
     elif isinstance(rules, Sequence):
         items = list(rules)
     else:
-        raise TypeError(_bad_rules("rules must be a rule name, a Rule or a list of them", rules))
+        raise GraphswapTypeError(
+            _bad_rules("rules must be a rule name, a Rule or a list of them", rules)
+        )
     if not items:
         raise RewriteError("rewrite() needs at least one rule; e.g. rules=['attn_swap']")
     for item in items:
         if not isinstance(item, (str, Rule)):
-            raise TypeError(_bad_rules("rules must list rule names or Rule objects", item))
+            raise GraphswapTypeError(_bad_rules("rules must list rule names or Rule objects", item))
     resolved = [item if isinstance(item, Rule) else get_rule(item) for item in items]
     names = [rule.name for rule in resolved]
     duplicates = sorted({name for name in names if names.count(name) > 1})

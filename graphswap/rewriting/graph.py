@@ -27,10 +27,15 @@ _LAYER_IN_FQN = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 class PrefetchGraphError(GraphswapError, ValueError):
-    """The prefetch schedule breaks an invariant of the swap runtime."""
+    """The prefetch schedule breaks an invariant of the swap runtime, or its graph was
+    asked for in a format graphswap does not write."""
 
 
-class GraphvizNotFoundError(GraphswapError, RuntimeError):
+class GraphvizError(GraphswapError, RuntimeError):
+    """Graphviz could not render the prefetch graph to an image."""
+
+
+class GraphvizNotFoundError(GraphvizError):
     """Rendering to an image needs Graphviz's ``dot`` executable."""
 
 
@@ -161,13 +166,15 @@ def to_dot(graph: nx.DiGraph, *, name: str = "prefetch") -> str:
 def render(graph: nx.DiGraph, fmt: str) -> bytes:
     """Render through Graphviz's ``dot`` executable (``svg`` or ``png``)."""
     if fmt not in RENDER_FORMATS:
-        raise ValueError(f"cannot render {fmt!r}; image formats: {', '.join(RENDER_FORMATS)}")
+        raise PrefetchGraphError(
+            f"cannot render {fmt!r}; image formats: {', '.join(RENDER_FORMATS)}"
+        )
     dot = require_graphviz(fmt)
     result = subprocess.run(
         [dot, f"-T{fmt}"], input=to_dot(graph).encode(), capture_output=True, check=False
     )
     if result.returncode != 0:
-        raise RuntimeError(
+        raise GraphvizError(
             f"Graphviz 'dot -T{fmt}' failed (exit {result.returncode}): "
             f"{result.stderr.decode(errors='replace').strip()}"
         )

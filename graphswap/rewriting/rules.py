@@ -89,9 +89,9 @@ class Rule:
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
-            raise ValueError(f"rule name must be an identifier, got {self.name!r}")
+            raise RewriteError(f"rule name must be an identifier, got {self.name!r}")
         if isinstance(self.targets, str) or (not self.targets) == (self.targets_from is None):
-            raise ValueError(
+            raise RewriteError(
                 f"rule {self.name!r}: give either targets, a non-empty tuple of import paths,"
                 f" or targets_from, a function of the model; got targets={self.targets!r}"
                 f" and targets_from={self.targets_from!r}"
@@ -150,7 +150,7 @@ _REGISTRY: dict[str, Rule] = {}
 def register_rule(rule: Rule) -> Rule:
     """Add ``rule`` to the registry; names are unique, a second one is rejected."""
     if rule.name in _REGISTRY:
-        raise ValueError(
+        raise RewriteError(
             f"a rule named {rule.name!r} is already registered "
             f"({_REGISTRY[rule.name].description}); choose another name"
         )

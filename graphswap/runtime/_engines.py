@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from graphswap.errors import GraphswapTypeError
 from graphswap.runtime._device import (
     Device,
     Event,
@@ -326,7 +327,7 @@ class _Offload(Copy):
         return None
 
     def result(self) -> torch.Tensor:
-        raise TypeError("result() of an offload: an offload fills a host buffer")
+        raise GraphswapTypeError("result() of an offload: an offload fills a host buffer")
 
 
 class _Load(_Mark, Copy):

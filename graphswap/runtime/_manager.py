@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from graphswap.errors import SwapSetupError
 from graphswap.runtime._engines import CopyEngine
 from graphswap.runtime._forward import _Forward, _ForwardOps
 from graphswap.runtime._handles import unpack_hook
@@ -58,14 +59,14 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
     """An int, not a bool (``True`` would pass as 1) nor a string of one."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{alternative}, got {value!r}")
+        raise SwapSetupError(f"{name} must be an int >= {minimum}{alternative}, got {value!r}")
     return value
 
 
 def _check_bool(name: str, value: object) -> bool:
     """True or False: any other value would be taken by its truth (``"no"`` is true)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise SwapSetupError(f"{name} must be True or False, got {value!r}")
     return value
 
 
@@ -104,7 +105,7 @@ class SwapManager(_SlotHooks, _ForwardOps):
         self.prefetch_depth = _check_int("prefetch_depth", prefetch_depth, 1)
         self.offload_lag = _check_int("offload_lag", offload_lag, 0)
         if engine is not None and not isinstance(engine, CopyEngine):
-            raise ValueError(
+            raise SwapSetupError(
                 f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine,"
                 f" NoOpAccelerator or SimulatedAccelerator), got {type(engine).__name__}"
             )
@@ -173,9 +174,11 @@ class SwapManager(_SlotHooks, _ForwardOps):
         cls = type(module)
         name = name or f"{cls.__name__}_{self._registered}"
         if module in self._slots:
-            raise ValueError(f"module {name!r} is already registered with this SwapManager")
+            raise SwapSetupError(f"module {name!r} is already registered with this SwapManager")
         if any(slot.name == name for slot in self._slots.values()):
-            raise ValueError(f"a module named {name!r} is already registered; pass a unique name")
+            raise SwapSetupError(
+                f"a module named {name!r} is already registered; pass a unique name"
+            )
         self._slots[module] = _Slot(
             module, name, self._registered, policy, f"{cls.__module__}.{cls.__qualname__}"
         )
@@ -198,19 +201,24 @@ class SwapManager(_SlotHooks, _ForwardOps):
         words, a backward prefetch)."""
         for role, module in (("earlier", earlier), ("later", later)):
             if module not in self._slots:
-                raise ValueError(
+                raise SwapSetupError(
                     f"{role} module {type(module).__name__} is not swap-wrapped by this manager;"
                     " call swap_wrapper(module, manager=manager) first"
                 )
         if earlier is later:
-            raise ValueError("a module cannot prefetch itself")
+            raise SwapSetupError("a module cannot prefetch itself; link it to another module")
         if earlier in self._next or later in self._prev:
             taken = self._slots[earlier if earlier in self._next else later].name
-            raise ValueError(f"{taken!r} is already linked; each module has one prev and one next")
+            raise SwapSetupError(
+                f"{taken!r} is already linked; each module has one prev and one next"
+            )
         walk: torch.nn.Module | None = earlier
         while walk is not None:
             if walk is later:
-                raise ValueError("this link would close a cycle in the prefetch chain")
+                raise SwapSetupError(
+                    "this link would close a cycle in the prefetch chain; link each module"
+                    " to the next one in forward order"
+                )
             walk = self._prev.get(walk)
         self._next[earlier] = later
         self._prev[later] = earlier

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from graphswap.errors import SwapSetupError
 from graphswap.runtime._engines import Copy, CopyEngine
 from graphswap.runtime.profile import HOST_SHARE
 
@@ -82,7 +83,7 @@ def local_ranks() -> int:
     """Ranks on this node: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "1")
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(
+        raise SwapSetupError(
             f"LOCAL_WORLD_SIZE={value!r} is not a positive int (torchrun sets it to the ranks"
             " on this node); fix the environment or pass max_host_bytes explicitly"
         )
@@ -188,7 +189,7 @@ class HostPool:
 
     def __init__(self, max_bytes: int) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_host_bytes must be an int >= 0, got {max_bytes!r}")
+            raise SwapSetupError(f"max_host_bytes must be an int >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes  # the cap on reserved bytes
         self._idle: dict[tuple[torch.device, bool, int], list[HostBuffer]] = (
             collections.defaultdict(list)

@@ -46,6 +46,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from graphswap.errors import (
+    GraphswapTypeError,
+    SwapIntegrityError,
+    SwapSetupError,
+    SwapStateError,
+)
 from graphswap.runtime.policy import is_parameter_like
 
 _STATE_ATTR = "_graphswap_recompute_state"
@@ -103,7 +109,7 @@ class _Packed:
         """Autograd's in-place error, when the output was changed since it was packed."""
         output = self.output()
         if output is not None and output._version != self.version:
-            raise RuntimeError(
+            raise SwapIntegrityError(
                 "one of the variables needed for gradient computation has been modified by "
                 "an inplace operation: a matmul output that a recomputed region saved is at "
                 f"version {output._version}; expected version {self.version} instead"
@@ -186,7 +192,7 @@ class _ReplayMatmuls(TorchDispatchMode):
         if index < len(packed) and packed[index] is _RERUN:
             return func(*args, **(kwargs or {}))
         if index >= len(packed) or packed[index] is None:
-            raise RuntimeError(
+            raise SwapStateError(
                 f"recompute_wrapper(save_matmuls=True): {func} call {index} has no saved "
                 "output: the region ran other matmuls than in forward, or backward ran "
                 "through it twice; recompute regions support one backward"
@@ -300,7 +306,7 @@ def _recompute_class(cls: type) -> type:
     recompute_cls = _CLASS_CACHE.get(cls)
     if recompute_cls is None:
         if type(cls) is not type:
-            raise TypeError(
+            raise GraphswapTypeError(
                 f"recompute_wrapper supports modules whose class has the default metaclass;"
                 f" {cls.__qualname__} uses {type(cls).__qualname__}"
             )
@@ -351,14 +357,16 @@ def recompute_wrapper(
     Returns the same object, now an instance of a generated ``Recompute<Class>``
     subclass."""
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"recompute_wrapper expects an nn.Module, got {type(module).__name__}")
+        raise GraphswapTypeError(
+            f"recompute_wrapper expects an nn.Module, got {type(module).__name__}"
+        )
     if rerun_to_input_width and not save_matmuls:
-        raise ValueError(
+        raise SwapSetupError(
             "recompute_wrapper: rerun_to_input_width chooses which matmul outputs "
             "save_matmuls saves; set save_matmuls=True with it"
         )
     if is_recompute_wrapped(module):
-        raise ValueError(
+        raise SwapSetupError(
             f"{type(module).__name__} is already recompute-wrapped; call"
             " unwrap_recompute(module) first"
         )
@@ -373,7 +381,7 @@ def unwrap_recompute(module: torch.nn.Module) -> torch.nn.Module:
     """Undo ``recompute_wrapper``: the original class, nothing recomputed."""
     state: _RecomputeState | None = module.__dict__.get(_STATE_ATTR)
     if state is None:
-        raise ValueError(f"{type(module).__name__} is not recompute-wrapped; nothing to unwrap")
+        raise SwapSetupError(f"{type(module).__name__} is not recompute-wrapped; nothing to unwrap")
     module.__class__ = state.original_type
     del module.__dict__[_STATE_ATTR]
     return module

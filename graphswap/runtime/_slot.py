@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphswap.errors import SwapExclusionError
+from graphswap.errors import GraphswapTypeError, SwapExclusionError
 from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, policy_name
 
 if TYPE_CHECKING:
@@ -147,8 +147,8 @@ class _Slot:
         self.decide = decide if callable(decide) else None
 
 
-def _bad_decision(slot: _Slot, decision: object) -> TypeError:
-    return TypeError(
+def _bad_decision(slot: _Slot, decision: object) -> GraphswapTypeError:
+    return GraphswapTypeError(
         f"the swap policy {policy_name(slot.policy)} of {slot.name!r} answered {decision!r};"
         " a swap policy answers graphswap.CheckpointPolicy.MUST_SWAP or MUST_SAVE"
         " (torch.utils.checkpoint.CheckpointPolicy is another enum, for recomputation)"

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from graphswap.errors import GraphswapTypeError, SwapSetupError
 from graphswap.runtime._manager import SwapManager
 from graphswap.runtime._recompute import run_recomputed
 from graphswap.runtime.policy import SwapPolicy, swap_large_activations
@@ -62,7 +63,7 @@ def _swap_class(cls: type) -> type:
     swap_cls = _CLASS_CACHE.get(cls)
     if swap_cls is None:
         if type(cls) is not type:
-            raise TypeError(
+            raise GraphswapTypeError(
                 f"swap_wrapper supports modules whose class has the default metaclass;"
                 f" {cls.__qualname__} uses {type(cls).__qualname__}"
             )
@@ -122,13 +123,15 @@ def swap_wrapper(
     under ``name`` (default: class name and index).
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"swap_wrapper expects an nn.Module, got {type(module).__name__}")
+        raise GraphswapTypeError(f"swap_wrapper expects an nn.Module, got {type(module).__name__}")
     if is_swap_wrapped(module):
-        raise ValueError(
+        raise SwapSetupError(
             f"{type(module).__name__} is already swap-wrapped; call unwrap_swap(module) first"
         )
     if not callable(policy):
-        raise TypeError(f"policy must be a callable Tensor -> CheckpointPolicy, got {policy!r}")
+        raise GraphswapTypeError(
+            f"policy must be a callable Tensor -> CheckpointPolicy, got {policy!r}"
+        )
     cls = type(module)
     registered = manager.register(module, name, policy)
     module.__dict__[_STATE_ATTR] = _SwapState(manager, cls, registered if recompute else None)
@@ -140,7 +143,7 @@ def unwrap_swap(module: torch.nn.Module) -> torch.nn.Module:
     """Undo ``swap_wrapper``: the original class, unregistered, links dropped."""
     state: _SwapState | None = module.__dict__.get(_STATE_ATTR)
     if state is None:
-        raise ValueError(f"{type(module).__name__} is not swap-wrapped; nothing to unwrap")
+        raise SwapSetupError(f"{type(module).__name__} is not swap-wrapped; nothing to unwrap")
     state.manager.unregister(module)
     module.__class__ = state.original_type
     del module.__dict__[_STATE_ATTR]

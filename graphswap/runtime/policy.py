@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphswap.errors import GraphswapTypeError, SwapSetupError
+
 MIN_SWAP_TENSOR_BYTES = 1 << 20
 """Tensors smaller than this stay on device: below ~1 MiB a copy costs more in launch
 and bookkeeping than the memory it frees."""
@@ -110,12 +112,12 @@ def size_threshold_policy(
     """A policy that swaps grad-requiring tensors of 2+ dims that own their storage
     and hold at least ``min_bytes`` bytes; ``name`` is how graphs and reports call it."""
     if not isinstance(min_bytes, int) or isinstance(min_bytes, bool):
-        raise TypeError(
+        raise GraphswapTypeError(
             f"min_bytes must be an int number of bytes (e.g. 1 << 20 for 1 MiB),"
             f" got {type(min_bytes).__name__} {min_bytes!r}"
         )
     if min_bytes < 0:
-        raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        raise SwapSetupError(f"min_bytes must be >= 0, got {min_bytes}")
     return _SizeThreshold(min_bytes, name or f"size_threshold_policy({min_bytes})")
 
 

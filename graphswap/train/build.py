@@ -23,7 +23,7 @@ from graphswap.hf.checkpoints import (
 )
 from graphswap.passes import apply_model_infrastructure, plan
 from graphswap.planning import SwapMode
-from graphswap.train.config import DType, TrainerConfig
+from graphswap.train.config import ConfigError, DType, TrainerConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -98,9 +98,10 @@ def _with_swap(config: TrainerConfig | None, activation_swap: SwapMode | None) -
     if activation_swap is None:
         return config
     if activation_swap != config.activation_swap and config.activation_swap != "none":
-        raise ValueError(
-            f"activation_swap={activation_swap!r} contradicts the trainer config's"
-            f" activation_swap: {config.activation_swap}; pass one of them"
+        raise ConfigError(
+            "activation_swap",
+            f"{activation_swap!r} contradicts the trainer config's"
+            f" activation_swap: {config.activation_swap}; pass one of them",
         )
     return dataclasses.replace(config, activation_swap=activation_swap)
 

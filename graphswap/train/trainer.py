@@ -23,7 +23,7 @@ from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import simulated_profile
 from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.train.build import BuiltModel, build
-from graphswap.train.config import TrainerConfig
+from graphswap.train.config import ConfigError, TrainerConfig
 from graphswap.train.preflight import check_data, check_inputs, resolve_device
 
 if TYPE_CHECKING:
@@ -268,10 +268,12 @@ def train_side_by_side(
     Every input is checked (``graphswap.train.preflight``) before the first model is built.
     """
     if not configs:
-        raise ValueError("train_side_by_side needs at least one config")
+        raise ConfigError("configs", "train_side_by_side needs at least one config; pass one")
     steps = {config.steps for config in configs}
     if len(steps) > 1:
-        raise ValueError(f"configs trained side by side need equal steps, got {sorted(steps)}")
+        raise ConfigError(
+            "steps", f"configs trained side by side need equal steps, got {sorted(steps)}"
+        )
     world_size = _world_size()
     for config in configs:
         check_inputs(config, world_size=world_size)

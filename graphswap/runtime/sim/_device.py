@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from graphswap.errors import SwapStateError
 from graphswap.runtime._device import Device, HazardError
 from graphswap.runtime._tape import OpTape, StepTimeline
 from graphswap.runtime.profile import DeviceProfile, OpCost
@@ -580,7 +581,10 @@ class SimDevice(Device):
     def start_clock(self, base_bytes: int) -> Clock:
         assert self.profile is not None
         if self.clock is not None:
-            raise RuntimeError("this SimulatedAccelerator is clocking a step already")
+            raise SwapStateError(
+                "this SimulatedAccelerator is clocking a step already; end that"
+                " accelerator.clock() block before starting another"
+            )
         self.epoch += 1
         for stream in self._streams:
             stream.busy_until = 0.0

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from graphswap.errors import SwapSetupError
 from graphswap.runtime._device import Device
 from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine
 from graphswap.runtime._tape import step_labels
@@ -42,7 +43,7 @@ class SimulatedAccelerator(AcceleratorCopyEngine):
 
     def __init__(self, lag: int = 0, profile: str | DeviceProfile | None = None) -> None:
         if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
-            raise ValueError(f"lag must be an int >= 0, got {lag!r}")
+            raise SwapSetupError(f"lag must be an int >= 0, got {lag!r}")
         super().__init__()
         self.lag = lag
         """Module boundaries a copy trails the host by."""
@@ -104,12 +105,12 @@ class SimulatedAccelerator(AcceleratorCopyEngine):
         memory. ``clock.label("optimizer")`` names what runs next.
         """
         if self.profile is None:
-            raise ValueError(
+            raise SwapSetupError(
                 "SimulatedAccelerator(profile=None) keeps no clock; pass a device profile,"
                 " e.g. SimulatedAccelerator(profile='h200') or a DeviceProfile"
             )
         if not isinstance(base_bytes, int) or isinstance(base_bytes, bool) or base_bytes < 0:
-            raise ValueError(f"base_bytes must be an int >= 0, got {base_bytes!r}")
+            raise SwapSetupError(f"base_bytes must be an int >= 0, got {base_bytes!r}")
         clock = self._sim.start_clock(base_bytes)
         try:
             with clock.tape, step_labels(layers, clock.tape):
