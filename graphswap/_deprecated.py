@@ -68,7 +68,30 @@ NAMES: dict[str, str] = {
     "graphswap.rules.qwen3_layer_swap_policy": _SIZE_POLICY,
     "graphswap.rules.layer_swap_policy": _SIZE_POLICY,
     "graphswap.config.ActivationSwap": "graphswap.planning:SwapMode",
-    "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning:DEFAULT_HIDE_MARGIN",
+    "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._plan:DEFAULT_HIDE_MARGIN",
+    # graphswap.planning's names are what a user calls; the steps behind a plan are
+    # graphswap.planning.trace's, the rest the planner's own.
+    **{
+        f"graphswap.planner.{name}": f"graphswap.planning.trace:{name}"
+        for name in (
+            "StepTrace",
+            "SwapChoice",
+            "layer_candidates",
+            "plan_step",
+            "replay",
+            "swap_choice",
+            "trace_step",
+        )
+    },
+    "graphswap.planner.DEFAULT_HIDE_MARGIN": "graphswap.planning._plan:DEFAULT_HIDE_MARGIN",
+    "graphswap.planner.SWAP_MODES": "graphswap.planning._plan:SWAP_MODES",
+    "graphswap.planner.DEFAULT_SEQ_STEP": "graphswap.planning._fit:DEFAULT_SEQ_STEP",
+    "graphswap.planner.Replay": "graphswap.planning._replay:Replay",
+    "graphswap.planner.GroupReplay": "graphswap.planning._replay:GroupReplay",
+    "graphswap.planner.StepTimes": "graphswap.planning._windows:StepTimes",
+    "graphswap.planner.GroupWindow": "graphswap.planning._windows:GroupWindow",
+    "graphswap.planner.step_times": "graphswap.planning._windows:step_times",
+    "graphswap.planner.SwapCandidate": "graphswap.planning._auto:SwapCandidate",
     **{
         f"graphswap.hf.{name}": f"graphswap.hf.checkpoints:{name}"
         for name in (
@@ -107,7 +130,7 @@ REMOVED: dict[str, str] = {
     "graphswap.config.DEFAULT_SWAP_TFLOPS": _PROFILE,
     "graphswap.planner.DEFAULT_BANDWIDTH_GBPS": _PROFILE,
     "graphswap.planner.DEFAULT_TFLOPS": _PROFILE,
-    "graphswap.planner.choose_hidden": "graphswap.planning.swap_choice",
+    "graphswap.planner.choose_hidden": "graphswap.planning.trace.swap_choice",
     "graphswap.runtime.original_type": "the module graphswap.unwrap_swap returns",
     "graphswap.runtime.wrapper.original_type": "the module graphswap.unwrap_swap returns",
 }

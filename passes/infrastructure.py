@@ -20,7 +20,7 @@ from graphswap.passes.activation_checkpointing import apply_activation_checkpoin
 from graphswap.passes.compile import apply_compile
 from graphswap.passes.fsdp import apply_fsdp
 from graphswap.passes.mesh import Meshes, resolve_meshes
-from graphswap.passes.plan import Plan, plan
+from graphswap.passes.plan import Plan, plan_of
 from graphswap.passes.specs import pass_specs
 from graphswap.passes.swap import PLANNED_MODES, apply_swap, plan_auto_swap, swap_engine
 from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
@@ -95,14 +95,20 @@ _APPLY: dict[str, Callable[[_Run], None]] = {
 
 
 def apply_model_infrastructure(
-    model: nn.Module, config: PassSettings, *, mesh: DeviceMesh | None = None
+    model: nn.Module,
+    config: PassSettings,
+    *,
+    mesh: DeviceMesh | None = None,
+    planned: Plan | None = None,
 ) -> InfrastructureResult:
     """Apply the passes ``config`` asks for, in plan order, to ``model`` in place.
 
     ``mesh``: a device mesh with a ``"tp"`` and/or ``"dp_shard"`` dimension; by default
     one is built from the initialized process group when a distributed pass runs.
+    ``planned``: ``config``'s plan when the caller built it already (``graphswap train``
+    builds one per run, for its checks, the mesh and this); checked again here.
     """
-    checked = plan(config).check_runnable()
+    checked = plan_of(config, planned).check_runnable()
     if config.tp_size > 1:
         check_heads_divisible(getattr(model, "config", None), config.tp_size)
     _refuse_traces(checked, model, config)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from graphswap.passes.errors import PassRequirementError, PassSettingError
-from graphswap.passes.plan import Plan, plan
+from graphswap.passes.plan import Plan, plan_of
 from graphswap.passes.specs import DISTRIBUTED, PassSpec
 
 if TYPE_CHECKING:
@@ -28,10 +28,13 @@ class Meshes:
     dp_shard: DeviceMesh | None
 
 
-def build_mesh(config: PassSettings, *, device_type: str) -> DeviceMesh | None:
+def build_mesh(
+    config: PassSettings, *, device_type: str, planned: Plan | None = None
+) -> DeviceMesh | None:
     """The mesh the config's distributed passes need, from the initialized process
-    group; ``None`` when the config enables no distributed pass."""
-    planned = plan(config)
+    group; ``None`` when the config enables no distributed pass. ``planned``:
+    ``config``'s plan when the caller built it already."""
+    planned = plan_of(config, planned)
     return _build(planned, device_type) if _distributed_passes(planned) else None
 
 

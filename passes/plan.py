@@ -57,6 +57,20 @@ def plan(config: PassSettings) -> Plan:
     return Plan(tuple(spec for spec in pass_specs().values() if spec.enabled_by(config)), config)
 
 
+def plan_of(config: PassSettings, planned: Plan | None) -> Plan:
+    """``planned`` when a caller built ``config``'s plan already (a run builds its plan
+    once and passes it along), else ``config``'s plan. A plan of other settings is
+    refused: its passes are not the ones ``config`` asks for (I2)."""
+    if planned is None:
+        return plan(config)
+    if planned.config != config:
+        raise PassSettingError(
+            "planned= is the plan of other settings than the config it came with; pass"
+            " graphswap.passes.plan(config), or leave planned= out"
+        )
+    return planned
+
+
 @dataclass(frozen=True)
 class Plan:
     """An ordered tuple of passes for one config; :meth:`check` decides if it may run."""

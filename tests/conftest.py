@@ -159,6 +159,23 @@ def tour_config() -> Callable[..., Any]:
 
 
 @pytest.fixture
+def plans_built(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every pass plan built from here on (``graphswap.passes.plan``, ``Plan.from_names``):
+    a run builds its plan once and passes it along."""
+    from graphswap.passes import Plan
+
+    built: list[Plan] = []
+    post_init = Plan.__post_init__
+
+    def counted(plan: Plan) -> None:
+        built.append(plan)
+        post_init(plan)
+
+    monkeypatch.setattr(Plan, "__post_init__", counted)
+    return built
+
+
+@pytest.fixture
 def one_thread() -> Iterator[None]:
     """Tiny models on one thread: they are too small for more, and on a loaded machine
     OpenMP's barriers make a step of two threads many times slower."""

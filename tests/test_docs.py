@@ -20,7 +20,13 @@ from graphswap.rewriting import rules
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_README_LINES = 250
-PUBLIC_MODULES = ("graphswap", "graphswap.runtime", "graphswap.runtime.sim", "graphswap.planning")
+PUBLIC_MODULES = (
+    "graphswap",
+    "graphswap.runtime",
+    "graphswap.runtime.sim",
+    "graphswap.planning",
+    "graphswap.planning.trace",
+)
 
 
 def fenced_blocks(text: str, language: str) -> list[str]:

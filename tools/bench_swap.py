@@ -207,8 +207,9 @@ def _bench_step(
     no optimizer (``optimizer=False``), on the profile the auto mode plans on (h200 with
     --swap-bandwidth and --swap-tflops); and that step replayed without swap. One trace
     serves every planned mode's prediction and sizes the budget mode's budget."""
-    from graphswap.planning import DEFAULT_PROFILE, SwapChoice, replay, trace_step
+    from graphswap.planning import DEFAULT_PROFILE
     from graphswap.planning.saved_tensors import build_meta_model
+    from graphswap.planning.trace import SwapChoice, replay, trace_step
     from graphswap.runtime.profile import device_profile
 
     meta = build_meta_model(
@@ -234,7 +235,7 @@ def _predictions(
     """Per planned mode in ``args.modes``, the planner's prediction of the bench's step
     (:func:`_bench_step`'s ``trace`` and ``baseline``); ``budget``: the budget mode's
     AutoSwap, whose plan is of this step already, or ``None``."""
-    from graphswap.planning import plan_step
+    from graphswap.planning.trace import plan_step
 
     found = {}
     for name in args.modes:

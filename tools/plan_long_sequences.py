@@ -21,18 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import (
-    MemoryPlan,
+from graphswap.planning import MemoryPlan, fit_sequence
+from graphswap.planning.saved_tensors import build_meta_model
+from graphswap.planning.trace import (
     StepTrace,
     SwapChoice,
-    fit_sequence,
     layer_candidates,
     plan_step,
     replay,
     swap_choice,
     trace_step,
 )
-from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.runtime.profile import device_profile
 
 MODELS = ("qwen3-30b-a3b", "llama-3.1-8b")

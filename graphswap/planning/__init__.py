@@ -17,51 +17,25 @@ real runtime reports.
 index in the layer's forward), which :mod:`graphswap.planning.auto_swap` carries out at run
 time. :func:`fit_sequence` finds the longest sequence each mode fits in a device's
 memory (:mod:`graphswap.planning._fit`).
+
+``__all__`` is what a user of the planner calls, what it returns and what it raises;
+the steps behind a plan (a trace replayed per choice) are :mod:`graphswap.planning.trace`.
 """
 
 from graphswap.hf.attention_kernels import PlanSettingError
-from graphswap.planning._auto import SwapCandidate, layer_candidates, swap_choice
-from graphswap.planning._fit import DEFAULT_SEQ_STEP, FitResult, ModeFit, fit_sequence
-from graphswap.planning._plan import (
-    DEFAULT_HIDE_MARGIN,
-    DEFAULT_PROFILE,
-    SWAP_MODES,
-    LayerPlan,
-    MemoryPlan,
-    SwapMode,
-    plan_memory,
-    plan_step,
-)
-from graphswap.planning._replay import GroupReplay, Replay, SwapChoice, replay
-from graphswap.planning._trace import StepTrace, trace_step
-from graphswap.planning._windows import GroupWindow, StepTimes, step_times
+from graphswap.planning._fit import FitResult, ModeFit, fit_sequence
+from graphswap.planning._plan import DEFAULT_PROFILE, LayerPlan, MemoryPlan, SwapMode, plan_memory
 from graphswap.runtime.profile import ProfileError
 
 __all__ = [
-    "DEFAULT_HIDE_MARGIN",
     "DEFAULT_PROFILE",
-    "DEFAULT_SEQ_STEP",
-    "SWAP_MODES",
     "FitResult",
-    "GroupReplay",
-    "GroupWindow",
     "LayerPlan",
     "MemoryPlan",
     "ModeFit",
     "PlanSettingError",
     "ProfileError",
-    "Replay",
-    "StepTimes",
-    "StepTrace",
-    "SwapCandidate",
-    "SwapChoice",
     "SwapMode",
     "fit_sequence",
-    "layer_candidates",
     "plan_memory",
-    "plan_step",
-    "replay",
-    "step_times",
-    "swap_choice",
-    "trace_step",
 ]

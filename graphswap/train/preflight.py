@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphswap import passes
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import (
@@ -28,7 +27,8 @@ from graphswap.hf.checkpoints import (
     eager_only,
     weight_files,
 )
-from graphswap.passes import SWAP_RULES, PassRequirementError
+from graphswap.passes import SWAP_RULES, PassRequirementError, Plan
+from graphswap.passes.plan import plan_of
 from graphswap.passes.tensor_parallel import check_head_layout, check_heads_divisible
 from graphswap.planning.auto_swap import check_measurable
 from graphswap.rewriting.rules import check_rule
@@ -39,9 +39,12 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def check_inputs(config: TrainerConfig, *, world_size: int = 1) -> PretrainedConfig:
-    """Every check ``graphswap train`` needs; returns the Hugging Face config to build."""
-    passes.plan(config).check_runnable()
+def check_inputs(
+    config: TrainerConfig, *, world_size: int = 1, planned: Plan | None = None
+) -> PretrainedConfig:
+    """Every check ``graphswap train`` needs; returns the Hugging Face config to build.
+    ``planned``: ``config``'s pass plan when the caller built it already."""
+    plan_of(config, planned).check_runnable()
     # The paths first: they need no model code, whose import alone takes seconds.
     check_data(config)
     check_output_dir(config)

@@ -48,6 +48,18 @@ def test_nothing_asked_changes_nothing(tiny_model: Model) -> None:
     assert result.model is model
 
 
+def test_a_plan_of_other_settings_is_refused(tiny_model: Model) -> None:
+    """A caller's plan must be its config's: its passes would be another config's (I2)."""
+    config = TrainerConfig(activation_swap="attention")
+    with pytest.raises(PassSettingError, match=r"^planned= is the plan of other settings"):
+        passes.apply_model_infrastructure(
+            tiny_model(), config, planned=passes.plan(TrainerConfig())
+        )
+    planned = passes.plan(config)
+    result = passes.apply_model_infrastructure(tiny_model(), config, planned=planned)
+    assert result.plan is planned
+
+
 def test_swap_wraps_and_links_every_layer(tiny_model: Model) -> None:
     from graphswap.runtime import is_swap_wrapped, swap_manager_of
 

@@ -305,14 +305,14 @@ def run(args: argparse.Namespace) -> int:
 
     from graphswap.hf.checkpoints import CheckpointError, LayerCountError, model_config
     from graphswap.planning import (
-        DEFAULT_HIDE_MARGIN,
         DEFAULT_PROFILE,
-        DEFAULT_SEQ_STEP,
         PlanSettingError,
         ProfileError,
         fit_sequence,
         plan_memory,
     )
+    from graphswap.planning._fit import DEFAULT_SEQ_STEP
+    from graphswap.planning._plan import DEFAULT_HIDE_MARGIN
     from graphswap.runtime.profile import device_profile
 
     refusal = _refusal(args)

@@ -324,9 +324,9 @@ def test_the_planner_traces_whole_layer_checkpointing_with_attention_on_its_kern
     only its inputs, and backward runs the layer again, attention included, on the
     fused kernel its forward ran (not sdpa's math path: the checkpoint would find other
     saves and refuse)."""
-    from graphswap.planning import trace_step
     from graphswap.planning._trace import Event
     from graphswap.planning.saved_tensors import build_meta_model
+    from graphswap.planning.trace import trace_step
     from graphswap.runtime.profile import device_profile
 
     config = preset_config("tiny-llama", attn_implementation="sdpa")

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from graphswap.planning import StepTrace, SwapChoice, replay, step_times
 from graphswap.planning._trace import Block, BlockKind, Event, TracedSave
+from graphswap.planning._windows import step_times
 from graphswap.planning.saved_tensors import LAYER_SCOPE, LayerTrace, SavedTensor, SavedTensorTrace
+from graphswap.planning.trace import StepTrace, SwapChoice, replay
 from graphswap.runtime.profile import device_profile
 
 MB = 10**6

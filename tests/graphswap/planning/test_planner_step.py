@@ -12,21 +12,19 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import (
-    MemoryPlan,
+from graphswap.planning import MemoryPlan, fit_sequence, plan_memory
+from graphswap.planning._auto import plan_auto
+from graphswap.planning._trace import BlockKind, Event
+from graphswap.planning._windows import step_times
+from graphswap.planning.saved_tensors import LAYER_SCOPE, build_meta_model
+from graphswap.planning.trace import (
     StepTrace,
-    fit_sequence,
     layer_candidates,
-    plan_memory,
     plan_step,
     replay,
-    step_times,
     swap_choice,
     trace_step,
 )
-from graphswap.planning._auto import plan_auto
-from graphswap.planning._trace import BlockKind, Event
-from graphswap.planning.saved_tensors import LAYER_SCOPE, build_meta_model
 from graphswap.runtime.profile import device_profile
 
 GIB = 1 << 30

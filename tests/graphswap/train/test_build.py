@@ -57,6 +57,14 @@ def test_build_exposes_the_swap_manager() -> None:
     assert build(TrainerConfig(num_layers=3)).swap_manager is None
 
 
+def test_a_build_plans_once_and_runs_that_plan(plans_built: list[object]) -> None:
+    """From settings to a model, one pass plan: checked before the model is built, then run."""
+    built = build(TrainerConfig(activation_swap="attention", num_layers=1))
+    assert plans_built == [built.infrastructure.plan]
+    from_config(qwen3_moe_config("tiny", num_hidden_layers=1), activation_swap="attention")
+    assert len(plans_built) == 2
+
+
 def test_build_refuses_a_plan_that_cannot_run_before_it_reads_the_model(tmp_path) -> None:
     """The plan is checked first: a folder with no checkpoint in it is never opened."""
     from graphswap.passes import PassConflictError

@@ -31,6 +31,17 @@ def test_train_compare_prints_both_rows_with_equal_losses(tmp_path: Path, run_cl
     assert len(values) == 2 and values[0] == values[1]
 
 
+def test_train_builds_each_runs_pass_plan_once(
+    tmp_path: Path, run_cli, plans_built: list[Any]
+) -> None:
+    """The preflight, the build and the passes share one plan per config (three before)."""
+    done = run_cli(
+        "--compare", "steps=1", "num_layers=1", "seq_len=64", f"output_dir={tmp_path}", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert [plan.config.activation_swap for plan in plans_built] == ["none", "attention"]
+
+
 def test_train_rejects_bad_setting_with_key_in_message(tmp_path: Path, run_cli) -> None:
     done = run_cli("activation_swap=all", cwd=tmp_path)
     assert done.returncode == 2
