@@ -36,17 +36,16 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8
 if ((DRY_RUN)); then
     # A rehearsal, not a measurement: one thread keeps it quick on a shared CI machine.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    TEST_LIMIT=300 BENCH_LIMIT=600 OVERHEAD_LIMIT=300
+    TEST_LIMIT=300 BENCH_LIMIT=600 OVERHEAD_LIMIT=300 ATTENTION_LIMIT=120
     BENCH_ARGS=(--device cpu --attn eager --layers 3 --seq 256 --steps 1 --warmup 0 --share-seq 256)
     OVERHEAD_ARGS=(--device cpu --steps 5 --warmup 1)
     ATTENTION_ARGS=(--device cpu --seq 256 --heads 4 --kv-heads 2 --head-dim 64 --repeats 1)
 else
-    TEST_LIMIT=90 BENCH_LIMIT=190 OVERHEAD_LIMIT=40
+    TEST_LIMIT=90 BENCH_LIMIT=190 OVERHEAD_LIMIT=40 ATTENTION_LIMIT=45
     BENCH_ARGS=(--device cuda)
     OVERHEAD_ARGS=(--device cuda)
     ATTENTION_ARGS=(--device cuda)
 fi
-ATTENTION_LIMIT=45
 
 say() { echo "[device_check] $*" | tee -a "$LOG"; }
 
