@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -199,7 +200,7 @@ class _Lane:
         "reloads",
     )
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device[Any, Any]) -> None:
         self.device = device
         """The device's interface: torch's accelerator or the simulated device."""
         self.d2h = device.new_stream("offload")
@@ -401,7 +402,7 @@ class AcceleratorCopyEngine(CopyEngine):
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return AcceleratorCopyEngine, ()
 
-    def _open(self, device: torch.device) -> Device:
+    def _open(self, device: torch.device) -> Device[Any, Any]:
         """The device interface for ``device``, met for the first time."""
         return TorchDevice(device)
 
@@ -503,5 +504,5 @@ class NoOpAccelerator(AcceleratorCopyEngine):
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return NoOpAccelerator, ()
 
-    def _open(self, device: torch.device) -> Device:
+    def _open(self, device: torch.device) -> Device[Any, Any]:
         return NoOpDevice(device)

@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 from graphswap.errors import SwapExclusionError
 from graphswap.runtime._context import _Context
-from graphswap.runtime._handles import Kept, _Entry, _Swapped, layout_in, load
-from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer
+from graphswap.runtime._handles import Kept, Layout, _Entry, _Swapped, layout_in, load
+from graphswap.runtime._pool import TYPED_VIEWS, Refusal
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import (
@@ -164,10 +164,11 @@ class _Forward:
                 _count_kept(stats, nbytes, "kept_last_layer" if self.keep else "kept_capturing")
                 return None
             buf = ctx.pool.acquire(device, nbytes, engine)
-            if type(buf) is not HostBuffer:  # a ``Refusal``
+            if isinstance(buf, Refusal):
                 _count_kept(stats, nbytes, buf.value)
                 return None
             dtype = local.dtype
+            first: Layout | None
             if (
                 dtype in TYPED_VIEWS
                 and local.storage_offset() == 0

@@ -46,7 +46,7 @@ def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapI
     )
 
 
-Layout = tuple[int, torch.dtype, torch.Size, tuple[int, ...]]
+Layout = tuple[int | torch.SymInt, torch.dtype, torch.Size, tuple[int, ...]]
 """A tensor's offset in its storage, dtype, size and stride."""
 
 
@@ -279,8 +279,9 @@ def load(entries: list[_Entry], *, prefetched: bool) -> None:
                 batch = [e for e in entries if e.engine is engine and e.device is device]
                 load([e for e in entries if e not in batch], prefetched=prefetched)
                 break
-    # A live handle's entry holds its host copy (``buf`` and ``host`` go with the last).
-    loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])  # type: ignore[misc]
+    # ``host`` is None once the last handle died; a due entry has live handles (``refs``).
+    items = [(entry.host, (entry.offload,)) for entry in batch]
+    loads = engine.loads(device, items)  # type: ignore[arg-type]
     nbytes = 0
     for entry, copy in zip(batch, loads, strict=True):
         entry.load = copy
@@ -301,7 +302,7 @@ def load(entries: list[_Entry], *, prefetched: bool) -> None:
 def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
     """The unpack hook of every wrapped forward: a plain function, the context reached
     through the handle, so that no bound method is made per forward."""
-    if type(packed) is tuple:  # a kept tensor: ``Kept``
+    if isinstance(packed, tuple):  # a kept tensor: ``Kept``
         alias, version, fwd = packed
         task = _task_id()
         if task != fwd.task and task != -1:
@@ -320,7 +321,9 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
     entry = packed.entry
     now = packed.counter._version
     if now != entry.version:
-        size = packed.layout[2] if packed.layout is not None else entry.host.size()
+        host = entry.host
+        assert host is not None  # a live handle's entry holds its host copy
+        size = packed.layout[2] if packed.layout is not None else host.size()
         raise _integrity_error(fwd.name, size, entry.version, now)
     lock = entry.ctx.lock
     lock.acquire()  # not ``with``: it makes two bound methods a call
@@ -331,8 +334,11 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
             if copy is None:
                 load([entry], prefetched=False)
                 copy = entry.load
+                assert copy is not None
             else:
-                (copy,) = entry.engine.loads(entry.device, [(entry.host, (entry.offload,))])
+                host = entry.host
+                assert host is not None  # a live handle's entry holds its host copy
+                (copy,) = entry.engine.loads(entry.device, [(host, (entry.offload,))])
                 entry.stats.reloaded_tensors += 1
                 entry.stats.reloaded_bytes += entry.nbytes
         elif entry.prefetched:
@@ -355,5 +361,5 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
         # Loaded only when a DTensor was packed, so torch.distributed is imported already.
         from torch.distributed.tensor import DTensor
 
-        return DTensor(out, packed.spec, requires_grad=False)  # type: ignore[no-untyped-call]  # torch's DTensor.__new__ is unannotated
+        return DTensor(out, packed.spec, requires_grad=False)
     return out
