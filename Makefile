@@ -67,11 +67,12 @@ train: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# ruff, and the layers contract in pyproject.toml (imports point down: application ->
-# passes -> core).
+# ruff, the layers contract in pyproject.toml (imports point down: application ->
+# passes -> core), and mypy over the packages `[tool.mypy]` lists (strict: the runtime).
 lint: $(STAMP)
 	$(BIN)/ruff check graphswap passes tests tools docs/hooks
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 # The documentation site in site/ (mkdocs.yml). --strict: a warning (a broken link or
 # anchor, a name an API page cites that no longer exists) fails the build.

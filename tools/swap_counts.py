@@ -32,14 +32,17 @@ PHASES = {
     "unpack_hook": "unpack hook (reloads included)",
     "__del__": "a handle's death (source and buffer release)",
     "_boundary": "module boundaries (lag fence, source release)",
+    "_Context.boundary": "module boundaries (lag fence, source release)",
     "_backward_begins": "backward begins (prefetch)",
+    "_Forward.backward_begins": "backward begins (prefetch)",
     "run_forward": "wrapped forward's own work",
     "_bare_pack": "bare_copy's hooks (subtracted)",
     "_bare_unpack": "bare_copy's hooks (subtracted)",
 }
 """Entry points by qualified or plain code name (the hooks of runtimes before and after
-they moved to the forward's record and a plain function): each bytecode counts for the
-innermost one running it."""
+they moved to the forward's record and a plain function; the boundary and the backward
+begin as manager methods and as the context's and the forward's): each bytecode counts
+for the innermost one running it."""
 
 
 def _trace(

@@ -15,7 +15,7 @@ order: each copy is done when its call returns, so streams, events and waits are
 from __future__ import annotations
 
 import abc
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -55,37 +55,41 @@ class Stream(Protocol):
 
     def __enter__(self) -> Any: ...
 
-    def __exit__(self, *exc: object) -> Any: ...
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any, /) -> Any: ...
 
 
-class Device(abc.ABC):
+S = TypeVar("S", bound=Stream)
+E = TypeVar("E", bound=Event)
+
+
+class Device(abc.ABC, Generic[S, E]):
     """One accelerator, as the copy engine uses it."""
 
     __slots__ = ()
 
     @abc.abstractmethod
-    def current_stream(self) -> Stream:
+    def current_stream(self) -> S:
         """The stream compute runs on now (``with stream:`` changes it)."""
 
     @abc.abstractmethod
-    def new_stream(self, role: str) -> Stream:
+    def new_stream(self, role: str) -> S:
         """A stream of the engine's own, for copies (``role``: ``offload`` or ``reload``)."""
 
     @abc.abstractmethod
-    def new_event(self, role: str) -> Event:
+    def new_event(self, role: str) -> E:
         """An event the engine records again and again; ``role`` says what it orders."""
 
     @abc.abstractmethod
-    def record(self, stream: Stream, event: Event) -> Event:
+    def record(self, stream: S, event: E) -> E:
         """Record ``event`` at the end of what is queued on ``stream`` now; a wait made
         before keeps the point it waited for."""
 
     @abc.abstractmethod
-    def to_host(self, stream: Stream, src: torch.Tensor, host: torch.Tensor) -> None:
+    def to_host(self, stream: S, src: torch.Tensor, host: torch.Tensor) -> None:
         """Queue the copy of device tensor ``src`` into host tensor ``host`` on ``stream``."""
 
     @abc.abstractmethod
-    def to_device(self, stream: Stream, host: torch.Tensor, dst: torch.Tensor) -> None:
+    def to_device(self, stream: S, host: torch.Tensor, dst: torch.Tensor) -> None:
         """Queue the copy of host tensor ``host`` into device tensor ``dst`` on ``stream``."""
 
     @abc.abstractmethod
@@ -107,7 +111,7 @@ class Device(abc.ABC):
         """The engine drops ``host``, a buffer of ``host_empty``."""
 
     @abc.abstractmethod
-    def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
+    def drop(self, storage: torch.UntypedStorage, event: E) -> None:
         """The engine lets go of ``storage``, which the copy ending at ``event`` read.
 
         Legal once the copy completed or the stream that allocated the storage waited
@@ -115,12 +119,12 @@ class Device(abc.ABC):
         stream out again at once, to that stream's next kernel."""
 
     @abc.abstractmethod
-    def read(self, dst: torch.Tensor, event: Event) -> torch.Tensor:
+    def read(self, dst: torch.Tensor, event: E) -> torch.Tensor:
         """``dst``, filled by the copy ending at ``event``, for the current stream to
         read; legal once the current stream waited for ``event``."""
 
 
-class TorchDevice(Device):
+class TorchDevice(Device[Stream, Event]):
     """torch's accelerator API (CUDA, ROCm, XPU, ...): nothing here checks anything."""
 
     __slots__ = ("device",)
@@ -212,7 +216,7 @@ _STREAM = _NoOpStream()
 """The one stream: compute's and both copy streams'."""
 
 
-class NoOpDevice(Device):
+class NoOpDevice(Device[Stream, Event]):
     """A device on which every copy is a plain ``copy_`` done when its call returns, so
     nothing needs ordering: streams, events and waits are no-ops and cost a call each.
 

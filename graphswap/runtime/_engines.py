@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -200,7 +201,7 @@ class _Lane:
         "reloads",
     )
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device[Any, Any]) -> None:
         self.device = device
         """The device's interface: torch's accelerator or the simulated device."""
         self.d2h = device.new_stream("offload")
@@ -402,7 +403,7 @@ class AcceleratorCopyEngine(CopyEngine):
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return AcceleratorCopyEngine, ()
 
-    def _open(self, device: torch.device) -> Device:
+    def _open(self, device: torch.device) -> Device[Any, Any]:
         """The device interface for ``device``, met for the first time."""
         return TorchDevice(device)
 
@@ -504,5 +505,5 @@ class NoOpAccelerator(AcceleratorCopyEngine):
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return NoOpAccelerator, ()
 
-    def _open(self, device: torch.device) -> Device:
+    def _open(self, device: torch.device) -> Device[Any, Any]:
         return NoOpDevice(device)

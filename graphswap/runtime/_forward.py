@@ -1,25 +1,26 @@
-"""One forward call's swap: pack decisions, offload, the lag fence, prefetch, load, release.
+"""One forward call of a wrapped module: its pack hook, offloads, release, prefetch.
 
-One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
-saved tensors of one forward call of one wrapped module (``_Forward``, which is also that
-forward's pack hook: it decides at each pack whether a tensor stays or goes) and what
-the manager does with them (``_ForwardOps``, a base of ``SwapManager``): copy a tensor
-to host, fence offloads at module boundaries ``offload_lag`` forwards later, prefetch
-the forwards before it when its backward begins, issue reloads. A handle's death frees
-the source and the host buffer at the end (``_Swapped.__del__``).
+One of the runtime's objects (``_manager.py`` lists them). Here: the saved tensors of
+one forward call of one wrapped module (``_Forward``, which is also that forward's pack
+hook: it decides at each pack whether a tensor stays or goes) and what it does with
+them: copy a tensor to host, release the sources once fenced (the module boundary,
+``_context._Context.boundary``, tells it when), prefetch the forwards before it when
+its backward begins, refuse what may not run then. A handle's death frees the source
+and the host buffer at the end (``_handles._Swapped.__del__``).
 """
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine, NoOpAccelerator
-from graphswap.runtime._handles import Kept, _Entry, _Swapped, layout_in
-from graphswap.runtime._pool import TYPED_VIEWS, HostBuffer
+from graphswap.errors import SwapExclusionError
+from graphswap.runtime._context import _Context
+from graphswap.runtime._handles import Kept, Layout, _Entry, _Swapped, layout_in, load
+from graphswap.runtime._pool import TYPED_VIEWS, Refusal
 from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import (
@@ -28,9 +29,6 @@ from graphswap.runtime.policy import (
     is_parameter_like,
     local_tensor,
 )
-
-if TYPE_CHECKING:
-    from graphswap.runtime._manager import SwapManager
 
 _TENSOR = torch.Tensor
 _PARAMETER = torch.nn.Parameter
@@ -45,13 +43,15 @@ class _Forward:
 
     The object itself is the pack hook autograd calls (``__call__``): no bound method or
     partial is made per forward, and nothing but the forward is kept from it to backward.
+    It owns its offloads (``entries``) from the pack to their release; the handles own
+    their unpack.
     """
 
     __slots__ = (
         "__weakref__",
+        "ctx",
         "entries",
         "keep",
-        "manager",
         "prev",
         "protected",
         "queued",
@@ -64,14 +64,14 @@ class _Forward:
 
     def __init__(
         self,
-        manager: SwapManager,
+        ctx: _Context,
         slot: _Slot,
         seq: int,
         stats: GroupStats,
         keep: bool,
         prev: _Forward | None,
     ) -> None:
-        self.manager = manager  # the manager that recorded it: offloads, its lock, hooks
+        self.ctx = ctx  # the manager's shared state: engines, pool, lock, in-flight queue
         self.slot = slot  # the wrapped module this forward ran
         self.seq = seq  # the manager's forward count when it opened: offload_lag's clock
         self.stats = stats  # the slot's stats, counted into by every pack and reload
@@ -87,13 +87,13 @@ class _Forward:
         nothing; one that a module also holds (a buffer assigned an activation) swaps as
         any activation another reference keeps: counted as copied but not freed."""
         self.entries: dict[int, _Entry] = {}  # host copies, by storage key, in saving order
-        self.queued = False  # in the manager's in-flight queue (``_in_flight``)
+        self.queued = False  # in the context's in-flight queue (``_Context.in_flight``)
         self.saves = 0
         """Pack calls so far in this forward (parameters and aliases too)."""
         self.task = -1
         """The autograd graph task whose backward reached this forward last (-1: none)."""
 
-    def __call__(self, t: torch.Tensor) -> Any:
+    def __call__(self, t: torch.Tensor) -> Kept | _Swapped:
         """The pack hook: keep ``t`` on device or swap it, as the policy decides."""
         index = self.saves
         self.saves = index + 1
@@ -134,19 +134,184 @@ class _Forward:
                 protected = self.protected = _state_storages(slot.module)
             if protected is not None and key in protected:
                 return (t.detach(), version, self)
-            entry = self.manager._offload(self, local, storage)
+            entry = self.offload(local, storage)
             if entry is None:
                 return (t.detach(), version, self)
             entry.version = version
             return _Swapped(self, entry, t, local, entry.first)
         if version != entry.version:
-            return self.manager._keep_changed(self, t, entry)
+            return self.keep_changed(t, entry)
         assert entry.host is not None  # a live handle's entry holds its host copy
         return _Swapped(self, entry, t, local, layout_in(local, entry.host))
 
     @property
     def name(self) -> str:
         return self.slot.name
+
+    def offload(self, local: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
+        """Copy ``storage`` (``local``'s) to a pooled host buffer; None when it stays on
+        device (the kept last layer, a capture, a full pool), counted by reason."""
+        nbytes = storage.nbytes()
+        ctx = self.ctx
+        device = local.device
+        engine, device = ctx.device_engines.get(device) or ctx.first_engine(device)
+        stats = self.stats
+        lock = ctx.lock
+        # One acquisition: the pool, the copy's issue and its records.
+        lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
+            if self.keep or ctx.capturing:
+                _count_kept(stats, nbytes, "kept_last_layer" if self.keep else "kept_capturing")
+                return None
+            buf = ctx.pool.acquire(device, nbytes, engine)
+            if isinstance(buf, Refusal):
+                _count_kept(stats, nbytes, buf.value)
+                return None
+            dtype = local.dtype
+            first: Layout | None
+            if (
+                dtype in TYPED_VIEWS
+                and local.storage_offset() == 0
+                and local.nbytes == nbytes
+                and local.is_contiguous()
+            ):
+                src = local
+                size = local.size()
+                host = buf.view(dtype, size, nbytes)
+                stride = local.stride()  # a size-1 dimension may have any stride
+                first = None if stride == host.stride() else (0, dtype, size, stride)
+            else:
+                src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+                host = buf.view(torch.uint8, src.size(), nbytes)
+                first = layout_in(local, host)
+            copy = engine.offload(src, host, buf.last_use)
+            entry = _Entry(
+                ctx, self.slot.name, stats, device, engine, nbytes, buf, host, copy, first
+            )  # ``device``: the one object of its device (``_Context.first_engine``)
+            self.entries[storage._cdata] = entry
+            if not self.queued:
+                self.queued = True
+                ctx.in_flight.append(weakref.ref(self))  # ``_latest``'s: no new object
+            stats.offloaded_tensors += 1
+            stats.offloaded_bytes += nbytes
+        finally:
+            lock.release()
+        return entry
+
+    def keep_changed(self, t: torch.Tensor, entry: _Entry) -> Kept:
+        """A storage saved again after an in-place change since its copy was issued: that
+        copy may hold either version, so this save keeps its own bytes on device (I7)."""
+        with self.ctx.lock:
+            stats = self.stats
+            stats.kept_tensors += 1
+            stats.kept_bytes += entry.nbytes
+            stats.kept_changed += 1
+        return (t.detach(), t._version, self)
+
+    def fence_newest(self) -> None:
+        """Order the producing stream after this forward's newest offload, which ends
+        every earlier one of its copy stream: one wait for the whole lag fence."""
+        next(reversed(self.entries.values())).offload.fence()
+
+    def release(self, due: bool) -> bool:
+        """Drop the device sources of this forward's offloads, in saving order: fenced
+        first when ``due`` (``offload_lag`` forwards later), else those done only; False
+        at the first still in flight, which waits for a later boundary. A source another
+        reference keeps is watched until its reload (``_Entry.held``, I12)."""
+        for entry in self.entries.values():
+            if not entry.released:
+                offload = entry.offload
+                if due:
+                    offload.fence()  # ordered already, unless another producer
+                elif not offload.done():
+                    return False
+                entry.released = True
+                entry.held = offload.release_source()
+        self.queued = False
+        return True
+
+    def synchronize(self) -> None:
+        """Block until this forward's offloads completed, and drop their sources."""
+        for entry in self.entries.values():
+            if not entry.released:
+                entry.offload.synchronize()
+                entry.released = True
+                entry.held = entry.offload.release_source()
+        self.queued = False
+
+    def prefetch(self) -> None:
+        """Reload this forward's swapped storages as one batch, first needed first:
+        backward consumes them in reverse saving order, and each waits only for its
+        own copy."""
+        if not self.entries:
+            return
+        lock = self.ctx.lock
+        lock.acquire()  # not ``with``: it makes two bound methods a call
+        try:
+            due = [
+                entry
+                for entry in reversed(self.entries.values())
+                if entry.load is None and entry.buf is not None and entry.refs
+            ]
+            if due:
+                load(due, prefetched=True)
+        finally:
+            lock.release()
+
+    def backward_begins(self, _grad: object = None) -> None:
+        """Backward reached this forward: at its first unpack (a hook on its outputs
+        would cost more than the whole swap of a small layer), or, for a forward that
+        saved nothing, at its outputs (``begin_at_outputs``). The forwards up to
+        ``prefetch_depth`` before it start coming back."""
+        ctx = self.ctx
+        ctx.boundary(ctx.seq)
+        if ctx.capturing:
+            self._refuse_reload_under_capture()
+        target = self.prev
+        for _ in range(ctx.prefetch_depth):
+            if target is None:
+                break
+            target.prefetch()
+            target = target.prev
+
+    def begin_at_outputs(self, out: Any) -> None:
+        """For a forward that saved nothing, so that no unpack will tell when its
+        backward begins: call ``backward_begins`` when backward reaches ``out``."""
+        begins = self.backward_begins
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if len(outputs) == 1 and outputs[0].grad_fn is not None:
+            outputs[0].grad_fn.register_prehook(begins)
+        elif outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
+
+    def _refuse_reload_under_capture(self) -> None:
+        """A backward under graph capture may not reload what a forward outside it copied
+        to host: the copy would be captured into the graph, and every replay would read
+        host buffers that other steps reuse by then (I6). Checked before any copy is
+        issued, for this forward and the forwards its backward prefetches."""
+        target = self
+        for _ in range(self.ctx.prefetch_depth + 1):
+            if any(entry.buf is not None for entry in target.entries.values()):
+                raise SwapExclusionError(
+                    f"activation swap excludes capturing a backward whose forward ran outside"
+                    f" the capture: the backward of {self.name!r} began while the current"
+                    f" stream captures a graph, but {target.name!r} swapped tensors to host in"
+                    f" a forward outside it, and their reload would be captured and replayed"
+                    f" from reused host buffers; run that forward under the same capture (its"
+                    f" tensors then stay on device, counted as kept_capturing), or this"
+                    f" backward outside it"
+                )
+            if target.prev is None:
+                return
+            target = target.prev
+
+
+def _count_kept(stats: GroupStats, nbytes: int, reason: str) -> None:
+    """A tensor the policy chose to swap stays on device, for ``reason`` (a field of
+    ``stats``); called under the context's lock."""
+    stats.kept_tensors += 1
+    stats.kept_bytes += nbytes
+    setattr(stats, reason, getattr(stats, reason) + 1)
 
 
 def _state_storages(module: torch.nn.Module) -> set[int]:
@@ -170,223 +335,3 @@ def _state_storages(module: torch.nn.Module) -> set[int]:
             if sub is not None:
                 modules.append(sub)
     return keys
-
-
-class _ForwardOps:
-    """What ``SwapManager`` does with the forwards it records, from offload to reload.
-
-    A base of ``SwapManager`` (methods moved, not wrapped; the pack hook is the forward's
-    record itself, ``_Forward.__call__``, which calls ``_offload`` here); the state it
-    uses is ``SwapManager``'s, commented there.
-    """
-
-    def _first_engine(self, device: torch.device) -> tuple[CopyEngine, torch.device]:
-        """The engine of a device met for the first time (one per device type), and the
-        device object its entries name from now on (one per device: compared by identity)."""
-        engine = self._engines.get(device.type)
-        if engine is None:
-            if self._engine_override is not None:
-                engine = self._engine_override
-            elif device.type == "cpu":
-                engine = NoOpAccelerator()  # nothing to order: tests ask for the simulator
-            else:
-                engine = AcceleratorCopyEngine()
-            self._engines[device.type] = engine
-            self._sole_engine = engine if len(self._engines) == 1 else None
-            self._capturing = self._capturing or engine.capturing()
-        where = self._device_engines[device] = (engine, device)
-        return where
-
-    def _boundary(self, seq: int) -> None:
-        """A module boundary: the one capture query until the next; the offloads since
-        the last boundary are closed as a batch; offloads of forwards ``offload_lag``
-        forwards back are fenced (their producing stream waits for the newest of them,
-        which ends all before it) and their sources dropped; finished ones too."""
-        sole = self._sole_engine
-        if sole is not None:  # the usual case: the query and the tick in one call
-            capturing = self._capturing = sole.boundary()
-        else:
-            engines = self._engines.values()
-            capturing = False
-            for engine in engines:
-                if engine.capturing():  # every engine is asked: one query each per boundary
-                    capturing = True
-            self._capturing = capturing
-            if not capturing:
-                for engine in engines:
-                    engine.tick()
-        if capturing:
-            return
-        queue = self._in_flight
-        if not queue:
-            return
-        limit = seq - self.offload_lag
-        self._lock.acquire()  # not ``with``: it makes two bound methods a call
-        try:
-            newest = None
-            for ref in queue:
-                fwd = ref()
-                if fwd is not None:
-                    if fwd.seq > limit:
-                        break
-                    newest = fwd
-            if newest is not None:
-                next(reversed(newest.entries.values())).offload.fence()
-            while queue:
-                fwd = queue[0]()
-                if fwd is not None:  # else its graph died, which released its sources
-                    due = fwd.seq <= limit
-                    for entry in fwd.entries.values():  # in order of first save
-                        if not entry.released:
-                            offload = entry.offload
-                            if due:
-                                offload.fence()  # ordered already, unless another producer
-                            elif not offload.done():
-                                return  # it and all after it stay until a later boundary
-                            entry.released = True
-                            entry.held = offload.release_source()
-                    fwd.queued = False
-                queue.popleft()
-        finally:
-            self._lock.release()
-
-    def _release_source(self, entry: _Entry) -> None:
-        """Drop the offload's device source (ordered already); one that another reference
-        keeps on device is watched until its reload (``_Entry.held``)."""
-        if entry.released:
-            return
-        entry.released = True
-        entry.held = entry.offload.release_source()
-
-    def _not_freed(self, entry: _Entry) -> None:
-        """Another reference kept ``entry``'s source on device from its release until its
-        reload was issued or its graph died (``_Entry.held``): count it as copied but not
-        freed, and warn once."""
-        entry.stats.offloaded_not_freed_bytes += entry.nbytes
-        if not self._warned_not_freed:
-            self._warned_not_freed = True
-            warnings.warn(
-                f"graphswap: {entry.nbytes:,} bytes that {entry.name!r} copied to host"
-                " stayed on device until backward: another reference holds the tensor, so the"
-                " copy frees nothing (counted in stats.offloaded_not_freed_bytes). Likely"
-                " holders: a key/value cache the model returns (pass use_cache=False, which"
-                " graphswap.rewrite sets in train mode for Hugging Face models), autocast's"
-                " weight cache (torch.autocast(..., cache_enabled=False)),"
-                " output_attentions=True or output_hidden_states=True, or a tensor your code"
-                " keeps until backward",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def _keep_changed(self, fwd: _Forward, t: torch.Tensor, entry: _Entry) -> Kept:
-        """A storage saved again after an in-place change since its copy was issued: that
-        copy may hold either version, so this save keeps its own bytes on device."""
-        with self._lock:
-            stats = fwd.stats
-            stats.kept_tensors += 1
-            stats.kept_bytes += entry.nbytes
-            stats.kept_changed += 1
-        return (t.detach(), t._version, fwd)
-
-    def _offload(
-        self, fwd: _Forward, local: torch.Tensor, storage: torch.UntypedStorage
-    ) -> _Entry | None:
-        nbytes = storage.nbytes()
-        device = local.device
-        engine, device = self._device_engines.get(device) or self._first_engine(device)
-        stats = fwd.stats
-        lock = self._lock
-        # One acquisition: the pool, the copy's issue and its records.
-        lock.acquire()  # not ``with``: it makes two bound methods a call
-        try:
-            if fwd.keep or self._capturing:
-                self._count_kept(stats, nbytes, "kept_last_layer" if fwd.keep else "kept_capturing")
-                return None
-            buf = self._pool.acquire(device, nbytes, engine)
-            if type(buf) is not HostBuffer:  # a ``Refusal``
-                self._count_kept(stats, nbytes, buf.value)
-                return None
-            dtype = local.dtype
-            if (
-                dtype in TYPED_VIEWS
-                and local.storage_offset() == 0
-                and local.nbytes == nbytes
-                and local.is_contiguous()
-            ):
-                src = local
-                size = local.size()
-                host = buf.view(dtype, size, nbytes)
-                stride = local.stride()  # a size-1 dimension may have any stride
-                first = None if stride == host.stride() else (0, dtype, size, stride)
-            else:
-                src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-                host = buf.view(torch.uint8, src.size(), nbytes)
-                first = layout_in(local, host)
-            copy = engine.offload(src, host, buf.last_use)
-            entry = _Entry(
-                self, fwd.slot.name, stats, device, engine, nbytes, buf, host, copy, first
-            )  # ``device``: the one object of its device (``_first_engine``)
-            fwd.entries[storage._cdata] = entry
-            if not fwd.queued:
-                fwd.queued = True
-                self._in_flight.append(weakref.ref(fwd))  # ``_latest``'s: no new object
-            stats.offloaded_tensors += 1
-            stats.offloaded_bytes += nbytes
-        finally:
-            lock.release()
-        return entry
-
-    @staticmethod
-    def _count_kept(stats: GroupStats, nbytes: int, reason: str) -> None:
-        """A tensor the policy chose to swap stays on device, for ``reason`` (a field of
-        ``stats``); called under the manager's lock."""
-        stats.kept_tensors += 1
-        stats.kept_bytes += nbytes
-        setattr(stats, reason, getattr(stats, reason) + 1)
-
-    def _prefetch(self, fwd: _Forward) -> None:
-        """Reload ``fwd``'s swapped storages as one batch, first needed first: backward
-        consumes them in reverse saving order, and each waits only for its own copy."""
-        if not fwd.entries:
-            return
-        self._lock.acquire()  # not ``with``: it makes two bound methods a call
-        try:
-            due = [
-                entry
-                for entry in reversed(fwd.entries.values())
-                if entry.load is None and entry.buf is not None and entry.refs
-            ]
-            if due:
-                self._load(due, prefetched=True)
-        finally:
-            self._lock.release()
-
-    def _load(self, entries: list[_Entry], *, prefetched: bool) -> None:
-        """Issue the reloads of ``entries``, all of one forward (per device, one batch),
-        for the live handles that have not consumed one; ``prefetched``: ahead of their
-        first unpack."""
-        first = entries[0]
-        engine, device = first.engine, first.device  # one object per device: ``is``
-        batch = entries
-        if len(self._device_engines) > 1:  # entries of several devices: a batch each
-            for entry in entries:
-                if entry.engine is not engine or entry.device is not device:
-                    batch = [e for e in entries if e.engine is engine and e.device is device]
-                    self._load([e for e in entries if e not in batch], prefetched=prefetched)
-                    break
-        loads = engine.loads(device, [(entry.host, (entry.offload,)) for entry in batch])
-        nbytes = 0
-        for entry, load in zip(batch, loads, strict=True):
-            entry.load = load
-            entry.gen += 1
-            entry.waiting = entry.refs
-            entry.prefetched = prefetched
-            nbytes += entry.nbytes
-            held = entry.held
-            if held is not None:
-                entry.held = None
-                if held() is not None:
-                    self._not_freed(entry)
-        stats = first.stats  # the forward's
-        stats.reloaded_tensors += len(batch)
-        stats.reloaded_bytes += nbytes

@@ -1,10 +1,11 @@
 """Per-tensor handles: what autograd stores for each saved tensor, and their unpack.
 
-One of the four modules of the swap manager (``_manager.py`` lists them). Here: the
-handles (a kept tensor's ``(alias, version, forward)``, ``_Swapped``), the host copy of
-one storage they share (``_Entry``), the in-place check and its ``SwapIntegrityError``,
-a handle's death (``_Swapped.__del__``), and the unpack hook (``unpack_hook``, which is
-``SwapManager._unpack``).
+One of the runtime's objects (``_manager.py`` lists them). Here: the handles (a kept
+tensor's ``(alias, version, forward)``, ``_Swapped``), the host copy of one storage
+they share (``_Entry``) and its reloads (``load``), the in-place check and its
+``SwapIntegrityError``, a handle's death (``_Swapped.__del__``), and the unpack hook
+(``unpack_hook``). A handle knows the forward that saved it only as ``Saver``, so this
+module does not import ``_forward``.
 
 Lifetimes follow autograd's own. Whatever the pack hook keeps or swaps, it hands
 autograd a small handle that never refers to the tensor object it was given (that
@@ -23,19 +24,15 @@ that reads changed bytes is always caught.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import torch
 
 from graphswap.errors import SwapIntegrityError
+from graphswap.runtime._context import _Context
 from graphswap.runtime._engines import Copy, CopyEngine
 from graphswap.runtime._pool import HostBuffer
 from graphswap.runtime._stats import GroupStats
-
-if TYPE_CHECKING:
-    from graphswap.runtime._forward import _Forward
-    from graphswap.runtime._manager import SwapManager
-
 
 _task_id = torch._C._current_graph_task_id
 """The autograd graph task running now (-1: none): read at every unpack."""
@@ -49,7 +46,7 @@ def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapI
     )
 
 
-Layout = tuple[int, torch.dtype, torch.Size, tuple[int, ...]]
+Layout = tuple[int | torch.SymInt, torch.dtype, torch.Size, tuple[int, ...]]
 """A tensor's offset in its storage, dtype, size and stride."""
 
 
@@ -67,16 +64,25 @@ _NO_BYTES: dict[torch.device, torch.Tensor] = {}
 its bytes."""
 
 
-Kept = tuple[torch.Tensor, int, "_Forward"]
+class Saver(Protocol):
+    """What a handle asks of the forward that saved it (``_forward._Forward``)."""
+
+    task: int
+    """The autograd graph task whose backward reached the forward last (-1: none)."""
+
+    @property
+    def name(self) -> str:
+        """The wrapped module's name: error messages name it."""
+
+    def backward_begins(self, _grad: object = None) -> None:
+        """Backward reached the forward: prefetch the forwards before it."""
+
+
+Kept = tuple[torch.Tensor, int, Saver]
 """A saved tensor that stays on device: ``(alias, version, forward)``, a detached alias
 (same storage and version counter, no ``grad_fn``), the version it had when saved (unpack
 compares), and the forward that saved it (backward detection and error names). A tuple,
 built without a Python call: most tensors a decoder layer saves are kept."""
-
-
-def kept(t: torch.Tensor, fwd: _Forward) -> Kept:
-    """The handle of a saved tensor that stays on device (for the pack's rarer paths)."""
-    return (t.detach(), t._version, fwd)
 
 
 class _Entry:
@@ -95,6 +101,7 @@ class _Entry:
     __slots__ = (
         "__weakref__",
         "buf",
+        "ctx",
         "device",
         "engine",
         "first",
@@ -102,7 +109,6 @@ class _Entry:
         "held",
         "host",
         "load",
-        "manager",
         "name",
         "nbytes",
         "offload",
@@ -118,7 +124,7 @@ class _Entry:
 
     def __init__(
         self,
-        manager: SwapManager,
+        ctx: _Context,
         name: str,
         stats: GroupStats,
         device: torch.device,
@@ -129,7 +135,7 @@ class _Entry:
         offload: Copy,
         first: Layout | None,
     ) -> None:
-        self.manager = manager  # its lock, pool and capture flag: a handle's death settles there
+        self.ctx = ctx  # its lock, pool and capture flag: reloads and a handle's death settle there
         self.name = name  # the wrapped module's name, for trace events
         self.stats = stats  # the wrapped module's stats: reloads and prefetch hits count there
         self.device = device  # where the storage lived and its reloads go
@@ -139,13 +145,13 @@ class _Entry:
         self.host: torch.Tensor | None = host  # ``buf``'s view holding it; None: released
         self.offload = offload  # the device-to-host copy; its source is held until fenced
         self.first = first  # the layout of the save that made it (``layout_in``), found then
-        self.released = False  # the offload's source was dropped (``_release_source``)
+        self.released = False  # the offload's source was dropped (``_Forward.release``)
         self.held: weakref.ref[torch.UntypedStorage] | None = None
         """The source, when another reference kept it on device after it was dropped:
-        watched until the reload (``_ForwardOps._not_freed``)."""
+        watched until the reload (``_Context.not_freed``)."""
         self.load: Copy | None = None  # the current backward's reload; None: none pending
         self.prefetched = False  # ``load`` was issued by a prefetch, not yet hit
-        self.gen = 0  # the current reload's generation: ``_load`` counts them
+        self.gen = 0  # the current reload's generation: ``load`` counts them
         self.waiting = 0  # live handles that have not consumed the current ``load``
         self.refs = 0  # live handles (``_Swapped``) aliasing this storage
         self.version = -1
@@ -173,7 +179,7 @@ class _Swapped:
 
     def __init__(
         self,
-        fwd: _Forward,
+        fwd: Saver,
         entry: _Entry,
         t: torch.Tensor,
         local: torch.Tensor,
@@ -216,8 +222,8 @@ class _Swapped:
         copy still in flight, compute for a reload, and the next offload into the buffer
         waits for its last users."""
         entry = self.entry
-        manager = entry.manager
-        manager._lock.acquire()  # not ``with``: it makes two bound methods a call
+        ctx = entry.ctx
+        ctx.lock.acquire()  # not ``with``: it makes two bound methods a call
         try:
             refs = entry.refs = entry.refs - 1
             load = entry.load
@@ -226,7 +232,7 @@ class _Swapped:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.load = None
-                    if not manager._capturing:
+                    if not ctx.capturing:
                         load.fence()
                     load = None
             if refs:
@@ -236,7 +242,7 @@ class _Swapped:
                 return
             entry.buf = entry.host = None
             offload = entry.offload
-            if not manager._capturing:
+            if not ctx.capturing:
                 if not entry.released:
                     if not offload.done():
                         offload.fence()
@@ -248,70 +254,104 @@ class _Swapped:
             if held is not None:
                 entry.held = None
                 if held() is not None:
-                    manager._not_freed(entry)
+                    ctx.not_freed(entry.stats, entry.nbytes, entry.name)
             if load is None:
-                manager._pool.release(buf, (offload,))
+                ctx.pool.release(buf, (offload,))
             else:
                 entry.load = None
-                manager._pool.release(buf, (offload, load))
+                ctx.pool.release(buf, (offload, load))
         finally:
-            manager._lock.release()
+            ctx.lock.release()
 
 
-def unpack_hook(packed: Any) -> torch.Tensor:
-    """The unpack hook of every wrapped forward (``SwapManager._unpack``): a plain
-    function, the manager reached through the handle's forward, so that no bound method
-    is made per forward."""
-    if type(packed) is tuple:  # a kept tensor: ``Kept``
+def load(entries: list[_Entry], *, prefetched: bool) -> None:
+    """Issue the reloads of ``entries``, all of one forward (per device, one batch), for
+    the live handles that have not consumed one; ``prefetched``: ahead of their first
+    unpack. Called under the context's lock, by a prefetch or by an unpack that found
+    none issued (I10: one reload per storage and backward)."""
+    first = entries[0]
+    ctx = first.ctx
+    engine, device = first.engine, first.device  # one object per device: ``is``
+    batch = entries
+    if len(ctx.device_engines) > 1:  # entries of several devices: a batch each
+        for entry in entries:
+            if entry.engine is not engine or entry.device is not device:
+                batch = [e for e in entries if e.engine is engine and e.device is device]
+                load([e for e in entries if e not in batch], prefetched=prefetched)
+                break
+    # ``host`` is None once the last handle died; a due entry has live handles (``refs``).
+    items = [(entry.host, (entry.offload,)) for entry in batch]
+    loads = engine.loads(device, items)  # type: ignore[arg-type]
+    nbytes = 0
+    for entry, copy in zip(batch, loads, strict=True):
+        entry.load = copy
+        entry.gen += 1
+        entry.waiting = entry.refs
+        entry.prefetched = prefetched
+        nbytes += entry.nbytes
+        held = entry.held
+        if held is not None:
+            entry.held = None
+            if held() is not None:
+                ctx.not_freed(entry.stats, entry.nbytes, entry.name)
+    stats = first.stats  # the forward's
+    stats.reloaded_tensors += len(batch)
+    stats.reloaded_bytes += nbytes
+
+
+def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
+    """The unpack hook of every wrapped forward: a plain function, the context reached
+    through the handle, so that no bound method is made per forward."""
+    if isinstance(packed, tuple):  # a kept tensor: ``Kept``
         alias, version, fwd = packed
         task = _task_id()
         if task != fwd.task and task != -1:
             # The first unpack of this forward in this backward: its backward begins.
             fwd.task = task
-            fwd.manager._backward_begins(fwd)
+            fwd.backward_begins()
         now = alias._version
         if now != version:
             raise _integrity_error(fwd.name, alias.size(), version, now)
         return alias
     fwd = packed.forward
-    manager = fwd.manager
     task = _task_id()
     if task != fwd.task and task != -1:
         fwd.task = task
-        manager._backward_begins(fwd)
+        fwd.backward_begins()
     entry = packed.entry
     now = packed.counter._version
     if now != entry.version:
-        size = packed.layout[2] if packed.layout is not None else entry.host.size()
+        host = entry.host
+        assert host is not None  # a live handle's entry holds its host copy
+        size = packed.layout[2] if packed.layout is not None else host.size()
         raise _integrity_error(fwd.name, size, entry.version, now)
-    lock = manager._lock
+    lock = entry.ctx.lock
     lock.acquire()  # not ``with``: it makes two bound methods a call
     try:
-        load = entry.load
-        if load is None or packed.gen == entry.gen:
+        copy = entry.load
+        if copy is None or packed.gen == entry.gen:
             entry.stats.prefetch_misses += 1
-            if load is None:
-                manager._load([entry], prefetched=False)
-                load = entry.load
-                assert load is not None
+            if copy is None:
+                load([entry], prefetched=False)
+                copy = entry.load
+                assert copy is not None
             else:
-                (load,) = entry.engine.loads(
-                    entry.device,
-                    [(entry.host, (entry.offload,))],  # type: ignore[list-item]
-                )
+                host = entry.host
+                assert host is not None  # a live handle's entry holds its host copy
+                (copy,) = entry.engine.loads(entry.device, [(host, (entry.offload,))])
                 entry.stats.reloaded_tensors += 1
                 entry.stats.reloaded_bytes += entry.nbytes
         elif entry.prefetched:
             entry.stats.prefetch_hits += 1
             entry.prefetched = False
-        if load is entry.load:
+        if copy is entry.load:
             packed.gen = entry.gen
             entry.waiting -= 1
             if entry.waiting == 0:
                 entry.load = None
     finally:
         lock.release()
-    out = load.fenced_result()
+    out = copy.fenced_result()
     if packed.layout is not None:
         storage = out.untyped_storage()
         offset, dtype, size, stride = packed.layout

@@ -1,31 +1,30 @@
 """SwapManager: per-forward swaps, layer-to-layer prefetch, bounded offload lag.
 
-The manager is split the way FSDP2 splits ``fully_shard`` (state, param group,
-param); each file holds one concern:
+The runtime is a few objects, each owning its state, in one file each; imports point
+one way (``tests/graphswap/runtime/test_import_graph.py``: no cycle, ``TYPE_CHECKING``
+imports included):
 
-- ``_manager.py`` (this file): ``SwapManager``, the facade: options and their
-  validation, pickling, the registry of wrapped modules, prefetch links, stats, and
-  ``run_forward``, the entry that records a forward and installs the saved-tensor hooks.
-- ``_slot.py``: per wrapped-module state (``_Slot``, ``GroupInfo``), the refusals of
-  compile, export, activation checkpointing and capture (``SwapExclusionError``),
-  and backward detection.
-- ``_forward.py``: one forward call (``_Forward``): pack decisions, offload, the lag
-  fence at module boundaries, prefetch, load, release.
+- ``_manager.py`` (this file): ``SwapManager``, what users hold: options and their
+  validation, pickling, the registry of wrapped modules, prefetch links and the schedule,
+  stats, and ``run_forward``, which records a forward and installs the saved-tensor hooks.
+- ``_context.py``: ``_Context``, what every forward of one manager shares (copy engines,
+  host pool, offloads in flight, lock, capture flag) and the module boundary.
+- ``_forward.py``: ``_Forward``, one forward call of a wrapped module, which is its pack
+  hook and owns its offloads, their release, its prefetch and its backward begin.
 - ``_handles.py``: per-tensor handles (a kept tensor's tuple, ``_Swapped``, ``_Entry``),
-  the in-place version check (``SwapIntegrityError``), unpack, and lifetimes.
+  the in-place check (``SwapIntegrityError``), reloads, unpack (``unpack_hook``) and
+  lifetimes.
+- ``_slot.py``: per wrapped-module records (``_Slot``, ``GroupInfo``) and the refusals of
+  compile, export, activation checkpointing and other offloaders (``SwapExclusionError``).
 
-Their behaviour lives in bases of ``SwapManager`` (``_SlotHooks``, ``_ForwardOps``),
-moved, not wrapped; autograd's hooks are the forward's record itself (``_Forward``, the
-pack hook) and a plain function (``_handles.unpack_hook``), so no object is made per forward
-for them and no extra call per pack or unpack. Their state is the manager's, commented
-in ``SwapManager.__init__``.
+Autograd's hooks are the forward itself (``_Forward``, the pack hook) and a plain
+function (``unpack_hook``), so no object is made per forward for them and no extra call
+per pack or unpack.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -34,18 +33,12 @@ from typing import Any
 import torch
 
 from graphswap.errors import SwapSetupError
+from graphswap.runtime._context import _Context
 from graphswap.runtime._engines import CopyEngine
-from graphswap.runtime._forward import _Forward, _ForwardOps
+from graphswap.runtime._forward import _Forward
 from graphswap.runtime._handles import unpack_hook
 from graphswap.runtime._pool import HostPool, check_host_bytes, host_budget
-from graphswap.runtime._slot import (
-    GroupInfo,
-    _excluded,
-    _refuse,
-    _refuse_traced,
-    _Slot,
-    _SlotHooks,
-)
+from graphswap.runtime._slot import GroupInfo, _excluded, _refuse, _refuse_traced, _Slot
 from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime.policy import SwapPolicy, policy_name
 
@@ -70,7 +63,7 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-class SwapManager(_SlotHooks, _ForwardOps):
+class SwapManager:
     """Owns the swap of one model's wrapped modules: links, copy engine, host pool, stats.
 
     ``prefetch_depth``: how many earlier layers start coming back when a layer's
@@ -101,9 +94,10 @@ class SwapManager(_SlotHooks, _ForwardOps):
         offload_lag: int = 1,
         engine: CopyEngine | None = None,
     ) -> None:
-        # Options (kept by pickling): see the class docstring.
-        self.prefetch_depth = _check_int("prefetch_depth", prefetch_depth, 1)
-        self.offload_lag = _check_int("offload_lag", offload_lag, 0)
+        # Options (kept by pickling): see the class docstring. ``prefetch_depth`` and
+        # ``offload_lag`` are the context's, which the forwards read.
+        depth = _check_int("prefetch_depth", prefetch_depth, 1)
+        lag = _check_int("offload_lag", offload_lag, 0)
         if engine is not None and not isinstance(engine, CopyEngine):
             raise SwapSetupError(
                 f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine,"
@@ -111,35 +105,34 @@ class SwapManager(_SlotHooks, _ForwardOps):
             )
         self.keep_last = _check_bool("keep_last", keep_last)
         # Pinned host buffers the offloads copy into, capped at ``max_host_bytes``.
-        self._pool = HostPool(
+        pool = HostPool(
             host_budget()
             if max_host_bytes is None
             else check_host_bytes(
                 _check_int("max_host_bytes", max_host_bytes, 0, " (or None: a share of the node)")
             )
         )
-        self._engine_override = engine  # the ``engine`` option; None: each device's own
-        self._engines: dict[str, CopyEngine] = {}  # the copy engine per device type met
-        self._sole_engine: CopyEngine | None = None  # the one engine, while only one was met
-        # Per device met, its engine and the one device object its entries name.
-        self._device_engines: dict[torch.device, tuple[CopyEngine, torch.device]] = {}
+        # What every forward and handle of this manager shares: the pool, the engines
+        # (``engine``; None: each device's own), the offloads in flight, the lock, the
+        # capture flag, the forward count.
+        self._ctx = _Context(pool, engine, depth, lag)
         self._slots: dict[torch.nn.Module, _Slot] = {}  # the registry: wrapped module -> slot
         self._registered = 0  # registrations so far: the next slot's index
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}  # links: later -> earlier
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}  # links: earlier -> later
         # The forward each module ran last: the ``prev`` of its next module's next forward.
         self._latest: dict[torch.nn.Module, weakref.ref[_Forward]] = {}
-        self._in_flight: collections.deque[weakref.ref[_Forward]] = collections.deque()
-        """Forwards with offloads whose source may still be held (an entry not
-        ``released``), in the order of their first offload (dead once its graph died,
-        which released the sources)."""
-        self._capturing = False
-        """What the capture query of the last module boundary answered: every call
-        until the next boundary goes by it (one query per boundary, not per tensor)."""
-        self._warned_not_freed = False  # the copied-but-not-freed warning was given
-        self._seq = 0  # forwards run so far under the hooks: the last forward's ``seq``
         self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
-        self._lock = threading.RLock()  # guards stats, the pool, the in-flight queue, entries
+
+    @property
+    def prefetch_depth(self) -> int:
+        """How many earlier layers come back when a layer's backward begins."""
+        return self._ctx.prefetch_depth
+
+    @property
+    def offload_lag(self) -> int:
+        """Forwards after which a layer's swapped storages have left device memory."""
+        return self._ctx.offload_lag
 
     def __getstate__(self) -> dict[str, Any]:
         """Options, wrapped modules and links; a copy starts with fresh stats, pool and engines."""
@@ -147,9 +140,9 @@ class SwapManager(_SlotHooks, _ForwardOps):
             "options": {
                 "prefetch_depth": self.prefetch_depth,
                 "keep_last": self.keep_last,
-                "max_host_bytes": self._pool.max_bytes,
+                "max_host_bytes": self._ctx.pool.max_bytes,
                 "offload_lag": self.offload_lag,
-                "engine": self._engine_override,
+                "engine": self._ctx.engine_override,
             },
             "slots": [
                 (s.module, s.name, s.index, s.policy, s.module_type) for s in self._slots.values()
@@ -235,7 +228,7 @@ class SwapManager(_SlotHooks, _ForwardOps):
     @property
     def engine(self) -> CopyEngine | None:
         """The copy engine this manager was given; None: each device's own."""
-        return self._engine_override
+        return self._ctx.engine_override
 
     @property
     def links(self) -> list[tuple[str, str]]:
@@ -274,12 +267,13 @@ class SwapManager(_SlotHooks, _ForwardOps):
 
     @property
     def stats(self) -> SwapStats:
-        with self._lock:
+        pool = self._ctx.pool
+        with self._ctx.lock:
             snapshot = SwapStats(
-                host_budget_bytes=self._pool.max_bytes,
-                peak_host_bytes=self._pool.peak_in_use_bytes,
-                host_reserved_bytes=self._pool.reserved_bytes,
-                host_in_use_bytes=self._pool.in_use_bytes,
+                host_budget_bytes=pool.max_bytes,
+                peak_host_bytes=pool.peak_in_use_bytes,
+                host_reserved_bytes=pool.reserved_bytes,
+                host_in_use_bytes=pool.in_use_bytes,
                 per_group={k: dataclasses.replace(v) for k, v in self._stats.items()},
             )
         for group_stats in snapshot.per_group.values():
@@ -289,40 +283,28 @@ class SwapManager(_SlotHooks, _ForwardOps):
     def count_plan_mismatch(self, name: str) -> None:
         """The policy of the module ``name`` met a save its plan chose with another shape
         or dtype, and kept it on device: counted in ``stats.plan_mismatches``."""
-        with self._lock:
+        with self._ctx.lock:
             self._stats[name].plan_mismatches += 1
 
     def count_recompute(self, name: str, tensors: int, nbytes: int) -> None:
         """A recomputed submodule of the module ``name`` dropped ``tensors`` storages of
         ``nbytes`` in one forward: counted in ``stats.recomputed_*``."""
-        with self._lock:
+        with self._ctx.lock:
             group_stats = self._stats[name]
             group_stats.recomputed_tensors += tensors
             group_stats.recomputed_bytes += nbytes
 
     def reset_stats(self) -> None:
-        with self._lock:
+        pool = self._ctx.pool
+        with self._ctx.lock:
             for group_stats in self._stats.values():
                 for f in dataclasses.fields(GroupStats):
                     setattr(group_stats, f.name, 0)
-            self._pool.peak_in_use_bytes = self._pool.in_use_bytes
-
-    _unpack = staticmethod(unpack_hook)
-    """The unpack hook (``_handles.unpack_hook``): a plain function, no bound method a forward."""
+            pool.peak_in_use_bytes = pool.in_use_bytes
 
     def synchronize(self) -> None:
         """Block until every offload in flight completed, and free their sources."""
-        with self._lock:
-            forwards = [ref() for ref in self._in_flight]
-            self._in_flight.clear()
-            for fwd in forwards:
-                if fwd is None:
-                    continue
-                for entry in fwd.entries.values():
-                    if not entry.released:
-                        entry.offload.synchronize()
-                        self._release_source(entry)
-                fwd.queued = False
+        self._ctx.synchronize()
 
     def run_forward(
         self, module: torch.nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -340,19 +322,21 @@ class SwapManager(_SlotHooks, _ForwardOps):
             excluded = _excluded()
             if excluded is not None:
                 _refuse(slot.name, *excluded)
-        self._seq = seq = self._seq + 1
-        if self._pool.in_use_bytes == 0:
+        ctx = self._ctx
+        ctx.seq = seq = ctx.seq + 1
+        pool = ctx.pool
+        if pool.in_use_bytes == 0:
             # Nothing swapped is alive: a step boundary, outside every hook.
-            with self._lock:
-                self._pool.trim()
-        self._boundary(seq)
+            with ctx.lock:
+                pool.trim()
+        ctx.boundary(seq)
         prev = self._prev.get(module)
         if prev is None:
-            fwd = _Forward(self, slot, seq, self._stats[slot.name], False, None)
+            fwd = _Forward(ctx, slot, seq, self._stats[slot.name], False, None)
         else:
             prev_ref = self._latest.get(prev)
             fwd = _Forward(
-                self,
+                ctx,
                 slot,
                 seq,
                 self._stats[slot.name],
@@ -364,13 +348,13 @@ class SwapManager(_SlotHooks, _ForwardOps):
         # calls (looked up at each forward: the planner's tracker wraps the push). The pack
         # hook is the forward itself, the unpack hook a plain function: no object per forward.
         autograd = torch._C._autograd
-        autograd._push_saved_tensors_default_hooks(fwd, self._unpack)
+        autograd._push_saved_tensors_default_hooks(fwd, unpack_hook)
         try:
             out = forward(module, *args, **kwargs)
         finally:
             autograd._pop_saved_tensors_default_hooks()
-        self._boundary(seq)
+        ctx.boundary(seq)
         if fwd.saves == 0:
             # Nothing saved, so no unpack will tell when this forward's backward begins.
-            self._on_backward(fwd, out)
+            fwd.begin_at_outputs(out)
         return out

@@ -149,7 +149,7 @@ class _SaveMatmuls(TorchDispatchMode):
     """The forward: each matmul's output goes to the outer pack hook."""
 
     def __init__(self, saved: _SavedMatmuls) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode unannotated
         self.saved = saved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -178,7 +178,7 @@ class _ReplayMatmuls(TorchDispatchMode):
     """The recompute: each matmul's output is unpacked instead of computed again."""
 
     def __init__(self, saved: _SavedMatmuls) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode unannotated
         self.saved = saved
         self.calls: dict[Any, int] = {}
         """Matmul calls so far in this recompute, per operator."""
@@ -189,15 +189,16 @@ class _ReplayMatmuls(TorchDispatchMode):
         index = self.calls.get(func, 0)
         self.calls[func] = index + 1
         packed = self.saved.packed.get(func, [])
-        if index < len(packed) and packed[index] is _RERUN:
+        entry = packed[index] if index < len(packed) else None
+        if entry is _RERUN:
             return func(*args, **(kwargs or {}))
-        if index >= len(packed) or packed[index] is None:
+        if entry is None:
             raise SwapStateError(
                 f"recompute_wrapper(save_matmuls=True): {func} call {index} has no saved "
                 "output: the region ran other matmuls than in forward, or backward ran "
                 "through it twice; recompute regions support one backward"
             )
-        entry, packed[index] = packed[index], None
+        packed[index] = None
         entry.check()
         return self.saved.unpack(entry.handle).detach()
 
@@ -300,7 +301,7 @@ def run_recomputed(
         kept.clear()  # needed while the forward counts; the recompute reads none of it
 
 
-def _recompute_class(cls: type) -> type:
+def _recompute_class(cls: type[torch.nn.Module]) -> type:
     """``Recompute<cls>``: its forward runs the original under a non-reentrant checkpoint
     and carries the original's signature."""
     recompute_cls = _CLASS_CACHE.get(cls)

@@ -1,13 +1,11 @@
-"""Per wrapped-module state: the slot, its run-time refusals, and backward detection.
+"""Per wrapped-module state: the slot and the run-time refusals of its forward.
 
-One of the four modules of the swap manager (``_manager.py`` lists them). Here: what
-the manager keeps for each wrapped module (``_Slot``: module, name, index, policy;
-``GroupInfo``, its public view), the refusals of transforms that activation swap
-excludes (torch.compile and torch.export, activation checkpointing, another
-activation offloader, a backward captured apart from its forward:
-``SwapExclusionError``), a policy's bad answer, and
-how the manager learns that backward reached a forward (``_SlotHooks``, a base of
-``SwapManager``).
+One of the runtime's objects (``_manager.py`` lists them). Here: what the manager keeps
+for each wrapped module (``_Slot``: module, name, index, policy; ``GroupInfo``, its
+public view), the refusals of transforms that activation swap excludes (torch.compile
+and torch.export, activation checkpointing, another activation offloader:
+``SwapExclusionError``, I6), and a policy's bad answer. A backward captured apart from
+its forward is refused by the forward (``_forward._Forward``).
 """
 
 from __future__ import annotations
@@ -16,17 +14,11 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from graphswap.errors import GraphswapTypeError, SwapExclusionError
 from graphswap.runtime.policy import CheckpointPolicy, SwapPolicy, policy_name
-
-if TYPE_CHECKING:
-    from graphswap.runtime._forward import _Forward
-
 
 _FIXES = {
     "compile": "compile: false (by hand: call graphswap.unrewrite(model) before torch.compile)",
@@ -153,55 +145,3 @@ def _bad_decision(slot: _Slot, decision: object) -> GraphswapTypeError:
         " a swap policy answers graphswap.CheckpointPolicy.MUST_SWAP or MUST_SAVE"
         " (torch.utils.checkpoint.CheckpointPolicy is another enum, for recomputation)"
     )
-
-
-class _SlotHooks:
-    """When backward reaches a forward, and what may not run then.
-
-    A base of ``SwapManager`` (methods moved, not wrapped); the state it uses is
-    ``SwapManager``'s, commented there.
-    """
-
-    def _on_backward(self, fwd: _Forward, out: Any) -> None:
-        """Call ``_backward_begins(fwd)`` when backward reaches the outputs ``out``."""
-        begins = functools.partial(self._backward_begins, fwd)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if len(outputs) == 1 and outputs[0].grad_fn is not None:
-            outputs[0].grad_fn.register_prehook(begins)
-        elif outputs:
-            torch.autograd.graph.register_multi_grad_hook(outputs, begins, mode="any")
-
-    def _refuse_reload_under_capture(self, fwd: _Forward) -> None:
-        """A backward under graph capture may not reload what a forward outside it copied
-        to host: the copy would be captured into the graph, and every replay would read
-        host buffers that other steps reuse by then. Checked before any copy is issued,
-        for ``fwd`` and the forwards its backward prefetches."""
-        target = fwd
-        for _ in range(self.prefetch_depth + 1):
-            if any(entry.buf is not None for entry in target.entries.values()):
-                raise SwapExclusionError(
-                    f"activation swap excludes capturing a backward whose forward ran outside"
-                    f" the capture: the backward of {fwd.name!r} began while the current"
-                    f" stream captures a graph, but {target.name!r} swapped tensors to host in"
-                    f" a forward outside it, and their reload would be captured and replayed"
-                    f" from reused host buffers; run that forward under the same capture (its"
-                    f" tensors then stay on device, counted as kept_capturing), or this"
-                    f" backward outside it"
-                )
-            if target.prev is None:
-                return
-            target = target.prev
-
-    def _backward_begins(self, fwd: _Forward, _grad: Any = None) -> None:
-        """Backward reached ``fwd``: at its first unpack (a hook on its outputs would
-        cost more than the whole swap of a small layer), or, for a forward that saved
-        nothing, at its outputs."""
-        self._boundary(self._seq)
-        if self._capturing:
-            self._refuse_reload_under_capture(fwd)
-        target = fwd.prev
-        for _ in range(self.prefetch_depth):
-            if target is None:
-                break
-            self._prefetch(target)
-            target = target.prev

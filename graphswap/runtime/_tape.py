@@ -73,13 +73,13 @@ class OpTape(TorchDispatchMode):
     """
 
     def __init__(self, device_type: str, profile: DeviceProfile, listener: TapeListener) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode unannotated
         self.device_type = device_type
         self.profile = profile
         self.listener = listener
         self.label = EMBED_LABEL
         self._suspended = 0
-        self._live: dict[int, weakref.finalize] = {}
+        self._live: dict[int, weakref.finalize[..., Any]] = {}
         """Device storages born while the tape runs and still alive, by ``_cdata``."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

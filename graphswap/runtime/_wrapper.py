@@ -57,7 +57,7 @@ def _reduce_swap_class(swap_cls: _SwapClassMeta) -> tuple[Any, tuple[type]]:
 copyreg.pickle(_SwapClassMeta, _reduce_swap_class)
 
 
-def _swap_class(cls: type) -> type:
+def _swap_class(cls: type[torch.nn.Module]) -> type:
     """``Swap<cls>``: its forward runs the original under the manager's hooks and
     carries the original's signature (HF inspects ``forward`` parameters)."""
     swap_cls = _CLASS_CACHE.get(cls)

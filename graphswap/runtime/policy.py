@@ -39,7 +39,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     ``t``. DTensor is looked up only once something imported it (no import cost here)."""
     dtensor_module = sys.modules.get("torch.distributed.tensor")
     if dtensor_module is not None and isinstance(t, dtensor_module.DTensor):
-        return t._local_tensor
+        local: torch.Tensor = t._local_tensor
+        return local
     return t
 
 

@@ -183,9 +183,9 @@ def device_profile(spec: str | DeviceProfile) -> DeviceProfile:
                 f"device profile {spec!r}: {key.strip()} must be a number, got {value!r}"
             ) from None
     for key in _INTEGER_FIGURES:
-        value = figures.get(key)
-        if value is not None and math.isfinite(value):  # inf, nan: refused with the figures
-            figures[key] = int(value)
+        figure = figures.get(key)
+        if figure is not None and math.isfinite(figure):  # inf, nan: refused with the figures
+            figures[key] = int(figure)
     return PRESETS[name].with_figures(**figures) if figures else PRESETS[name]
 
 

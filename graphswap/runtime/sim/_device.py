@@ -205,7 +205,7 @@ class _Tracking(TorchDispatchMode):
     allocate and write are attributed to it (the default stream needs no record)."""
 
     def __init__(self, device: SimDevice) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode unannotated
         self.device = device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -234,7 +234,7 @@ class _Tracking(TorchDispatchMode):
         return out
 
 
-class SimDevice(Device):
+class SimDevice(Device[SimStream, SimEvent]):
     """One simulated accelerator: its streams, the storages they touched, its clock."""
 
     def __init__(self, lag: int, profile: DeviceProfile | None) -> None:
@@ -300,7 +300,7 @@ class SimDevice(Device):
         tracking = None
         if stream is not self.default and not any(t for _, t in self._entered):
             tracking = _Tracking(self)
-            tracking.__enter__()
+            tracking.__enter__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode unannotated
         self._entered.append((self.current, tracking))
         self.current = stream
 
@@ -308,7 +308,7 @@ class SimDevice(Device):
         previous, tracking = self._entered.pop()
         self.current = previous
         if tracking is not None:
-            tracking.__exit__(None, None, None)
+            tracking.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode unannotated
 
     def record(self, stream: SimStream, event: SimEvent) -> SimEvent:
         if self.capturing:
@@ -392,7 +392,7 @@ class SimDevice(Device):
         self._queue(stream, host, dst, hazard, to_host=False)
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        dst = self._own(torch.empty, shape, dtype=dtype)
+        dst: torch.Tensor = self._own(torch.empty, shape, dtype=dtype)
         storage = dst.untyped_storage()
         if self.current is not self.default:
             self.record_of(storage, self.current)
@@ -402,7 +402,8 @@ class SimDevice(Device):
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         self.calls["host_alloc", "host"] += 1
-        return self._own(torch.empty, nbytes, dtype=torch.uint8)
+        host: torch.Tensor = self._own(torch.empty, nbytes, dtype=torch.uint8)
+        return host
 
     def host_free(self, host: torch.Tensor) -> None:
         self.calls["host_free", "host"] += 1
@@ -414,6 +415,7 @@ class SimDevice(Device):
 
     def drop(self, storage: torch.UntypedStorage, event: SimEvent) -> None:
         copy_stream = event.stream
+        assert copy_stream is not None, "the engine drops a source after its copy's record"
         if copy_stream.observed >= event.position:
             return
         record = self._storages.get(storage._cdata)
@@ -429,6 +431,7 @@ class SimDevice(Device):
             )
 
     def read(self, dst: torch.Tensor, event: SimEvent) -> torch.Tensor:
+        assert event.stream is not None, "the engine reads a reload after its copy's record"
         if not _follows(self.current, (event.stream, event.position)):
             raise HazardError(
                 f"a reload was read before compute waited for its copy: it may hold stale"
@@ -537,7 +540,7 @@ class SimDevice(Device):
                 queue = stream.queue
                 while queue:
                     item = queue[0]
-                    if type(item) is _Wait:
+                    if isinstance(item, _Wait):
                         if item.stream.done < item.until:
                             break
                         queue.popleft()
@@ -553,7 +556,7 @@ class SimDevice(Device):
         """Complete ``stream`` up to ``position`` now, and what its items wait for."""
         while stream.done < position:
             item = stream.queue.popleft()
-            if type(item) is _Wait:
+            if isinstance(item, _Wait):
                 self._force(item.stream, item.until)
                 stream.done = item.position
             else:

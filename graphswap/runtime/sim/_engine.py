@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class SimulatedAccelerator(AcceleratorCopyEngine):
         """A copy is a fresh device with the same lag and profile, nothing in flight."""
         return SimulatedAccelerator, (self.lag, self.profile)
 
-    def _open(self, device: torch.device) -> Device:
+    def _open(self, device: torch.device) -> Device[Any, Any]:
         return self._sim
 
     def tick(self) -> None:

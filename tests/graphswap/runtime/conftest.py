@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from graphswap import SwapManager, swap_wrapper
+from graphswap.runtime import CopyEngine, NoOpAccelerator
+from graphswap.runtime._engines import Copy
 from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 
 VOCAB, WIDTH, HEADS = 512, 32, 4
@@ -115,6 +118,91 @@ class ToyModel(torch.nn.Module):
         ]
         for earlier, later in itertools.pairwise(attns):
             manager.link(earlier, later)
+
+
+class _Read(Copy):
+    """A reload handed to the manager: its unpack's read is recorded."""
+
+    __slots__ = ("engine", "host", "inner")
+
+    def __init__(self, engine: RecordingEngine, inner: Copy, host: torch.Tensor) -> None:
+        self.engine = engine
+        self.inner = inner
+        self.host = host
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def fence(self) -> None:
+        self.inner.fence()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def release_source(self) -> weakref.ref[torch.UntypedStorage] | None:
+        return self.inner.release_source()
+
+    def result(self) -> torch.Tensor:
+        return self.inner.result()
+
+    def fenced_result(self) -> torch.Tensor:
+        self.engine.calls.append(("read", self.host))
+        return self.inner.fenced_result()
+
+
+def _inner(copies: Sequence[Copy]) -> list[Copy]:
+    return [copy.inner if type(copy) is _Read else copy for copy in copies]
+
+
+class RecordingEngine(CopyEngine):
+    """A copy engine that records, in order, what the manager asks of it and passes each
+    call on to the engine it wraps (default: the no-op device, CPU's own): the public
+    seam through which tests see the order of the runtime's copies, not its methods.
+
+    ``calls``: ``("offload", host)``, ``("load", host)`` per reload of a batch,
+    ``("read", host)`` when an unpack reads its reload, ``("boundary", None)``,
+    ``("host_buffer", nbytes)`` and ``("free_host_buffer", host)``; ``host`` is the host
+    copy of one storage (one object per storage and step)."""
+
+    def __init__(self, inner: CopyEngine | None = None) -> None:
+        self.inner = NoOpAccelerator() if inner is None else inner
+        self.pin = self.inner.pin
+        self.calls: list[tuple[str, object]] = []
+
+    def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
+        self.calls.append(("offload", host))
+        return self.inner.offload(src, host, _inner(after))
+
+    def loads(
+        self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
+    ) -> list[Copy]:
+        copies = self.inner.loads(device, [(host, _inner(after)) for host, after in items])
+        self.calls.extend(("load", host) for host, _ in items)
+        return [_Read(self, copy, host) for copy, (host, _) in zip(copies, items, strict=True)]
+
+    def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        self.calls.append(("host_buffer", nbytes))
+        return self.inner.host_buffer(device, nbytes)
+
+    def free_host_buffer(self, device: torch.device, host: torch.Tensor) -> None:
+        self.calls.append(("free_host_buffer", host))
+        self.inner.free_host_buffer(device, host)
+
+    def tick(self) -> None:
+        self.inner.tick()
+
+    def capturing(self) -> bool:
+        return self.inner.capturing()
+
+    def boundary(self) -> bool:
+        self.calls.append(("boundary", None))
+        return self.inner.boundary()
+
+
+@pytest.fixture
+def recording_engine() -> type[RecordingEngine]:
+    """``RecordingEngine``, for tests to make one (over another engine if they pass it)."""
+    return RecordingEngine
 
 
 @pytest.fixture

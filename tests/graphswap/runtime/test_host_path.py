@@ -5,6 +5,7 @@ warm, a host budget per node, and bytes copied but not freed reported."""
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.planning.measure import ResidentActivationTracker
 from graphswap.runtime import _pool as pool_module
 from graphswap.runtime._forward import _Forward
+from graphswap.runtime._handles import unpack_hook
 from graphswap.runtime.sim import SimulatedAccelerator
 
 BLOCKS = 6
@@ -85,60 +87,65 @@ def test_three_calls_per_swapped_tensor_and_direction_and_a_few_per_module(
     assert not any(kind == "event_create" for kind, _ in calls), "events are pooled"
 
 
+_HOOKS = {_Forward.__call__.__code__, unpack_hook.__code__}
+"""The code of the pack and the unpack hook, as a frame of the call stack shows it."""
+
+
+def _in_hook() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _HOOKS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class HostWatch(SimulatedAccelerator):
+    """The simulated engine, recording the host allocations and frees a hook asks of it
+    (``seen``, while not None): the engine seam, not the runtime's methods."""
+
+    def __init__(self, lag: int = 0) -> None:
+        super().__init__(lag)
+        self.seen: list[str] | None = None
+
+    def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        if self.seen is not None and _in_hook():
+            self.seen.append("host_alloc")
+        return super().host_buffer(device, nbytes)
+
+    def free_host_buffer(self, device: torch.device, host: torch.Tensor) -> None:
+        if self.seen is not None and _in_hook():
+            self.seen.append("host_free")
+        super().free_host_buffer(device, host)
+
+
 @contextmanager
-def inside_hooks(manager: SwapManager) -> Iterator[list[str]]:
-    """Record every host allocation or free that happens inside a pack or unpack hook."""
+def inside_hooks(engine: HostWatch) -> Iterator[list[str]]:
+    """Record every host allocation or free that happens inside a pack or unpack hook,
+    and every emptying of torch's host cache."""
     seen: list[str] = []
-    depth = [0]
-
-    def marked(hook):  # type: ignore[no-untyped-def]
-        def run(*args):  # type: ignore[no-untyped-def]
-            depth[0] += 1
-            try:
-                return hook(*args)
-            finally:
-                depth[0] -= 1
-
-        return run
-
-    engine = manager.engine
-    assert isinstance(engine, SimulatedAccelerator)
-    device = engine._sim
-    alloc, free = device.host_empty, device.host_free
-
-    def host_empty(nbytes: int) -> torch.Tensor:
-        if depth[0]:
-            seen.append("host_alloc")
-        return alloc(nbytes)
-
-    def host_free(host: torch.Tensor) -> None:
-        if depth[0]:
-            seen.append("host_free")
-        free(host)
 
     def empty_cache() -> None:
         seen.append("host_cache_emptied")
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(_Forward, "__call__", marked(_Forward.__call__))  # the pack hook
-    mp.setattr(manager, "_unpack", marked(manager._unpack))
-    mp.setattr(device, "host_empty", host_empty)
-    mp.setattr(device, "host_free", host_free)
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
         if hasattr(torch._C, name):
             mp.setattr(torch._C, name, empty_cache)
+    engine.seen = seen
     try:
         yield seen
     finally:
+        engine.seen = None
         mp.undo()
 
 
 def test_no_host_allocation_free_or_cache_emptying_inside_a_hook_after_warm_up() -> None:
-    engine = SimulatedAccelerator(lag=1)
+    engine = HostWatch(lag=1)
     manager = SwapManager(engine=engine, keep_last=False)
     model = chain(manager)
     step(model, rows=2 * ROWS)  # warm-up: the longest step allocates what shorter ones use
-    with inside_hooks(manager) as seen:
+    with inside_hooks(engine) as seen:
         for rows in (2 * ROWS, ROWS, 2 * ROWS, ROWS // 2):
             step(model, rows=rows)
     assert seen == []
@@ -146,14 +153,14 @@ def test_no_host_allocation_free_or_cache_emptying_inside_a_hook_after_warm_up()
 
 
 def test_a_new_shape_allocates_in_its_first_step_only() -> None:
-    engine = SimulatedAccelerator()
+    engine = HostWatch()
     manager = SwapManager(engine=engine, keep_last=False)
     model = chain(manager)
     step(model)
-    with inside_hooks(manager) as seen:
+    with inside_hooks(engine) as seen:
         step(model, rows=2 * ROWS)
     assert "host_alloc" in seen
-    with inside_hooks(manager) as seen:
+    with inside_hooks(engine) as seen:
         step(model, rows=2 * ROWS)
     assert seen == []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.errors import SwapIntegrityError
-from graphswap.runtime import NoOpAccelerator
-from graphswap.runtime._handles import _Swapped
+from graphswap.runtime import CopyEngine, NoOpAccelerator
 from graphswap.runtime.policy import size_threshold_policy, swap_large_activations
 from graphswap.runtime.sim import SimulatedAccelerator
 
@@ -41,43 +41,68 @@ def wrap_attention(model: torch.nn.Module, manager: SwapManager) -> None:
         manager.link(prev, nxt)
 
 
+class Timeline:
+    """What a manager does, in order, seen through its copy engine (a ``RecordingEngine``)
+    and the watched modules' own hooks: ``(offload | backward_begin | prefetch | unpack,
+    group)``; ``unpack`` is the unpack of a swapped tensor, ``prefetch`` a batch of
+    reloads issued ahead of it, and ``backward_begin`` the module boundary that follows
+    the moment backward reached a group's output (where the manager learns it)."""
+
+    def __init__(self, engine: CopyEngine) -> None:
+        self.engine: Any = engine  # a ``RecordingEngine`` (conftest.py): its ``calls``
+        self.marks: list[tuple[int, str, str]] = []  # (calls so far, "forward" | "output", group)
+
+    def watch(self, module: torch.nn.Module, name: str) -> None:
+        """Mark where ``module``'s forward starts and where backward reaches its output."""
+        calls = self.engine.calls
+
+        def output_reached(_grad: torch.Tensor) -> None:
+            self.marks.append((len(calls), "output", name))
+
+        def forward_starts(_module: torch.nn.Module, _args: object) -> None:
+            self.marks.append((len(calls), "forward", name))
+
+        def forward_ends(_module: torch.nn.Module, _args: object, out: object) -> None:
+            first = out[0] if isinstance(out, tuple) else out
+            assert isinstance(first, torch.Tensor)
+            first.register_hook(output_reached)
+
+        module.register_forward_pre_hook(forward_starts)
+        module.register_forward_hook(forward_ends)
+
+    @property
+    def events(self) -> list[tuple[str, str]]:
+        seen: list[tuple[str, str]] = []
+        owner: dict[int, str] = {}  # a host copy's address -> the group that offloaded it
+        marks = iter(self.marks)
+        mark = next(marks, None)
+        group, reached = "", ""
+        for index, (call, host) in enumerate(self.engine.calls):
+            while mark is not None and mark[0] <= index:
+                if mark[1] == "forward":
+                    group = mark[2]
+                else:
+                    reached = mark[2]
+                mark = next(marks, None)
+            if call == "offload":
+                assert isinstance(host, torch.Tensor)
+                owner[host.data_ptr()] = group
+                seen.append(("offload", group))
+            elif call == "boundary" and reached:
+                seen.append(("backward_begin", reached))
+                reached = ""
+            elif call == "load" and seen[-1][0] != "prefetch":  # one batch, one prefetch
+                assert isinstance(host, torch.Tensor)
+                seen.append(("prefetch", owner[host.data_ptr()]))
+            elif call == "read":
+                assert isinstance(host, torch.Tensor)
+                seen.append(("unpack", owner[host.data_ptr()]))
+        return seen
+
+
 @pytest.fixture
-def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """What the managers do, in order: ``(offload | backward_begin | prefetch | unpack,
-    group)``; ``unpack`` is the unpack of a swapped tensor."""
-    seen: list[tuple[str, str]] = []
-    offload, begins, prefetch, unpack = (
-        SwapManager._offload,
-        SwapManager._backward_begins,
-        SwapManager._prefetch,
-        SwapManager._unpack,
-    )
-
-    def spy_offload(self: SwapManager, group, *rest):
-        entry = offload(self, group, *rest)
-        if entry is not None:
-            seen.append(("offload", group.slot.name))
-        return entry
-
-    def spy_begins(self: SwapManager, group, *rest) -> None:
-        seen.append(("backward_begin", group.name))
-        begins(self, group, *rest)
-
-    def spy_prefetch(self: SwapManager, group) -> None:
-        prefetch(self, group)
-        seen.append(("prefetch", group.name))
-
-    def spy_unpack(packed) -> torch.Tensor:
-        out = unpack(packed)
-        if type(packed) is _Swapped:
-            seen.append(("unpack", packed.forward.name))
-        return out
-
-    monkeypatch.setattr(SwapManager, "_offload", spy_offload)
-    monkeypatch.setattr(SwapManager, "_backward_begins", spy_begins)
-    monkeypatch.setattr(SwapManager, "_prefetch", spy_prefetch)
-    monkeypatch.setattr(SwapManager, "_unpack", staticmethod(spy_unpack))  # a plain function
-    return seen
+def timeline(recording_engine) -> Timeline:
+    return Timeline(recording_engine())
 
 
 def train(model: torch.nn.Module, steps: int, seq: int = SEQ) -> tuple[list[float], list]:
@@ -145,12 +170,15 @@ def test_swapped_storages_are_freed_after_forward_except_last_layer(toy_model) -
     loss.backward()
 
 
-def test_prefetch_is_issued_when_next_layer_backward_begins(toy_model, events) -> None:
-    manager = SwapManager()
+def test_prefetch_is_issued_when_next_layer_backward_begins(toy_model, timeline) -> None:
+    manager = SwapManager(engine=timeline.engine)
     model = toy_model(manager=manager)
+    name = "layers.{}.attn".format
+    for i, layer in enumerate(model.layers):
+        timeline.watch(layer.attn, name(i))
     ids = torch.randint(0, VOCAB, (2, SEQ))
     model(input_ids=ids, labels=ids).loss.backward()
-    name = "layers.{}.attn".format
+    events = timeline.events
 
     for i in range(1, 4):
         begin = events.index(("backward_begin", name(i)))
@@ -200,14 +228,17 @@ class AddOne(torch.nn.Module):
         return x + 1
 
 
-def test_a_layer_that_saves_nothing_still_prefetches_its_prev(events) -> None:
+def test_a_layer_that_saves_nothing_still_prefetches_its_prev(timeline) -> None:
     """A group's backward begins at its first unpack, or at its output if it saved nothing."""
     lin, add = torch.nn.Linear(64, 64), AddOne()
-    manager = SwapManager()
+    manager = SwapManager(engine=timeline.engine)
     swap_wrapper(lin, manager=manager, policy=swap_everything, name="lin")
     swap_wrapper(add, manager=manager, policy=swap_everything, name="add")
     manager.link(lin, add)
+    timeline.watch(lin, "lin")
+    timeline.watch(add, "add")
     add(lin(torch.randn(32, 64, requires_grad=True))).pow(2).sum().backward()
+    events = timeline.events
     stats = manager.stats
     assert (stats.offloaded_tensors, stats.prefetch_hits, stats.prefetch_misses) == (1, 1, 0)
     assert events[events.index(("backward_begin", "add")) + 1] == ("prefetch", "lin")
@@ -320,15 +351,15 @@ def test_retain_graph_backward_twice(toy_model) -> None:
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_no_grad_forward_creates_nothing(toy_model, mode, events) -> None:
-    manager = SwapManager()
+def test_no_grad_forward_creates_nothing(toy_model, mode, timeline) -> None:
+    manager = SwapManager(engine=timeline.engine)
     model = toy_model(manager=manager)
     with mode():
         model(input_ids=torch.randint(0, VOCAB, (2, SEQ)))
     stats = manager.stats
     assert stats.offloaded_tensors == stats.kept_tensors == 0
     assert stats.host_reserved_bytes == 0
-    assert events == []
+    assert timeline.events == []
 
 
 def test_exception_in_forward_removes_hooks_and_releases_group() -> None:
@@ -432,6 +463,6 @@ def test_cpu_tensors_get_the_no_op_device_unless_an_engine_is_given(given) -> No
     manager = SwapManager(engine=given)
     swap_wrapper(lin, manager=manager, policy=swap_everything)
     lin(torch.randn(8, 64, requires_grad=True)).sum().backward()
-    [engine] = manager._engines.values()
+    [engine] = manager._ctx.engines.values()
     assert engine is given if given is not None else type(engine) is NoOpAccelerator
     assert manager.stats.offloaded_tensors == manager.stats.reloaded_tensors == 1
