@@ -22,7 +22,7 @@ from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
 from graphswap.planning import PlanSettingError, plan_memory
 from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
-from graphswap.train.build import from_config
+from graphswap.train.build import build, from_config
 from graphswap.train.config import TrainerConfig
 
 SEQ, BATCH = 4096, 2
@@ -72,9 +72,9 @@ def _options(config: Any) -> tuple[Any, ...]:
     return info.value.options  # type: ignore[attr-defined,no-any-return]
 
 
-def _trains_as_planned(config: Any, budget: int, plan: Any) -> None:
+def _trains_as_planned(config: Any, budget: int) -> Any:
     """The budget mode at ``budget`` trains bitwise equal to no swap, and its stats
-    count what ``plan`` recomputes and swaps."""
+    count what its plan recomputes and swaps; returns that plan."""
     trainer = TrainerConfig(
         activation_swap="budget",
         activation_memory_budget=budget,
@@ -85,7 +85,10 @@ def _trains_as_planned(config: Any, budget: int, plan: Any) -> None:
     torch.manual_seed(0)
     plain = from_config(config)
     torch.manual_seed(0)
-    budgeted = from_config(config, trainer_config=trainer)
+    built = build(trainer, hf_config=config)
+    assert built.auto_swap is not None
+    plan = built.auto_swap.plan
+    budgeted = built.model
     loss, grads = _step(plain)
     budget_loss, budget_grads = _step(budgeted)
     assert torch.equal(loss, budget_loss)
@@ -99,6 +102,7 @@ def _trains_as_planned(config: Any, budget: int, plan: Any) -> None:
     assert plan.recompute == ("layer",) or any(is_recompute_wrapped(m) for m in layer.modules())
     graphswap.unrewrite(budgeted)
     assert not any(is_recompute_wrapped(m) for m in budgeted.modules())
+    return plan
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -109,10 +113,9 @@ def test_the_smallest_budget_recomputes_whole_layers_and_changes_no_number(name:
     config = FAMILIES[name]()
     config.num_hidden_layers = 2  # the first swaps, the last is kept
     smallest = min(o.peak_bytes for o in _options(config))
-    plan = _plan(config, smallest)
+    plan = _trains_as_planned(config, smallest)
     assert plan.recompute == ("layer",) and plan.swapped_bytes > 0
     assert plan.timeline.peak_bytes <= smallest
-    _trains_as_planned(config, smallest, plan)
 
 
 def test_recomputing_between_the_matmuls_swaps_their_outputs_and_changes_no_number(
@@ -127,9 +130,8 @@ def test_recomputing_between_the_matmuls_swaps_their_outputs_and_changes_no_numb
     peaks = {(o.recompute, o.swap): o.peak_bytes for o in options}
     budget = peaks[level, "auto"]
     assert budget < peaks[("norms", "mlp_memory_bound"), "auto"], "it fits only at this level"
-    plan = _plan(config, budget)
+    plan = _trains_as_planned(config, budget)
     assert plan.recompute == level and plan.swapped_bytes > 0
-    _trains_as_planned(config, budget, plan)
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_does() -> None:
