@@ -95,6 +95,8 @@ class _Timed:
     """Its offload is issued (its first save)."""
     needed: float
     """Its reload must be back (its first unpack)."""
+    host: int
+    """Its host buffer's size class: what it takes of the host budget."""
 
 
 def _fifo(
@@ -140,6 +142,7 @@ def plan_auto(
     times = step_times(trace, LAYER_SCOPE, offload_lag=offload_lag, prefetch_depth=prefetch_depth)
     index = {(s.layer, s.save.index): i for i, s in enumerate(trace.saves)}
     layers = trace.num_layers
+    pinned = trace.device == "cuda"
     timed = [
         [
             _Timed(
@@ -147,6 +150,7 @@ def plan_auto(
                 c.saves[0].index,
                 times.pack_seconds[index[g, c.saves[0].index]],
                 min(times.unpack_seconds[index[g, s.index]] for s in c.saves),
+                size_class(c.nbytes, pinned=pinned),
             )
             for c in candidates[g]
         ]
@@ -155,7 +159,6 @@ def plan_auto(
     d2h_rate = (1 - hide_margin) * trace.profile.d2h_gbps * 1e9
     h2d_rate = (1 - hide_margin) * trace.profile.h2d_gbps * 1e9
 
-    pinned = trace.device == "cuda"
     forward: list[list[_Timed]] = []
     offload_ends: dict[int, float] = {}
     queue = 0.0
@@ -173,7 +176,7 @@ def plan_auto(
 
         def fits(items: list[_Timed], held: int = held) -> bool:
             if host_budget is not None:
-                buffers = sum(size_class(t.candidate.nbytes, pinned=pinned) for t in items)
+                buffers = sum(t.host for t in items)
                 if held + buffers > host_budget:
                     return False
             return offloads(items) is not None
@@ -183,7 +186,7 @@ def plan_auto(
         free = offloads(chosen)
         assert free is not None
         queue = free
-        host += sum(size_class(t.candidate.nbytes, pinned=pinned) for t in chosen)
+        host += sum(t.host for t in chosen)
 
     backward: list[list[_Timed]] = [[] for _ in timed]
     queue = 0.0

@@ -129,10 +129,11 @@ def _backward_seconds(trace: StepTrace) -> list[float]:
     labels = {backward_label(i): i for i in range(trace.num_layers)}
     seconds = [0.0] * trace.num_layers
     layer: int | None = None
+    label, compute = Event.LABEL, Event.COMPUTE  # locals: a member's lookup is slow
     for event, payload in trace.events:
-        if event is Event.LABEL:
+        if event is label:
             layer = labels.get(payload)
-        elif event is Event.COMPUTE and layer is not None:
+        elif event is compute and layer is not None:
             seconds[layer] += payload
     return seconds
 
@@ -187,11 +188,14 @@ def plan_budget(
             for swap in BUDGET_SWAPS:
                 if fits_hidden:
                     break  # what hides fits: swapping everything only adds stalls
+                # Every option is timed against the plain step (the chosen plan's
+                # baseline is replaced by it below): a recomputed level's own step
+                # without swap would be replayed for nothing.
                 plan = (known or {}).get((kinds, swap)) or plan_step(
                     config,
                     trace,
                     activation_swap=swap,  # type: ignore[arg-type]
-                    baseline=baseline if not kinds else None,
+                    baseline=baseline,
                     **settings,
                 )
                 seconds = plan.timeline.step_seconds

@@ -160,9 +160,10 @@ def replay(
     saves = trace.saves
     groups = [None if scope is None else group_of(save, scope) for save in saves]
     kept_group = layers - 1 if layers > 1 else -1
+    activation = BlockKind.ACTIVATION
     sizes = [
-        b.nbytes if b.kind is BlockKind.ACTIVATION else -(-b.nbytes // state_shards)
-        for b in trace.blocks
+        nbytes if kind is activation else -(-nbytes // state_shards)
+        for nbytes, kind in trace.blocks
     ]
     holders = [0] * len(sizes)
     handles: list[_Entry | None] = [_KEPT] * len(saves)
@@ -246,23 +247,36 @@ def replay(
                 if not entry.active and entry.refs:
                     load(entry)
 
+    # The members as locals, the commonest first: an enum member's lookup costs several
+    # times the comparison, and a fit replays some 40,000 events a few hundred times.
+    alloc, free, compute_event, pack, unpack, release, label_event = (
+        Event.ALLOC,
+        Event.FREE,
+        Event.COMPUTE,
+        Event.PACK,
+        Event.UNPACK,
+        Event.RELEASE,
+        Event.LABEL,
+    )
+    append = memory.append
+    optimizer = False
     for event, payload in trace.events:
-        if event is Event.COMPUTE:
-            seconds = payload / state_shards if label == OPTIMIZER_LABEL else payload
-            t += seconds
-            compute += seconds
-        elif event is Event.ALLOC:
+        if event is alloc:
             holders[payload] += 1
             mem += sizes[payload]
-            memory.append((t, mem))
+            append((t, mem))
             if mem > peak:
                 peak, peak_label, peak_seconds = mem, label, t
-        elif event is Event.FREE:
+        elif event is free:
             holders[payload] -= 1
             if holders[payload] == 0:
                 mem -= sizes[payload]
-                memory.append((t, mem))
-        elif event is Event.PACK:
+                append((t, mem))
+        elif event is compute_event:
+            seconds = payload / state_shards if optimizer else payload
+            t += seconds
+            compute += seconds
+        elif event is pack:
             traced = saves[payload]
             block = traced.block
             group = groups[payload]
@@ -291,7 +305,7 @@ def replay(
             else:
                 entry.refs += 1
                 handles[payload] = entry
-        elif event is Event.UNPACK:
+        elif event is unpack:
             group = groups[payload]
             if group is not None and not begun[group]:
                 begun[group] = True
@@ -305,7 +319,7 @@ def replay(
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     entry.active = False
-        elif event is Event.RELEASE:
+        elif event is release:
             entry = handles[payload]
             if entry is None:
                 block = saves[payload].block
@@ -328,8 +342,9 @@ def replay(
                     mem -= entry.nbytes * entry.dsts
                     entry.dsts = 0
                     changed()
-        elif event is Event.LABEL:
+        elif event is label_event:
             label = payload
+            optimizer = label == OPTIMIZER_LABEL
         elif scope is not None and payload[0] == scope:  # ENTER or EXIT
             seq = payload[1] + 1
             if event is Event.ENTER:
