@@ -63,6 +63,14 @@ class Event(enum.IntEnum):
     """A wrapped module's forward ends: ``(scope, layer)``."""
 
 
+EventPayload = Any
+"""What follows an :class:`Event` in :attr:`StepTrace.events`: its type depends on the
+event (seconds for ``COMPUTE``, a label for ``LABEL``, an index for the others, ``(scope,
+layer)`` for ``ENTER`` and ``EXIT``; see :class:`Event`). ``Any``, not the union of
+those: the replay (:mod:`graphswap.planning._replay`) reads each payload as its event
+says, in its inner loop, where narrowing every payload would add a check per event."""
+
+
 class BlockKind(enum.Enum):
     """What a device storage holds, for what sharding divides."""
 
@@ -113,7 +121,7 @@ class StepTrace:
     device: str
     """The device training runs on: it chose the attention kernel and the optimizer's
     implementation."""
-    events: tuple[tuple[Event, Any], ...]
+    events: tuple[tuple[Event, EventPayload], ...]
     """``(event, payload)`` in the order the device runs them (see :class:`Event`)."""
     blocks: tuple[Block, ...]
     """Every device storage born in the step, by the index ``ALLOC`` and ``FREE`` carry."""
@@ -176,9 +184,9 @@ class _StepRecorder(SavedTensorCollector):
     def __init__(self, model: torch.nn.Module, policy: SwapPolicy) -> None:
         super().__init__(model, policy)
         self.tape: OpTape | None = None
-        self.events: list[tuple[Event, Any]] = []
-        self.blocks: list[list[Any]] = []
-        """``[nbytes, kind]`` per block, in birth order."""
+        self.events: list[tuple[Event, EventPayload]] = []
+        self.blocks: list[Block] = []
+        """Per block, in birth order."""
         self.traced: list[TracedSave] = []
         self._label = ""
         self._seconds = 0.0
@@ -208,7 +216,7 @@ class _StepRecorder(SavedTensorCollector):
         block = len(self.blocks)
         assert self.tape is not None
         kind = BlockKind.OPTIMIZER if self.tape.label == OPTIMIZER_LABEL else BlockKind.ACTIVATION
-        self.blocks.append([nbytes, kind])
+        self.blocks.append(Block(nbytes, kind))
         self._live[key] = block
         self.event(Event.ALLOC, block)
 
@@ -218,7 +226,7 @@ class _StepRecorder(SavedTensorCollector):
             return
         self.event(Event.FREE, self._live.pop(key))
 
-    def event(self, event: Event, payload: Any) -> None:
+    def event(self, event: Event, payload: EventPayload) -> None:
         self._sync_label()
         self.flush()
         self.events.append((event, payload))
@@ -244,7 +252,7 @@ class _StepRecorder(SavedTensorCollector):
             if p.grad is not None:
                 block = self._live.get(p.grad.untyped_storage()._cdata)
                 if block is not None:
-                    self.blocks[block][1] = BlockKind.GRADIENT
+                    self.blocks[block] = self.blocks[block]._replace(kind=BlockKind.GRADIENT)
 
     # The saved-tensor hooks.
     def _storage_id(self, t: torch.Tensor, storage: torch.UntypedStorage) -> int:
@@ -258,7 +266,7 @@ class _StepRecorder(SavedTensorCollector):
             storage_id = self._storage_ids[identity] = len(self._storage_ids)
         return storage_id
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> _Dropped:
         save = self.record(t)
         index = len(self.traced)
         block = self._live.get(t.untyped_storage()._cdata)
@@ -266,7 +274,7 @@ class _StepRecorder(SavedTensorCollector):
         self.event(Event.PACK, index)
         return _Dropped(self, index, t)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def _unpack(self, packed: object) -> torch.Tensor:
         assert isinstance(packed, _Dropped)
         self.event(Event.UNPACK, packed.save)
         self._unpacking = True
@@ -356,7 +364,6 @@ def trace_step(
             recorder.flush()
     finally:
         tape.close()
-    kinds = [Block(nbytes, kind) for nbytes, kind in recorder.blocks]
     batch, seq = meta.ids.shape
     return StepTrace(
         seq=seq,
@@ -369,7 +376,7 @@ def trace_step(
         attention_timing=tuple(
             sorted({c.attention for cs in recorder.costs for c in cs if c.attention is not None})
         ),
-        blocks=tuple(kinds),
+        blocks=tuple(recorder.blocks),
         saves=tuple(recorder.traced),
         saved=meta.saved_tensor_trace(recorder.saves),
         policy=policy_name(policy),

@@ -77,13 +77,13 @@ def recompute_units(layer: nn.Module, kinds: Sequence[RecomputeKind]) -> tuple[s
     return tuple(sorted(units, key=order.__getitem__))
 
 
-def saves_matmuls(kinds: Sequence[RecomputeKind], unit: str) -> bool:
+def saves_matmuls(kinds: Sequence[str], unit: str) -> bool:
     """The unit at path ``unit`` recomputes only what lies between its matmuls
     (``recompute_wrapper(save_matmuls=True)``)."""
     return "mlp_memory_bound" in kinds and "mlp" not in kinds and unit in _MLP_NAMES
 
 
-def reruns_down_projections(kinds: Sequence[RecomputeKind], unit: str) -> bool:
+def reruns_down_projections(kinds: Sequence[str], unit: str) -> bool:
     """The unit at path ``unit`` saves its matmul outputs but its down projections'
     (``recompute_wrapper(save_matmuls=True, rerun_to_input_width=True)``)."""
     return saves_matmuls(kinds, unit) and "mlp_down" in kinds

@@ -331,7 +331,7 @@ def measure_copy_bandwidth(
     stream = torch.cuda.Stream(device)
 
     def best_gbps(dst: torch.Tensor, src: torch.Tensor) -> float:
-        seconds = []
+        seconds: list[float] = []
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)  # warm-up
             for _ in range(repeats):

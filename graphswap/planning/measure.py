@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 
 class ResidentActivationTracker(TorchDispatchMode):
@@ -26,14 +29,20 @@ class ResidentActivationTracker(TorchDispatchMode):
     the ones alive now."""
 
     def __init__(self, device: torch.device | str) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode unannotated
         self.device = torch.device(device)
         self._born: dict[int, tuple[StorageWeakRef, int]] = {}
         self._pack_depth = 0
         self.packed_bytes = 0
         """Bytes of tensors that pack hooks received (what a swap could move)."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self,
+        func: OpOverload[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._pack_depth:
@@ -86,8 +95,10 @@ class ResidentActivationTracker(TorchDispatchMode):
         autograd = torch._C._autograd
         push = autograd._push_saved_tensors_default_hooks
 
-        def push_marked(pack: Callable[[torch.Tensor], Any], unpack: Callable[..., Any]) -> None:
-            push(self._wrap_pack(pack), unpack)
+        def push_marked(
+            pack_hook: Callable[[torch.Tensor], Any], unpack_hook: Callable[[Any], torch.Tensor]
+        ) -> None:
+            push(self._wrap_pack(pack_hook), unpack_hook)
 
         autograd._push_saved_tensors_default_hooks = push_marked
         try:
@@ -97,7 +108,7 @@ class ResidentActivationTracker(TorchDispatchMode):
             autograd._push_saved_tensors_default_hooks = push
 
 
-def output_tensors(output: Any) -> list[torch.Tensor]:
+def output_tensors(output: object) -> list[torch.Tensor]:
     """Every tensor in a model output (a ``ModelOutput``, tuple or dict)."""
     if hasattr(output, "to_tuple"):
         output = output.to_tuple()

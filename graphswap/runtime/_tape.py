@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -157,7 +157,7 @@ class Labelled(Protocol):
 
 
 @contextlib.contextmanager
-def step_labels(layers: Sequence[torch.nn.Module], tape: Labelled) -> Iterator[None]:
+def step_labels(layers: Iterable[torch.nn.Module], tape: Labelled) -> Iterator[None]:
     """Label the tape by decoder layer: ``embed``, ``F<i>`` in layer i's forward,
     ``head`` after the last, ``B<i>`` from when the gradient of layer i's output
     arrives (its backward begins) until the next layer's does. The caller sets
