@@ -278,7 +278,7 @@ def fit_sequence(
                 plan = made[(), mode] = plan_step(
                     config,
                     trace,
-                    activation_swap=mode,  # type: ignore[arg-type]
+                    activation_swap=mode,
                     schedule=schedule,
                     baseline=baseline,
                 )

@@ -500,7 +500,7 @@ def plan_step(
     if baseline is None:
         baseline = replay_without_swap(trace, schedule)
     candidates = layer_candidates(saved)
-    per_layer = [candidates[layer.name] for layer in saved.layers]
+    per_layer: list[Sequence[SwapCandidate]] = [candidates[layer.name] for layer in saved.layers]
     auto_fields: dict[str, Any] = {}
     if activation_swap == "auto":
         lags = _AUTO_LAGS if offload_lag is None else (offload_lag,)

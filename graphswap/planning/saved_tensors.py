@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
 import torch
@@ -239,7 +239,7 @@ class SavedTensorCollector:
         return t
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        return packed
+        return cast(torch.Tensor, packed)  # what _pack returned: here the tensor itself
 
     @contextmanager
     def collect(self) -> Iterator[SavedTensorCollector]:
@@ -312,7 +312,9 @@ def _declared_attention(model: torch.nn.Module) -> tuple[type, ...]:
 
 
 def head_dim(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
 
 
 def per_rank_config(config: PretrainedConfig, tp_size: int) -> PretrainedConfig:
@@ -376,7 +378,7 @@ class MetaModel:
         attention = nullcontext() if self.kernel is None else FusedAttentionMode(self.kernel)
         with (
             mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed),
-            _ShapeOnlyGroupedMM(),
+            _ShapeOnlyGroupedMM(),  # type: ignore[no-untyped-call]  # torch's __init__ is unannotated
             attention,
         ):
             yield
