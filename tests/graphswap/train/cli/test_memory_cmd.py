@@ -546,3 +546,23 @@ def test_json_output_parses_and_counts_every_layer(console: Any) -> None:
         plan["tp"],
     ) == defaults
     assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])
+
+
+def test_the_old_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: ignore[no-untyped-def]
+    argv = (
+        "plan-memory",
+        "--preset",
+        "tiny",
+        "--layers",
+        "2",
+        "--device",
+        "cpu",
+        "--format",
+        "json",
+    )
+    old = graphswap_cmd(*argv, "--seq", "64", "--batch", "2", "--tp", "2")
+    new = graphswap_cmd(*argv, "--seq-len", "64", "--batch-size", "2", "--tp-size", "2")
+    assert old.returncode == new.returncode == 0
+    assert "--seq is deprecated and will be removed; use --seq-len 64" in old.stderr
+    assert "--tp is deprecated" in old.stderr and not new.stderr
+    assert old.stdout == new.stdout
