@@ -68,7 +68,7 @@ NAMES: dict[str, str] = {
     "graphswap.rules.qwen3_layer_swap_policy": _SIZE_POLICY,
     "graphswap.rules.layer_swap_policy": _SIZE_POLICY,
     "graphswap.config.ActivationSwap": "graphswap.planning:SwapMode",
-    "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._plan:DEFAULT_HIDE_MARGIN",
+    "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._settings:DEFAULT_HIDE_MARGIN",
     # graphswap.planning's names are what a user calls; the steps behind a plan are
     # graphswap.planning.trace's, the rest the planner's own.
     **{
@@ -83,7 +83,7 @@ NAMES: dict[str, str] = {
             "trace_step",
         )
     },
-    "graphswap.planner.DEFAULT_HIDE_MARGIN": "graphswap.planning._plan:DEFAULT_HIDE_MARGIN",
+    "graphswap.planner.DEFAULT_HIDE_MARGIN": "graphswap.planning._settings:DEFAULT_HIDE_MARGIN",
     "graphswap.planner.SWAP_MODES": "graphswap.planning._plan:SWAP_MODES",
     "graphswap.planner.DEFAULT_SEQ_STEP": "graphswap.planning._fit:DEFAULT_SEQ_STEP",
     "graphswap.planner.Replay": "graphswap.planning._replay:Replay",
@@ -120,6 +120,19 @@ NAMES: dict[str, str] = {
 """Old ``module.name`` -> ``new_module:name``, for names that moved out of their module
 (or out of ``graphswap`` itself) or were renamed."""
 
+RENAMED_KEYWORDS: dict[str, str] = {
+    "seq": "seq_len",
+    "batch": "batch_size",
+    "tp": "tp_size",
+    "hide_margin": "swap_hide_margin",
+    "offload_lag": "swap_offload_lag",
+    "prefetch_depth": "swap_prefetch_depth",
+    "bandwidth_gbps": "swap_bandwidth_gbps",
+    "tflops": "swap_tflops",
+}
+"""The keywords of ``plan_memory`` and ``fit_sequence`` in 0.1.0 -> their names now, the
+trainer config's keys (one spelling per setting)."""
+
 PACKAGES: dict[str, str] = {"passes": "graphswap.passes"}
 """0.1.0's top-level packages -> their place under graphswap. An installed graphswap has
 no top-level ``passes``; a source checkout still finds the folder on ``sys.path``."""
@@ -149,17 +162,33 @@ def resolve(target: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def warn(message: str) -> None:
+def warn(message: str, inside: str | None = None) -> None:
     """A ``DeprecationWarning`` that points at the user's line: past this module, the
-    shims and the import machinery, so Python's default filter shows it in scripts."""
+    shims, the import machinery and the package ``inside`` (the one whose function was
+    called), so Python's default filter shows it in scripts."""
     level, frame = 2, sys._getframe(1)
     while frame is not None and (
         frame.f_globals.get("__name__") in (__name__, "importlib", *MODULES, *PACKAGES)
         or _bootstrap(frame)
+        or (inside is not None and frame.f_globals.get("__name__", "").startswith(inside))
     ):
         # warnings.warn leaves the import system's own frames out of the count itself.
         level, frame = level + (not _bootstrap(frame)), frame.f_back
     warnings.warn(f"{message} (removed in {REMOVED_IN})", DeprecationWarning, stacklevel=level)
+
+
+def renamed_keywords(caller: str, keywords: dict[str, Any], inside: str) -> dict[str, Any]:
+    """``keywords`` with each name of :data:`RENAMED_KEYWORDS` replaced by its new one,
+    warning once per old name used; an old name given beside its new one stays, for the
+    caller to refuse as unknown."""
+    renamed = {}
+    for name, value in keywords.items():
+        new = RENAMED_KEYWORDS.get(name)
+        if new is not None and new not in keywords:
+            warn(f"{caller}({name}=...) is deprecated: use {new}=", inside)
+            name = new
+        renamed[name] = value
+    return renamed
 
 
 def _bootstrap(frame: types.FrameType) -> bool:

@@ -33,17 +33,16 @@ if TYPE_CHECKING:
     from graphswap.passes.settings import PassSettings
     from graphswap.rewriting.apply import RewriteReport
 
-_PLAN_KEYS = {
-    "seq": "seq_len",
-    "batch": "batch_size",
-    "tp": "tp_size",
-    "bandwidth_gbps": "swap_bandwidth_gbps",
-    "tflops": "swap_tflops",
-    "hide_margin": "swap_hide_margin",
-    "prefetch_depth": "swap_prefetch_depth",
-    "offload_lag": "swap_offload_lag",
-}
-"""The planner's setting names that are ``PassSettings`` attributes under another name."""
+_PLANNED_KEYS = (
+    "seq_len",
+    "batch_size",
+    "tp_size",
+    "swap_tflops",
+    "swap_hide_margin",
+    "swap_prefetch_depth",
+    "swap_offload_lag",
+)
+"""The config's keys the planner takes as they are: the planner spells them alike."""
 
 PLANNED_MODES = ("auto", "budget")
 """The modes carried out from a plan of the model's shape (:func:`plan_auto_swap`)."""
@@ -165,27 +164,22 @@ def plan_auto_swap(model: nn.Module, config: PassSettings, *, state_shards: int 
             )
         plan = plan_memory(
             hf_config,
-            seq=config.seq_len,
-            batch=config.batch_size,
-            bandwidth_gbps=bandwidth,
-            tflops=config.swap_tflops,
+            **{key: getattr(config, key) for key in _PLANNED_KEYS},
+            swap_bandwidth_gbps=bandwidth,
             dtype=param.dtype,
             attn_implementation=attn,
             device="cuda" if device.type == "cuda" else "cpu",
-            tp=config.tp_size,
             activation_swap=config.activation_swap,
             activation_memory_budget=budget,
-            hide_margin=config.swap_hide_margin,
-            prefetch_depth=config.swap_prefetch_depth,
-            offload_lag=config.swap_offload_lag,
             max_host_bytes=host_budget(),
             profile=profile,
             state_shards=state_shards,
         )
     except PlanSettingError as error:
-        key = _PLAN_KEYS.get(error.setting, error.setting)
+        # The planner names a setting by its config key: the message starts with it.
         raise PassSettingError(
-            f"{key}: {error.value} {error.detail} (activation_swap: {config.activation_swap})"
+            f"{error.setting}: {error.value} {error.detail}"
+            f" (activation_swap: {config.activation_swap})"
         ) from error
     dtype = str(param.dtype).removeprefix("torch.")
     made_for = (

@@ -47,6 +47,7 @@ from swap_overhead import (
     target_line,
 )
 
+from graphswap.planning import StepShape, SwapSchedule
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 
 SDPA_BACKENDS = {
@@ -175,8 +176,8 @@ def _plan_memory(
 
     return plan_memory(
         config,
-        seq=seq,
-        batch=args.batch,
+        seq_len=seq,
+        batch_size=args.batch,
         dtype=getattr(torch, args.dtype),
         attn_implementation=args.attn,
         device="cuda" if device.type == "cuda" else "cpu",
@@ -214,11 +215,13 @@ def _bench_step(
 
     meta = build_meta_model(
         config,
-        seq=seq,
-        batch=args.batch,
-        dtype=getattr(torch, args.dtype),
-        attn_implementation=args.attn,
-        device="cuda" if device.type == "cuda" else "cpu",
+        StepShape(
+            seq_len=seq,
+            batch_size=args.batch,
+            dtype=getattr(torch, args.dtype),
+            attn_implementation=args.attn,
+            device="cuda" if device.type == "cuda" else "cpu",
+        ),
     )
     profile = device_profile(DEFAULT_PROFILE)
     replaced = {"link_gbps": args.swap_bandwidth, "tflops": args.swap_tflops}
@@ -247,8 +250,8 @@ def _predictions(
             else plan_step(
                 config,
                 trace,
+                schedule=SwapSchedule(swap_hide_margin=args.swap_hide_margin),
                 activation_swap=name,
-                hide_margin=args.swap_hide_margin,
                 baseline=baseline,
             )
         )

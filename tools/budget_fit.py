@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import fit_sequence
+from graphswap.planning import StepShape, fit_sequence
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import SwapChoice, replay, trace_step
 from graphswap.runtime.profile import device_profile
@@ -66,7 +66,7 @@ def _without_swap(name: str, seq: int, recompute: tuple[str, ...]) -> tuple[int,
     """The step at ``seq`` with ``recompute`` and nothing swapped: its device peak and
     its seconds."""
     trace = trace_step(
-        build_meta_model(preset_config(name), seq=seq, recompute=recompute),  # type: ignore[arg-type]
+        build_meta_model(preset_config(name), StepShape(seq_len=seq), recompute=recompute),  # type: ignore[arg-type]
         device_profile("h200"),
     )
     run = replay(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import MemoryPlan, fit_sequence
+from graphswap.planning import MemoryPlan, StepShape, SwapSchedule, fit_sequence
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import (
     StepTrace,
@@ -56,12 +56,24 @@ def _replayed(trace: StepTrace, plan: MemoryPlan) -> float:
 def row(name: str, seq: int) -> dict[str, Any]:
     config = preset_config(name)
     causal = device_profile("h200")
-    meta = build_meta_model(config, seq=seq)
+    meta = build_meta_model(config, StepShape(seq_len=seq))
     trace = trace_step(meta, causal)
     old_trace = trace_step(meta, causal.with_figures(attention_efficiency=0.5))
-    lag1 = plan_step(config, trace, activation_swap="auto", offload_lag=1, state_shards=SHARDS)
-    chosen = plan_step(config, trace, activation_swap="auto", state_shards=SHARDS)
-    old = plan_step(config, old_trace, activation_swap="auto", offload_lag=1, state_shards=SHARDS)
+    lag1 = plan_step(
+        config,
+        trace,
+        schedule=SwapSchedule(swap_offload_lag=1, state_shards=SHARDS),
+        activation_swap="auto",
+    )
+    chosen = plan_step(
+        config, trace, schedule=SwapSchedule(state_shards=SHARDS), activation_swap="auto"
+    )
+    old = plan_step(
+        config,
+        old_trace,
+        schedule=SwapSchedule(swap_offload_lag=1, state_shards=SHARDS),
+        activation_swap="auto",
+    )
     forward = sum(layer.forward_seconds for layer in chosen.layers[:-1])
     bound = forward * causal.d2h_gbps * 1e9
     return {

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._plan import LayerPlan, MemoryPlan, plan_step
 from graphswap.planning._replay import Replay, replay_without_swap
+from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import Event, StepTrace
 from graphswap.planning._units import RECOMPUTE_LEVELS, RecomputeKind
 from graphswap.runtime._tape import backward_label
@@ -143,40 +144,24 @@ def plan_budget(
     traces: Callable[[tuple[RecomputeKind, ...]], StepTrace],
     *,
     budget: int,
-    hide_margin: float,
-    offload_lag: int | None,
-    prefetch_depth: int,
-    state_shards: int,
-    max_host_bytes: int | None,
+    schedule: SwapSchedule,
     baseline: Replay | None = None,
     known: Mapping[tuple[tuple[RecomputeKind, ...], str], MemoryPlan] | None = None,
 ) -> MemoryPlan:
     """The fastest plan whose device peak is at most ``budget`` bytes; ``traces(kinds)``
     is the step with ``kinds`` recomputed in every layer. Raises :class:`BudgetError`
     naming the smallest budget a plan meets when none fits. ``known``: plans already made
-    with these settings, by recompute level and swap (a fit's ``auto`` and ``layer``)."""
+    with ``schedule``, by recompute level and swap (a fit's ``auto`` and ``layer``)."""
     plain = traces(())
     if baseline is None:
-        baseline = replay_without_swap(
-            plain,
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
-        )
+        baseline = replay_without_swap(plain, schedule)
     base_seconds = baseline.timeline.step_seconds
     plain_backward = _backward_seconds(plain)
-    settings = {
-        "hide_margin": hide_margin,
-        "offload_lag": offload_lag,
-        "prefetch_depth": prefetch_depth,
-        "state_shards": state_shards,
-        "max_host_bytes": max_host_bytes,
-    }
     options: list[BudgetOption] = []
     best: tuple[float, MemoryPlan, StepTrace, BudgetOption] | None = None
     if baseline.timeline.peak_bytes <= budget:
         keep = (known or {}).get(((), "none")) or plan_step(
-            config, plain, activation_swap="none", baseline=baseline, **settings
+            config, plain, activation_swap="none", schedule=schedule, baseline=baseline
         )
         option = BudgetOption((), "none", keep.timeline.peak_bytes, keep.step_ratio)
         options.append(option)
@@ -195,8 +180,8 @@ def plan_budget(
                     config,
                     trace,
                     activation_swap=swap,  # type: ignore[arg-type]
+                    schedule=schedule,
                     baseline=baseline,
-                    **settings,
                 )
                 seconds = plan.timeline.step_seconds
                 option = BudgetOption(kinds, swap, plan.timeline.peak_bytes, seconds / base_seconds)

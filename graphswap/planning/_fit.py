@@ -19,23 +19,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._budget import BudgetError, BudgetOption, plan_budget
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._plan import (
-    DEFAULT_HIDE_MARGIN,
     DEFAULT_PROFILE,
     SWAP_MODES,
     MemoryPlan,
     SwapMode,
-    check_settings,
+    check_mode,
     plan_step,
     resolve_profile,
 )
 from graphswap.planning._replay import replay_without_swap
+from graphswap.planning._settings import StepShape, check_int, split_settings
 from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
@@ -188,58 +186,38 @@ def fit_sequence(
     config: PretrainedConfig,
     *,
     memory_bytes: int | None = None,
-    batch: int = 1,
-    dtype: torch.dtype = torch.bfloat16,
-    attn_implementation: str = "sdpa",
-    device: str = "cuda",
-    attn_kernel: str | None = None,
-    tp: int = 1,
-    hide_margin: float = DEFAULT_HIDE_MARGIN,
     profile: str | DeviceProfile = DEFAULT_PROFILE,
-    bandwidth_gbps: float | None = None,
-    tflops: float | None = None,
-    offload_lag: int | None = None,
-    prefetch_depth: int = 1,
-    state_shards: int = 1,
-    max_host_bytes: int | None = None,
     seq_step: int = DEFAULT_SEQ_STEP,
     modes: Sequence[SwapMode] = SWAP_MODES,
+    **settings: Any,
 ) -> FitResult:
     """The longest sequence (a multiple of ``seq_step``) each of ``modes`` fits in
     ``memory_bytes`` (default: the profile's memory) at every multiple up to it, with the
     plan at that length and every length that fits.
 
-    The settings are :func:`~graphswap.planning.plan_memory`'s. When parameters,
-    gradients and AdamW state alone leave no memory, nothing is traced and
+    ``profile`` and ``settings`` are :func:`~graphswap.planning.plan_memory`'s, the
+    config's keys, but ``seq_len``, which the fit searches. When parameters, gradients
+    and AdamW state alone leave no memory, nothing is traced and
     :attr:`FitResult.modes` is empty (see :attr:`FitResult.shards_needed`).
     """
     for mode in modes:
-        check_settings(
-            activation_swap=mode,
-            hide_margin=hide_margin,
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
-            max_host_bytes=max_host_bytes,
-        )
-    resolved = resolve_profile(profile, bandwidth_gbps=bandwidth_gbps, tflops=tflops)
+        check_mode(mode)
+    shape_settings, schedule, figures = split_settings("fit_sequence", settings)
+    resolved = resolve_profile(profile, **figures)
     memory = resolved.memory_bytes if memory_bytes is None else memory_bytes
     if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
         raise PlanSettingError("memory_bytes", memory, "must be a positive number of bytes")
-    if isinstance(seq_step, bool) or not isinstance(seq_step, int) or seq_step < 1:
-        raise PlanSettingError("seq_step", seq_step, "must be a positive integer")
+    check_int("seq_step", seq_step, 1, "the fit answers in its multiples")
+    if "seq_len" in shape_settings:
+        raise PlanSettingError(
+            "seq_len", shape_settings["seq_len"], "is what the fit searches; leave it out"
+        )
+    shape = StepShape(seq_len=seq_step, **shape_settings)
+    state_shards = schedule.state_shards
 
     def meta_model(seq: int, recompute: tuple[RecomputeKind, ...] = ()) -> MetaModel:
         return build_meta_model(
-            config,
-            seq=seq,
-            batch=batch,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            device=device,
-            attn_kernel=attn_kernel,
-            tp=tp,
-            recompute=recompute,
+            config, dataclasses.replace(shape, seq_len=seq), recompute=recompute
         )
 
     first = meta_model(seq_step)
@@ -249,7 +227,7 @@ def fit_sequence(
     empty = FitResult(
         memory_bytes=memory,
         profile=resolved,
-        batch=batch,
+        batch=shape.batch_size,
         seq_step=seq_step,
         max_seq=max_seq,
         state_shards=state_shards,
@@ -257,7 +235,9 @@ def fit_sequence(
         gradient_bytes=share,
         optimizer_state_bytes=2 * share,
         buffer_bytes=storage_bytes(list(first.model.buffers())),
-        max_host_bytes=resolved.host_budget_bytes if max_host_bytes is None else max_host_bytes,
+        max_host_bytes=resolved.host_budget_bytes
+        if schedule.max_host_bytes is None
+        else schedule.max_host_bytes,
         modes=(),
         traced=(),
     )
@@ -287,32 +267,20 @@ def fit_sequence(
             )
         return found
 
-    settings = {
-        "hide_margin": hide_margin,
-        "offload_lag": offload_lag,
-        "prefetch_depth": prefetch_depth,
-        "state_shards": state_shards,
-        "max_host_bytes": max_host_bytes,
-    }
     scans = {mode: _Scan(mode) for mode in planned}
     fixed = [mode for mode in planned if mode != "budget"]
     with _collector_paused():
         for seq in lengths:
             trace = series(())(seq)
-            baseline = replay_without_swap(
-                trace,
-                offload_lag=offload_lag,
-                prefetch_depth=prefetch_depth,
-                state_shards=state_shards,
-            )
+            baseline = replay_without_swap(trace, schedule)
             made = {}
             for mode in fixed:
                 plan = made[(), mode] = plan_step(
                     config,
                     trace,
-                    activation_swap=mode,  # type: ignore[arg-type]
+                    activation_swap=mode,
+                    schedule=schedule,
                     baseline=baseline,
-                    **settings,
                 )
                 scans[mode].add(plan, memory)
             if "budget" in scans:
@@ -321,9 +289,9 @@ def fit_sequence(
                         config,
                         lambda kinds, seq=seq: series(kinds)(seq),  # type: ignore[misc]
                         budget=memory,
+                        schedule=schedule,
                         baseline=baseline,
                         known=made,  # type: ignore[arg-type]
-                        **settings,
                     )
                 except BudgetError as error:
                     scans["budget"].miss(seq, error.smallest)

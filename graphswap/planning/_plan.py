@@ -9,11 +9,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
-
 from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
 from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
 from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap
+from graphswap.planning._settings import (
+    DEFAULT_SCHEDULE,
+    StepShape,
+    SwapSchedule,
+    check_int,
+    split_settings,
+)
 from graphswap.planning._trace import StepTrace, trace_step
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning._windows import StepTimes, group_of, step_times
@@ -34,10 +39,6 @@ if TYPE_CHECKING:
 
 DEFAULT_PROFILE = "h200"
 """The device a plan is made for unless told: an H200 on PCIe Gen5."""
-
-DEFAULT_HIDE_MARGIN = 0.1
-"""``auto`` fills at most 90% of each copy's window: kernel-time estimates and link
-contention are not exact."""
 
 SwapMode = Literal["none", "attention", "layer", "auto", "budget"]
 """What activation swap moves, one name everywhere (``activation_swap`` in the trainer's
@@ -366,50 +367,27 @@ def _swapped_saves(chosen: Sequence[SwapCandidate]) -> tuple[SavedTensor, ...]:
     return tuple(sorted((save for c in chosen for save in c.saves), key=lambda s: s.index))
 
 
-def _check_int(name: str, value: object, minimum: int, detail: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PlanSettingError(name, value, f"must be an integer >= {minimum}; {detail}")
-
-
-def check_settings(
-    *,
-    activation_swap: str,
-    hide_margin: float,
-    offload_lag: int | None,
-    prefetch_depth: int,
-    state_shards: int,
-    max_host_bytes: int | None = None,
-) -> None:
-    """Raise :class:`PlanSettingError` for a setting no plan can be made with."""
+def check_mode(activation_swap: object) -> None:
+    """``activation_swap`` is one of :data:`SWAP_MODES`."""
     if activation_swap not in SWAP_MODES:
         raise PlanSettingError(
             "activation_swap", activation_swap, f"must be one of {', '.join(SWAP_MODES)}"
         )
-    if not 0 <= hide_margin < 1:
-        raise PlanSettingError(
-            "hide_margin", hide_margin, "must be in [0, 1): the share of each window left free"
-        )
-    if offload_lag is not None:
-        _check_int("offload_lag", offload_lag, 0, "as SwapManager takes it (unset: the plan's)")
-    _check_int("prefetch_depth", prefetch_depth, 1, "as SwapManager takes it")
-    _check_int("state_shards", state_shards, 1, "1 keeps all the state on one device")
-    if max_host_bytes is not None:
-        _check_int("max_host_bytes", max_host_bytes, 0, "the host pool's budget per rank")
 
 
 def resolve_profile(
     profile: str | DeviceProfile,
     *,
-    bandwidth_gbps: float | None = None,
-    tflops: float | None = None,
+    swap_bandwidth_gbps: float | None = None,
+    swap_tflops: float | None = None,
 ) -> DeviceProfile:
     """``profile`` (a preset name or spec, see :func:`device_profile`) with the link
     (both directions) or the compute replaced. A bad override raises
     :class:`PlanSettingError`, a bad profile :class:`ProfileError`."""
     overrides: dict[str, float] = {}
     for name, key, value in (
-        ("bandwidth_gbps", "link_gbps", bandwidth_gbps),
-        ("tflops", "tflops", tflops),
+        ("swap_bandwidth_gbps", "link_gbps", swap_bandwidth_gbps),
+        ("swap_tflops", "tflops", swap_tflops),
     ):
         if value is None:
             continue
@@ -428,103 +406,59 @@ def resolve_profile(
 def plan_memory(
     config: PretrainedConfig,
     *,
-    seq: int,
-    batch: int = 1,
-    dtype: torch.dtype = torch.bfloat16,
-    attn_implementation: str = "sdpa",
-    device: str = "cuda",
-    attn_kernel: str | None = None,
-    tp: int = 1,
-    policy: SwapPolicy | None = None,
     activation_swap: SwapMode = "attention",
-    hide_margin: float = DEFAULT_HIDE_MARGIN,
+    policy: SwapPolicy | None = None,
     profile: str | DeviceProfile = DEFAULT_PROFILE,
-    bandwidth_gbps: float | None = None,
-    tflops: float | None = None,
-    offload_lag: int | None = None,
-    prefetch_depth: int = 1,
-    state_shards: int = 1,
-    max_host_bytes: int | None = None,
     optimizer: bool = True,
     activation_memory_budget: int | None = None,
+    **settings: Any,
 ) -> MemoryPlan:
     """Trace one training step of ``config`` on meta and predict it for one rank, with
     ``activation_swap`` and without.
 
-    ``device``, ``attn_kernel`` and ``tp`` are those of
-    :func:`~graphswap.planning.saved_tensors.build_meta_model`. ``profile``: the device (a
-    :data:`~graphswap.runtime.profile.PRESETS` name, a spec such as
-    ``h200,link_gbps=25``, or a :class:`DeviceProfile`); ``bandwidth_gbps`` (both link
-    directions) and ``tflops`` override its figures. ``offload_lag`` and
-    ``prefetch_depth`` are the ``SwapManager``'s; unset, ``auto`` plans at lags 1 and 2
-    and keeps the lower peak, the other modes take 1. ``max_host_bytes``: the host pool's
-    budget per rank (default: the profile's node's share, as the runtime takes it on
-    that node). ``policy`` defaults to the one the mode's rule runs. ``hide_margin``:
-    ``auto`` fills at most ``1 - hide_margin`` of each copy's window. ``state_shards``:
-    parameters, gradients and AdamW state sharded FSDP-style over that many ranks (an
-    approximation, see the assumptions). ``optimizer=False``: the step without AdamW
-    (forward and backward after ``zero_grad``; no optimizer state on the device).
+    ``settings`` are flat keywords named as the trainer config's keys, as users and the
+    swap pass hold them: the fields of :class:`~graphswap.planning.StepShape`
+    (``seq_len``, required; ``batch_size``, ``dtype``, ``attn_implementation``,
+    ``device``, ``attn_kernel``, ``tp_size``) and of
+    :class:`~graphswap.planning.SwapSchedule` (``swap_hide_margin``,
+    ``swap_offload_lag``, ``swap_prefetch_depth``, ``state_shards``,
+    ``max_host_bytes``), each made once and checked there, and the profile's overrides
+    ``swap_bandwidth_gbps`` (both link directions) and ``swap_tflops``. 0.1.0's names
+    (``seq``, ``batch``, ``tp``, ``hide_margin``, ``offload_lag``, ``prefetch_depth``,
+    ``bandwidth_gbps``, ``tflops``) work with a ``DeprecationWarning`` until 0.3.
+    ``profile``: the device (a :data:`~graphswap.runtime.profile.PRESETS` name, a spec
+    such as ``h200,link_gbps=25``, or a :class:`DeviceProfile`). ``policy`` defaults to
+    the one the mode's rule runs. ``optimizer=False``: the step without AdamW (forward
+    and backward after ``zero_grad``; no optimizer state on the device).
     ``activation_memory_budget``: with ``budget``, the device peak (bytes) to plan
-    within. A bad setting raises :class:`PlanSettingError` or :class:`ProfileError`
-    before any model is built.
+    within. A bad setting raises :class:`PlanSettingError` (naming the config's key) or
+    :class:`ProfileError` before any model is built.
     """
+    check_mode(activation_swap)
     check_budget(activation_swap, activation_memory_budget)
-    check_settings(
-        activation_swap=activation_swap,
-        hide_margin=hide_margin,
-        offload_lag=offload_lag,
-        prefetch_depth=prefetch_depth,
-        state_shards=state_shards,
-        max_host_bytes=max_host_bytes,
-    )
-    resolved = resolve_profile(profile, bandwidth_gbps=bandwidth_gbps, tflops=tflops)
+    shape_settings, schedule, figures = split_settings("plan_memory", settings)
+    resolved = resolve_profile(profile, **figures)
+    if "seq_len" not in shape_settings:
+        raise PlanSettingError("seq_len", None, "is required: the tokens per sequence to plan")
+    shape = StepShape(**shape_settings)
     chosen_policy = swap_large_activations if policy is None else policy
 
     def trace(recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
-        meta = build_meta_model(
-            config,
-            seq=seq,
-            batch=batch,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            device=device,
-            attn_kernel=attn_kernel,
-            tp=tp,
-            activation_swap=activation_swap,
-            recompute=recompute,
-        )
+        meta = build_meta_model(config, shape, activation_swap=activation_swap, recompute=recompute)
         return trace_step(meta, resolved, chosen_policy, optimizer=optimizer)
 
     if activation_swap == "budget":
         from graphswap.planning._budget import plan_budget
 
         assert activation_memory_budget is not None
-        return plan_budget(
-            config,
-            trace,
-            budget=activation_memory_budget,
-            hide_margin=hide_margin,
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
-            max_host_bytes=max_host_bytes,
-        )
-    return plan_step(
-        config,
-        trace(),
-        activation_swap=activation_swap,
-        hide_margin=hide_margin,
-        offload_lag=offload_lag,
-        prefetch_depth=prefetch_depth,
-        state_shards=state_shards,
-        max_host_bytes=max_host_bytes,
-    )
+        return plan_budget(config, trace, budget=activation_memory_budget, schedule=schedule)
+    return plan_step(config, trace(), activation_swap=activation_swap, schedule=schedule)
 
 
 def check_budget(activation_swap: str, activation_memory_budget: int | None) -> None:
     """``budget`` needs a budget in bytes > 0; the other modes take none."""
     if activation_swap == "budget":
-        _check_int(
+        check_int(
             "activation_memory_budget",
             activation_memory_budget,
             1,
@@ -543,24 +477,13 @@ def plan_step(
     trace: StepTrace,
     *,
     activation_swap: SwapMode,
-    hide_margin: float = DEFAULT_HIDE_MARGIN,
-    offload_lag: int | None = None,
-    prefetch_depth: int = 1,
-    state_shards: int = 1,
-    max_host_bytes: int | None = None,
+    schedule: SwapSchedule = DEFAULT_SCHEDULE,
     baseline: Replay | None = None,
 ) -> MemoryPlan:
-    """The plan of ``activation_swap`` on a traced step, with the policy it was traced with;
-    ``baseline``: the step replayed without swap, when already at hand. The other
-    settings are :func:`plan_memory`'s."""
-    check_settings(
-        activation_swap=activation_swap,
-        hide_margin=hide_margin,
-        offload_lag=offload_lag,
-        prefetch_depth=prefetch_depth,
-        state_shards=state_shards,
-        max_host_bytes=max_host_bytes,
-    )
+    """The plan of ``activation_swap`` on a traced step, with the policy it was traced
+    with and ``schedule``; ``baseline``: the step replayed without swap, when already at
+    hand."""
+    check_mode(activation_swap)
     if activation_swap == "budget":
         raise PlanSettingError(
             "activation_swap",
@@ -569,13 +492,15 @@ def plan_step(
         )
     saved = trace.saved
     scope = _SCOPES[activation_swap]
+    max_host_bytes = schedule.max_host_bytes
     host_budget = trace.profile.host_budget_bytes if max_host_bytes is None else max_host_bytes
-    schedule = {"prefetch_depth": prefetch_depth, "state_shards": state_shards}
-    lag = 1 if offload_lag is None else offload_lag
+    offload_lag, prefetch_depth = schedule.swap_offload_lag, schedule.swap_prefetch_depth
+    queues = {"prefetch_depth": prefetch_depth, "state_shards": schedule.state_shards}
+    lag = schedule.lag()
     if baseline is None:
-        baseline = replay_without_swap(trace, offload_lag=lag, **schedule)
+        baseline = replay_without_swap(trace, schedule)
     candidates = layer_candidates(saved)
-    per_layer = [candidates[layer.name] for layer in saved.layers]
+    per_layer: list[Sequence[SwapCandidate]] = [candidates[layer.name] for layer in saved.layers]
     auto_fields: dict[str, Any] = {}
     if activation_swap == "auto":
         lags = _AUTO_LAGS if offload_lag is None else (offload_lag,)
@@ -584,9 +509,9 @@ def plan_step(
                 trace,
                 per_layer,
                 offload_lag=candidate,
-                hide_margin=hide_margin,
+                hide_margin=schedule.swap_hide_margin,
                 host_budget=host_budget,
-                **schedule,
+                **queues,
             )
             for candidate in lags
         ]
@@ -595,7 +520,7 @@ def plan_step(
         chosen: list[Sequence[SwapCandidate]] = list(auto.chosen)
         replayed = auto.replay
         auto_fields = {
-            "hide_margin": float(hide_margin),
+            "hide_margin": float(schedule.swap_hide_margin),
             "auto_dropped": auto.dropped,
             "offload_lag_chosen": offload_lag is None,
             **_auto_fields(per_layer, saved.layers),
@@ -611,7 +536,7 @@ def plan_step(
             if s.save.policy_swaps and group_of(s, scope) is not None
         )
         replayed = replay(
-            trace, SwapChoice(scope, swaps), offload_lag=lag, host_budget=host_budget, **schedule
+            trace, SwapChoice(scope, swaps), offload_lag=lag, host_budget=host_budget, **queues
         )
     windows = None
     if scope is not None:
@@ -665,7 +590,7 @@ def plan_step(
         profile=profile,
         offload_lag=lag,
         prefetch_depth=prefetch_depth,
-        state_shards=state_shards,
+        state_shards=schedule.state_shards,
         max_host_bytes=host_budget,
         host_peak_bytes=replayed.host_peak_bytes,
         attention_timing=trace.attention_timing,
@@ -678,7 +603,7 @@ def plan_step(
         + _trace_assumptions(trace, config)
         + _swap_assumptions(activation_swap, lag, prefetch_depth, offload_lag is None)
         + _host_assumptions(activation_swap, trace, host_budget, max_host_bytes is None)
-        + _shard_assumptions(state_shards),
+        + _shard_assumptions(schedule.state_shards),
         **auto_fields,
     )
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import BlockKind, Event, StepTrace
 from graphswap.planning._windows import group_of
 from graphswap.runtime._pool import size_class
@@ -372,15 +373,13 @@ def replay(
     )
 
 
-def replay_without_swap(
-    trace: StepTrace, *, offload_lag: int | None, prefetch_depth: int, state_shards: int = 1
-) -> Replay:
+def replay_without_swap(trace: StepTrace, schedule: SwapSchedule) -> Replay:
     """The step with nothing swapped: what every mode's step ratio is taken against
-    (``offload_lag`` unset: 1, as the modes other than ``auto`` take it)."""
+    (``swap_offload_lag`` unset: 1, as the modes other than ``auto`` take it)."""
     return replay(
         trace,
         SwapChoice(None, frozenset()),
-        offload_lag=1 if offload_lag is None else offload_lag,
-        prefetch_depth=prefetch_depth,
-        state_shards=state_shards,
+        offload_lag=schedule.lag(),
+        prefetch_depth=schedule.swap_prefetch_depth,
+        state_shards=schedule.state_shards,
     )

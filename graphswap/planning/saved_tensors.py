@@ -21,21 +21,17 @@ import functools
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphswap.errors import HierarchyError, NoMatchError, RewriteError
-from graphswap.hf.attention_kernels import (
-    AttentionKernel,
-    FusedAttentionMode,
-    PlanSettingError,
-    resolve_attention_kernel,
-)
+from graphswap.hf.attention_kernels import AttentionKernel, FusedAttentionMode, PlanSettingError
 from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
 from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
+from graphswap.planning._settings import StepShape
 from graphswap.planning._units import (
     RecomputeKind,
     recompute_units,
@@ -243,7 +239,7 @@ class SavedTensorCollector:
         return t
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        return packed
+        return cast(torch.Tensor, packed)  # what _pack returned: here the tensor itself
 
     @contextmanager
     def collect(self) -> Iterator[SavedTensorCollector]:
@@ -316,34 +312,35 @@ def _declared_attention(model: torch.nn.Module) -> tuple[type, ...]:
 
 
 def head_dim(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
 
 
-def per_rank_config(config: PretrainedConfig, tp: int) -> PretrainedConfig:
-    """The model one rank runs under ``passes/tensor_parallel.py``'s plan with ``tp`` ranks.
+def per_rank_config(config: PretrainedConfig, tp_size: int) -> PretrainedConfig:
+    """The model one rank runs under ``passes/tensor_parallel.py``'s plan with ``tp_size``
+    ranks (a :class:`StepShape`'s, checked there).
 
     That plan shards the attention heads (q/k/v column-parallel, o row-parallel, the q/k
     norms over the local heads) and replicates everything else, so one rank runs exactly
-    the attention of a model with ``1/tp`` of the query and key/value heads, at the same
-    head size, and the full embedding, norms, router, experts and head.
+    the attention of a model with ``1/tp_size`` of the query and key/value heads, at the
+    same head size, and the full embedding, norms, router, experts and head.
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise PlanSettingError("tp", tp, "must be a positive integer; 1 plans one device")
-    if tp == 1:  # the whole model, whatever its attention (GPT-NeoX has no kv heads)
+    if tp_size == 1:  # the whole model, whatever its attention (GPT-NeoX has no kv heads)
         return copy.deepcopy(config)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % tp or kv_heads % tp:
+    if heads % tp_size or kv_heads % tp_size:
         fitting = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
         raise PlanSettingError(
-            "tp",
-            tp,
+            "tp_size",
+            tp_size,
             f"must divide num_attention_heads ({heads}) and num_key_value_heads "
             f"({kv_heads}); use one of {', '.join(map(str, fitting))}",
         )
     rank = copy.deepcopy(config)
     rank.head_dim = head_dim(config)
-    rank.num_attention_heads = heads // tp
-    rank.num_key_value_heads = kv_heads // tp
+    rank.num_attention_heads = heads // tp_size
+    rank.num_key_value_heads = kv_heads // tp_size
     return rank
 
 
@@ -381,7 +378,7 @@ class MetaModel:
         attention = nullcontext() if self.kernel is None else FusedAttentionMode(self.kernel)
         with (
             mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed),
-            _ShapeOnlyGroupedMM(),
+            _ShapeOnlyGroupedMM(),  # type: ignore[no-untyped-call]  # torch's __init__ is unannotated
             attention,
         ):
             yield
@@ -418,34 +415,22 @@ def _not_packed(position_ids: torch.Tensor) -> None:
 
 def build_meta_model(
     config: PretrainedConfig,
+    shape: StepShape,
     *,
-    seq: int,
-    batch: int = 1,
-    dtype: torch.dtype = torch.bfloat16,
-    attn_implementation: str = "sdpa",
-    device: str = "cuda",
-    attn_kernel: str | None = None,
-    tp: int = 1,
     activation_swap: str | None = None,
     recompute: Sequence[RecomputeKind] = (),
 ) -> MetaModel:
-    """One rank's model of ``config`` on meta, ready to trace at ``batch`` x ``seq``.
+    """One rank's model of ``config`` on meta, ready to trace at ``shape``.
 
-    ``device`` and ``attn_kernel`` choose the sdpa kernel (``None``: the one PyTorch
-    picks first for the device and dtype). Every setting is checked before a model is
-    built, but those the meta model shows: ``tp`` against the attention's layout, eager
-    experts against a model that has experts, and ``activation_swap`` (when given)
-    against what its rule accepts, so that a plan is never made of a rewrite that
-    cannot run; a bad one raises :class:`PlanSettingError` naming it (``model`` for a
-    model graphswap cannot plan at all). ``recompute``: the kinds of submodule every
-    layer recomputes (:mod:`graphswap.planning._units`), wrapped as the runtime wraps them.
+    ``shape`` was checked when made; what only the model shows is checked here before
+    it is traced: ``tp_size`` against the attention's layout, eager experts against a
+    model that has experts, and ``activation_swap`` (when given) against what its rule
+    accepts, so that a plan is never made of a rewrite that cannot run; a bad one raises
+    :class:`PlanSettingError` naming it (``model`` for a model graphswap cannot plan at
+    all). ``recompute``: the kinds of submodule every layer recomputes
+    (:mod:`graphswap.planning._units`), wrapped as the runtime wraps them.
     """
-    for name, value in (("seq", seq), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanSettingError(name, value, "must be a positive integer")
-    kernel = resolve_attention_kernel(
-        attn_implementation, device=device, dtype=dtype, attn_kernel=attn_kernel
-    )
+    attn_implementation, tp_size = shape.attn_implementation, shape.tp_size
     model_class = eager_only(config)
     if attn_implementation == "sdpa" and model_class is not None:
         raise PlanSettingError(
@@ -453,9 +438,9 @@ def build_meta_model(
             "sdpa",
             f"{model_class} runs eager attention only in this transformers; use eager",
         )
-    rank_config = per_rank_config(config, tp)
+    rank_config = per_rank_config(config, tp_size)
     rank_config._attn_implementation = attn_implementation
-    model = build_model(rank_config, device="meta", dtype=dtype).train()
+    model = build_model(rank_config, device="meta", dtype=shape.dtype).train()
     try:
         _, layers = decoder_layers(model)
     except HierarchyError as error:
@@ -475,17 +460,19 @@ def build_meta_model(
             check_rule(model, rule)
         except RewriteError as error:
             raise PlanSettingError("activation_swap", activation_swap, str(error)) from None
-    if tp > 1:
+    if tp_size > 1:
         attention = getattr(layers[0], "self_attn", None)
         problem = (
             "a layer without self_attn" if attention is None else head_sharding_problem(attention)
         )
         if problem is not None:
             raise PlanSettingError(
-                "tp", tp, f"shards attention heads, which this model's cannot be: {problem}; use 1"
+                "tp_size",
+                tp_size,
+                f"shards attention heads, which this model's cannot be: {problem}; use 1",
             )
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    meta = MetaModel(model, kernel, rank_config, tp, device, ids)
+    ids = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long, device="meta")
+    meta = MetaModel(model, shape.kernel, rank_config, tp_size, shape.device, ids)
     if not recompute:
         return meta
     units = tuple(recompute_units(layer, recompute) for layer in layers)
@@ -510,31 +497,11 @@ def _count_recompute(
 
 
 def trace_saved_tensors(
-    config: PretrainedConfig,
-    *,
-    seq: int,
-    batch: int = 1,
-    dtype: torch.dtype = torch.bfloat16,
-    attn_implementation: str = "sdpa",
-    device: str = "cuda",
-    attn_kernel: str | None = None,
-    tp: int = 1,
-    policy: SwapPolicy = swap_large_activations,
+    config: PretrainedConfig, shape: StepShape, *, policy: SwapPolicy = swap_large_activations
 ) -> SavedTensorTrace:
-    """Trace one training forward of ``config`` on meta: one rank's saves, per scope.
-
-    The settings are those of :func:`build_meta_model`.
-    """
-    meta = build_meta_model(
-        config,
-        seq=seq,
-        batch=batch,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        device=device,
-        attn_kernel=attn_kernel,
-        tp=tp,
-    )
+    """Trace one training forward of ``config`` at ``shape`` on meta: one rank's saves,
+    per scope (see :func:`build_meta_model`)."""
+    meta = build_meta_model(config, shape)
     collector = SavedTensorCollector(meta.model, policy)
     with collector.collect(), meta.tracing():
         meta.forward()

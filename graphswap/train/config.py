@@ -27,7 +27,7 @@ from graphswap.errors import GraphswapError
 from graphswap.hf.presets import preset_names
 from graphswap.planning import PlanSettingError, SwapMode
 from graphswap.planning._budget import resolve_memory_budget
-from graphswap.planning._plan import DEFAULT_HIDE_MARGIN
+from graphswap.planning._settings import DEFAULT_HIDE_MARGIN
 from graphswap.runtime.profile import PRESETS, SIM_PREFIX, ProfileError, simulated_profile
 
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)

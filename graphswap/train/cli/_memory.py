@@ -29,26 +29,6 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 KERNELS = ("flash", "efficient", "cudnn", "math")
 
-_FLAGS = {
-    "seq": "--seq",
-    "batch": "--batch",
-    "bandwidth_gbps": "--bandwidth",
-    "tflops": "--tflops",
-    "attn_implementation": "--attn-implementation",
-    "device": "--device",
-    "attn_kernel": "--attn-kernel",
-    "tp": "--tp",
-    "activation_swap": "--activation-swap",
-    "hide_margin": "--hide-margin",
-    "offload_lag": "--offload-lag",
-    "prefetch_depth": "--prefetch-depth",
-    "state_shards": "--state-shards",
-    "memory_bytes": "--fit",
-    "seq_step": "--seq-step",
-    "max_host_bytes": "--host-memory",
-    "activation_memory_budget": "--budget",
-}
-
 
 def memory_size(text: str) -> int:
     """``141GiB``, ``80GB``, ``8e10`` (bytes): a device memory, for ``--fit``."""
@@ -74,11 +54,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "family a preset or --model DIR's config.json names) on the "
             "meta device, time every operator on a device profile, and replay the step as the "
             "swap runtime runs it: per decoder layer what is saved and swapped, the copy time "
-            "against both windows (forward, fenced --offload-lag modules later; backward, "
-            "prefetched --prefetch-depth modules ahead) and both stalls, the predicted step "
+            "against both windows (forward, fenced --swap-offload-lag modules later; backward, "
+            "prefetched --swap-prefetch-depth modules ahead) and both stalls, the predicted step "
             "time and its ratio to the step without swap, and the device-memory peak with "
             "and without swap and where it falls. Attention runs the kernel the training "
-            "device runs; with --tp the prediction is one rank's. --activation-swap auto "
+            "device runs; with --tp-size the prediction is one rank's. --activation-swap auto "
             "shows what activation_swap: auto would swap: per layer the saved tensors whose "
             "copies hide in both windows. --fit finds the longest sequence each mode fits in "
             "a device's memory."
@@ -89,10 +69,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model", metavar="DIR", help="local Hugging Face checkpoint folder (config.json only)"
     )
     source.add_argument("--preset", choices=preset_names(), help="embedded model shape")
-    parser.add_argument(
-        "--seq", type=positive_int, metavar="N", help="tokens (required unless --fit)"
+    # Each planner setting's flag is its config key with dashes (--seq-len: seq_len), so
+    # a refusal naming the setting names the flag; 0.1.0's flags stay as hidden aliases.
+    _setting(
+        parser,
+        "--seq-len",
+        "--seq",
+        type=positive_int,
+        metavar="N",
+        help="tokens (required unless --fit)",
     )
-    parser.add_argument("--batch", type=positive_int, default=1, metavar="B")
+    _setting(
+        parser,
+        "--batch-size",
+        "--batch",
+        type=positive_int,
+        metavar="B",
+        help="sequences per batch (default 1)",
+    )
     parser.add_argument(
         "--layers", type=positive_int, metavar="N", help="override the number of decoder layers"
     )
@@ -120,17 +114,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="ranks (GPUs) per node sharing its host memory (default: the profile's, 8)",
     )
-    parser.add_argument(
+    _setting(
+        parser,
+        "--swap-bandwidth-gbps",
         "--bandwidth",
         type=positive_float,
-        default=None,
         metavar="GBPS",
         help="host link bandwidth per direction in GB/s (default: the profile's, 50)",
     )
-    parser.add_argument(
+    _setting(
+        parser,
+        "--swap-tflops",
         "--tflops",
         type=positive_float,
-        default=None,
         metavar="T",
         help="sustained compute in TFLOP/s (default: the profile's, 400)",
     )
@@ -157,10 +153,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default for float32, which flash and cudnn cannot run), cudnn, math; on cpu: flash "
         "(default) or math",
     )
-    parser.add_argument(
+    _setting(
+        parser,
+        "--tp-size",
         "--tp",
         type=positive_int,
-        default=1,
         metavar="N",
         help="tensor-parallel ranks (attention heads sharded as graphswap train tp_size=N "
         "shards them): predict one rank's bytes (default 1)",
@@ -179,7 +176,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODE",
         help="what is swapped, as graphswap train's activation_swap: attention (default), "
         "layer (every tensor of the decoder layer the size policy swaps), auto (per layer, "
-        "largest first, the tensors whose copies hide in both windows, less --hide-margin), "
+        "largest first, the tensors whose copies hide in both windows, less --swap-hide-margin), "
         "budget (per layer what to keep, swap and recompute within --budget) or none",
     )
     parser.add_argument(
@@ -191,26 +188,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="--activation-swap budget (implied): the device peak to plan within (120GiB, "
         "80GB, bytes); prints per layer the bytes kept, swapped and recomputed",
     )
-    parser.add_argument(
+    _setting(
+        parser,
+        "--swap-hide-margin",
         "--hide-margin",
         type=float,
-        default=None,
         metavar="M",
         help="auto: share of each copy's window left free, in [0, 1) (default 0.1)",
     )
-    parser.add_argument(
+    _setting(
+        parser,
+        "--swap-offload-lag",
         "--offload-lag",
         type=int,
-        default=None,
         metavar="N",
         help="the SwapManager's offload_lag: a module's copies to host are fenced when the "
         "forward N modules later begins (default: auto plans 1 and 2 and keeps the lower "
         "peak, the other modes 1)",
     )
-    parser.add_argument(
+    _setting(
+        parser,
+        "--swap-prefetch-depth",
         "--prefetch-depth",
         type=int,
-        default=1,
         metavar="N",
         help="the SwapManager's prefetch_depth: a module's tensors come back when backward "
         "reaches the module N later (default 1)",
@@ -250,6 +250,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _setting(parser: argparse.ArgumentParser, flag: str, old: str, **kwargs: Any) -> None:
+    """A planner setting's flag, given at most once, and its 0.1.0 name (``old``) as a
+    hidden alias that warns; unset, the planner's default applies."""
+    parser.add_argument(flag, action=Once, default=None, **kwargs)
+    kwargs = {key: value for key, value in kwargs.items() if key == "type"}
+    dest = flag.removeprefix("--").replace("-", "_")
+    parser.add_argument(
+        old, dest=dest, action=DeprecatedAlias, new=flag, help=argparse.SUPPRESS, **kwargs
+    )
+
+
 def _mode(args: argparse.Namespace) -> str:
     """The swap mode of one plan: ``--budget`` implies ``budget``; else ``attention``."""
     return args.activation_swap or ("budget" if args.budget is not None else "attention")
@@ -265,9 +276,10 @@ def _refusal(args: argparse.Namespace) -> str | None:
             f"--budget {args.budget} is read by --activation-swap budget only (it would change"
             f" nothing for --activation-swap {mode}); drop one of them"
         )
-    if args.hide_margin is not None and mode not in ("auto", "budget") and args.fit is None:
+    margin = args.swap_hide_margin
+    if margin is not None and mode not in ("auto", "budget") and args.fit is None:
         return (
-            f"--hide-margin {args.hide_margin} applies to --activation-swap auto only (it would"
+            f"--swap-hide-margin {margin} applies to --activation-swap auto only (it would"
             f" change nothing for --activation-swap {mode}); add --activation-swap auto or drop it"
         )
     if args.fit is None and mode == "none":
@@ -281,13 +293,13 @@ def _refusal(args: argparse.Namespace) -> str | None:
                     f"swaps nothing; choose a swap mode or drop {flag}"
                 )
     if args.fit is None:
-        if args.seq is None:
-            return "--seq N is required (or --fit, which searches the sequence length)"
+        if args.seq_len is None:
+            return "--seq-len N is required (or --fit, which searches the sequence length)"
         if args.seq_step is not None:
             return f"--seq-step {args.seq_step} applies to --fit only; add --fit or drop it"
         return None
     for flag, value in (
-        ("--seq", args.seq),
+        ("--seq-len", args.seq_len),
         ("--activation-swap", args.activation_swap),
         ("--budget", args.budget),
     ):
@@ -312,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         plan_memory,
     )
     from graphswap.planning._fit import DEFAULT_SEQ_STEP
-    from graphswap.planning._plan import DEFAULT_HIDE_MARGIN
+    from graphswap.planning._settings import PROFILE_FIGURES, SCHEDULE_FIELDS, SHAPE_FIELDS
     from graphswap.runtime.profile import device_profile
 
     refusal = _refusal(args)
@@ -344,26 +356,19 @@ def run(args: argparse.Namespace) -> int:
             profile = profile.with_figures(**node)
     except ProfileError as error:
         return user_error("plan-memory", f"--profile {args.profile or DEFAULT_PROFILE}: {error}")
+    # The flags' destinations are the settings' names: what is set goes to the planner.
     settings: dict[str, Any] = {
-        "batch": args.batch,
-        "dtype": getattr(torch, args.dtype),
-        "attn_implementation": args.attn_implementation,
-        "device": args.device,
-        "attn_kernel": args.attn_kernel,
-        "tp": args.tp,
-        "hide_margin": DEFAULT_HIDE_MARGIN if args.hide_margin is None else args.hide_margin,
-        "profile": profile,
-        "bandwidth_gbps": args.bandwidth,
-        "tflops": args.tflops,
-        "offload_lag": args.offload_lag,
-        "prefetch_depth": args.prefetch_depth,
-        "state_shards": args.state_shards,
+        name: getattr(args, name)
+        for name in (*SHAPE_FIELDS, *SCHEDULE_FIELDS, *PROFILE_FIGURES)
+        if getattr(args, name, None) is not None
     }
+    settings["dtype"] = getattr(torch, args.dtype)
     try:
         if args.fit is not None:
             fit = fit_sequence(
                 config,
                 memory_bytes=args.fit or None,
+                profile=profile,
                 seq_step=args.seq_step or DEFAULT_SEQ_STEP,
                 **settings,
             )
@@ -371,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             plan = plan_memory(
                 config,
-                seq=args.seq,
+                profile=profile,
                 activation_swap=_mode(args),
                 activation_memory_budget=args.budget,
                 **settings,
@@ -380,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     except PlanSettingError as error:
         if error.setting == "model":
             return user_error("plan-memory", f"{source}: {error.detail}")
-        flag = _FLAGS.get(error.setting, error.setting)
+        flag = "--" + error.setting.replace("_", "-")
         return user_error("plan-memory", f"{flag} {error.value}: {error.detail}")
     except ProfileError as error:
         return user_error("plan-memory", f"--profile {args.profile or DEFAULT_PROFILE}: {error}")

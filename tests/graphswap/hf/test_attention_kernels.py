@@ -13,6 +13,7 @@ from graphswap.hf.attention_kernels import (
     resolve_attention_kernel,
 )
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.planning import StepShape
 from graphswap.planning.saved_tensors import trace_saved_tensors
 from graphswap.train.cli import _memory
 
@@ -42,10 +43,7 @@ def test_eager_attention_runs_no_kernel() -> None:
 def _attention_saves(device: str, kernel: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
     trace = trace_saved_tensors(
         qwen3_moe_config("tiny", num_hidden_layers=1),
-        seq=SEQ,
-        batch=BATCH,
-        device=device,
-        attn_kernel=kernel,
+        StepShape(seq_len=SEQ, batch_size=BATCH, device=device, attn_kernel=kernel),
     )
     return [(s.shape, s.dtype) for s in trace.layers[0].saves if s.in_attention]
 
@@ -129,12 +127,12 @@ def test_values_of_another_head_size_run_math_on_cpu_and_refuse_flash_on_cuda(
 ) -> None:
     """DeepSeek-V3's latent attention: queries of 24, values of 16 per head."""
     config = family_config("tiny-deepseek-v3", "sdpa")
-    on_cpu = trace_saved_tensors(config, seq=64, device="cpu", dtype=torch.float32)
+    on_cpu = trace_saved_tensors(config, StepShape(seq_len=64, device="cpu", dtype=torch.float32))
     shapes = [save.shape for save in on_cpu.layers[0].saves if save.in_attention]
     assert (1, 4, 64, 64) in shapes  # math saves the probabilities
     with pytest.raises(PlanSettingError, match="flash needs one head size for q, k and v"):
-        trace_saved_tensors(config, seq=64, device="cuda", dtype=torch.bfloat16)
+        trace_saved_tensors(config, StepShape(seq_len=64, device="cuda", dtype=torch.bfloat16))
     efficient = trace_saved_tensors(
-        config, seq=64, device="cuda", dtype=torch.bfloat16, attn_kernel="efficient"
+        config, StepShape(seq_len=64, device="cuda", dtype=torch.bfloat16, attn_kernel="efficient")
     )
     assert efficient.kernel is not None and efficient.kernel.name == "efficient"

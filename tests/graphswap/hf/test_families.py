@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from graphswap import rewrite
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import PRESETS
-from graphswap.planning import MemoryPlan
+from graphswap.planning import MemoryPlan, StepShape
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import build_meta_model
@@ -75,7 +75,14 @@ operator's time is its FLOPs (1 TFLOP/s, memory traffic free): a planned second 
 def _plans(config: object, attn: str) -> dict[str, MemoryPlan]:
     """One meta-device trace of the step, planned per mode."""
     meta = build_meta_model(
-        config, seq=SEQ, batch=BATCH, dtype=torch.float32, attn_implementation=attn, device="cpu"
+        config,
+        StepShape(
+            seq_len=SEQ,
+            batch_size=BATCH,
+            dtype=torch.float32,
+            attn_implementation=attn,
+            device="cpu",
+        ),
     )
     trace = trace_step(meta, PROFILE, POLICY, optimizer=False)
     return {

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.planning import StepShape
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import StepTrace, trace_step
 from graphswap.runtime.profile import DeviceProfile, device_profile
@@ -19,7 +20,8 @@ def _tiny_step(profile: DeviceProfile) -> StepTrace:
     """The tiny Qwen3-MoE (4 layers, sdpa) at batch 2 x seq 512 in float32 on CPU, where
     sdpa's query and output are exactly 1 MiB per layer: the swap threshold."""
     meta = build_meta_model(
-        qwen3_moe_config("tiny"), seq=512, batch=2, dtype=torch.float32, device="cpu"
+        qwen3_moe_config("tiny"),
+        StepShape(seq_len=512, batch_size=2, dtype=torch.float32, device="cpu"),
     )
     return trace_step(meta, profile)
 

@@ -16,7 +16,7 @@ import torch
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.passes import PassSettingError
-from graphswap.planning import MemoryPlan
+from graphswap.planning import MemoryPlan, StepShape
 from graphswap.planning.auto_swap import (
     AutoSwap,
     AutoSwapMismatchError,
@@ -82,7 +82,10 @@ def test_the_runtime_numbers_saves_as_the_trace_does(attn: str, one_thread: None
     ids = _ids(128)
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     trace = trace_saved_tensors(
-        config, seq=128, batch=2, dtype=torch.float32, attn_implementation=attn, device="cpu"
+        config,
+        StepShape(
+            seq_len=128, batch_size=2, dtype=torch.float32, attn_implementation=attn, device="cpu"
+        ),
     )
     for recorder, layer in zip(recorders, trace.layers, strict=True):
         # Kept tensors make no swap entry, so every non-parameter save is asked about.

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphswap
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
-from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.planning import PlanSettingError, StepShape, plan_memory
 from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
 from graphswap.train.build import build, from_config
 from graphswap.train.config import TrainerConfig
@@ -32,8 +32,8 @@ SEQ, BATCH = 4096, 2
 def _plan(config: Any, budget: int) -> Any:
     return plan_memory(
         config,
-        seq=SEQ,
-        batch=BATCH,
+        seq_len=SEQ,
+        batch_size=BATCH,
         dtype=torch.float32,
         attn_implementation=config._attn_implementation,
         device="cpu",
@@ -335,7 +335,7 @@ def test_the_planner_traces_whole_layer_checkpointing_with_attention_on_its_kern
     config.num_hidden_layers = 2
     profile = device_profile("h200")
     plain, whole = (
-        trace_step(build_meta_model(config, seq=1024, recompute=kinds), profile)
+        trace_step(build_meta_model(config, StepShape(seq_len=1024), recompute=kinds), profile)
         for kinds in ((), ("layer",))
     )
 

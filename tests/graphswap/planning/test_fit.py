@@ -10,7 +10,7 @@ import pytest
 from transformers import PretrainedConfig
 
 from graphswap.hf.presets import preset_config, qwen3_moe_config
-from graphswap.planning import FitResult, fit_sequence, plan_memory
+from graphswap.planning import FitResult, StepShape, SwapSchedule, fit_sequence, plan_memory
 from graphswap.planning._fit import _Scan
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import plan_step, trace_step
@@ -36,7 +36,7 @@ def test_every_length_up_to_an_answer_fits(
     """Sampled below each answer (traced, not interpolated), the planned peak is within the
     memory; the answer is where the first run of fitting lengths ends."""
     config = _short(preset_config(name))
-    fit = fit_sequence(config, memory_bytes=memory, state_shards=8, offload_lag=offload_lag)
+    fit = fit_sequence(config, memory_bytes=memory, state_shards=8, swap_offload_lag=offload_lag)
     answers = {mode.activation_swap: mode for mode in fit.modes}
     assert all(mode.seq is not None for mode in fit.modes)
     for mode in fit.modes:
@@ -45,25 +45,24 @@ def test_every_length_up_to_an_answer_fits(
         assert mode.capped or beyond[0].peak_bytes > memory
     longest = max(mode.seq for mode in fit.modes if mode.seq is not None)
     for seq in sorted({longest // 4 // 512 * 512, longest // 2 // 512 * 512, longest}):
-        trace = trace_step(build_meta_model(config, seq=seq), fit.profile)
+        trace = trace_step(build_meta_model(config, StepShape(seq_len=seq)), fit.profile)
         for mode, answer in answers.items():
             if answer.seq is not None and seq <= answer.seq:
                 plan = (
                     plan_memory(
                         config,
-                        seq=seq,
+                        seq_len=seq,
                         activation_swap="budget",
                         activation_memory_budget=memory,
-                        offload_lag=offload_lag,
+                        swap_offload_lag=offload_lag,
                         state_shards=8,
                     )
                     if mode == "budget"
                     else plan_step(
                         config,
                         trace,
-                        activation_swap=mode,  # type: ignore[arg-type]
-                        offload_lag=offload_lag,
-                        state_shards=8,
+                        schedule=SwapSchedule(swap_offload_lag=offload_lag, state_shards=8),
+                        activation_swap=mode,
                     )
                 )
                 assert plan.timeline.peak_bytes <= memory, (mode, seq)
@@ -99,9 +98,9 @@ def test_the_fit_table_names_the_runs_of_a_broken_fit() -> None:
 
 def test_a_host_budget_keeps_on_device_what_it_cannot_hold() -> None:
     config = _short(qwen3_moe_config("qwen3-30b-a3b"))
-    roomy = plan_memory(config, seq=8192, activation_swap="layer", state_shards=8)
+    roomy = plan_memory(config, seq_len=8192, activation_swap="layer", state_shards=8)
     tight = plan_memory(
-        config, seq=8192, activation_swap="layer", state_shards=8, max_host_bytes=2 * GIB
+        config, seq_len=8192, activation_swap="layer", state_shards=8, max_host_bytes=2 * GIB
     )
     assert roomy.max_host_bytes == device_profile("h200").host_budget_bytes == 128 * GIB
     assert roomy.refused_bytes == 0 and roomy.host_peak_bytes > 2 * GIB
@@ -130,12 +129,17 @@ def test_a_node_with_less_host_memory_answers_shorter_and_within_its_budget() ->
 
 def test_auto_plans_its_lag_and_keeps_the_lower_peak() -> None:
     config = qwen3_moe_config("qwen3-30b-a3b", num_hidden_layers=6)
-    trace = trace_step(build_meta_model(config, seq=8192), device_profile("h200"))
+    trace = trace_step(build_meta_model(config, StepShape(seq_len=8192)), device_profile("h200"))
     fixed = {
-        lag: plan_step(config, trace, activation_swap="auto", offload_lag=lag, state_shards=8)
+        lag: plan_step(
+            config,
+            trace,
+            schedule=SwapSchedule(swap_offload_lag=lag, state_shards=8),
+            activation_swap="auto",
+        )
         for lag in (1, 2)
     }
-    chosen = plan_step(config, trace, activation_swap="auto", state_shards=8)
+    chosen = plan_step(config, trace, schedule=SwapSchedule(state_shards=8), activation_swap="auto")
     best = min((1, 2), key=lambda lag: fixed[lag].timeline.peak_bytes)
     assert chosen.offload_lag == best and chosen.offload_lag_chosen
     assert chosen.timeline.peak_bytes == fixed[best].timeline.peak_bytes

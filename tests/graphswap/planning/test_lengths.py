@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.planning import StepShape
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._trace import Event
 from graphswap.planning._units import RecomputeKind
@@ -34,11 +35,13 @@ def _tracer(
         config = qwen3_moe_config("tiny", num_hidden_layers=layers(seq), attn_implementation=attn)
         meta = build_meta_model(
             config,
-            seq=seq,
-            batch=2,
-            dtype=torch.float32,
-            attn_implementation=attn,
-            device="cpu",
+            StepShape(
+                seq_len=seq,
+                batch_size=2,
+                dtype=torch.float32,
+                attn_implementation=attn,
+                device="cpu",
+            ),
             recompute=recompute,
         )
         return trace_step(meta, PROFILE, policy)

@@ -11,7 +11,15 @@ import torch
 from graphswap import rewrite
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import LayerPlan, MemoryPlan, PlanSettingError, ProfileError, plan_memory
+from graphswap.planning import (
+    LayerPlan,
+    MemoryPlan,
+    PlanSettingError,
+    ProfileError,
+    StepShape,
+    SwapSchedule,
+    plan_memory,
+)
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import trace_saved_tensors
 from graphswap.planning.trace import StepTrace, layer_candidates, plan_step
@@ -64,8 +72,8 @@ def test_cpu_prediction_matches_the_independent_tracker(
     config = qwen3_moe_config("tiny", attn_implementation=attn_implementation, num_hidden_layers=2)
     plan = plan_memory(
         config,
-        seq=seq,
-        batch=batch,
+        seq_len=seq,
+        batch_size=batch,
         dtype=dtype,
         attn_implementation=attn_implementation,
         device="cpu",
@@ -94,7 +102,7 @@ def test_cuda_prediction_matches_the_tracker_for_each_kernel(kernel: str) -> Non
     }[kernel]
     seq, dtype = 2048, torch.bfloat16
     config = qwen3_moe_config("tiny", attn_implementation="sdpa", num_hidden_layers=2)
-    plan = plan_memory(config, seq=seq, dtype=dtype, device="cuda", attn_kernel=kernel)
+    plan = plan_memory(config, seq_len=seq, dtype=dtype, device="cuda", attn_kernel=kernel)
     torch.manual_seed(0)
     model = build_model(config, device="cuda", dtype=dtype).train()
     ids = torch.randint(0, 512, (1, seq), device="cuda")
@@ -113,8 +121,8 @@ def test_sdpa_saves_less_than_eager_and_only_sdpa_names_a_kernel(tiny_plan: Memo
     sdpa = tiny_plan
     eager = plan_memory(
         qwen3_moe_config("tiny"),
-        seq=SEQ,
-        batch=BATCH,
+        seq_len=SEQ,
+        batch_size=BATCH,
         dtype=torch.float32,
         device="cpu",
         attn_implementation="eager",
@@ -171,12 +179,12 @@ def test_copy_time_is_at_the_link_and_stalls_decide_hiding(
     config = qwen3_moe_config("tiny")
     slow = plan_memory(
         config,
-        seq=SEQ,
-        batch=BATCH,
+        seq_len=SEQ,
+        batch_size=BATCH,
         dtype=torch.float32,
         device="cpu",
-        bandwidth_gbps=0.001,
-        tflops=0.5,
+        swap_bandwidth_gbps=0.001,
+        swap_tflops=0.5,
     )
     fast = plan_step(config, slow_compute_at(1e6), activation_swap="attention")
     first_slow, first_fast = slow.layers[0], fast.layers[0]
@@ -198,7 +206,9 @@ def test_attention_time_grows_quadratically_in_the_sequence() -> None:
     seq * (seq + 1) / 2 of them."""
     config = qwen3_moe_config("qwen3-30b-a3b", num_hidden_layers=2)
     one, two = (
-        plan_memory(config, seq=seq, tflops=1.0, activation_swap="none").layers[0].forward_seconds
+        plan_memory(config, seq_len=seq, swap_tflops=1.0, activation_swap="none")
+        .layers[0]
+        .forward_seconds
         for seq in (1024, 2048)
     )
     scores = 4 * config.num_attention_heads * config.head_dim
@@ -227,20 +237,20 @@ def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-d
 @pytest.mark.parametrize(
     ("kwargs", "word"),
     [
-        ({"seq": 0}, "seq"),
-        ({"seq": 8, "batch": -1}, "batch"),
-        ({"seq": 8, "bandwidth_gbps": 0}, "bandwidth_gbps"),
-        ({"seq": 8, "bandwidth_gbps": float("inf")}, "bandwidth_gbps"),
-        ({"seq": 8, "tflops": -1.0}, "tflops"),
-        ({"seq": 8, "offload_lag": -1}, "offload_lag"),
-        ({"seq": 8, "prefetch_depth": 0}, "prefetch_depth"),
-        ({"seq": 8, "state_shards": 0}, "state_shards"),
-        ({"seq": 8, "tp": 3}, "tp"),
-        ({"seq": 8, "attn_kernel": "flash", "dtype": torch.float32}, "attn_kernel"),
-        ({"seq": 8, "device": "xpu"}, "device"),
-        ({"seq": 8, "activation_swap": "experts"}, "activation_swap"),
-        ({"seq": 8, "activation_swap": "auto", "hide_margin": 1.0}, "hide_margin"),
-        ({"seq": 8, "activation_swap": "auto", "hide_margin": -0.5}, "hide_margin"),
+        ({"seq_len": 0}, "seq_len"),
+        ({"seq_len": 8, "batch_size": -1}, "batch_size"),
+        ({"seq_len": 8, "swap_bandwidth_gbps": 0}, "swap_bandwidth_gbps"),
+        ({"seq_len": 8, "swap_bandwidth_gbps": float("inf")}, "swap_bandwidth_gbps"),
+        ({"seq_len": 8, "swap_tflops": -1.0}, "swap_tflops"),
+        ({"seq_len": 8, "swap_offload_lag": -1}, "swap_offload_lag"),
+        ({"seq_len": 8, "swap_prefetch_depth": 0}, "swap_prefetch_depth"),
+        ({"seq_len": 8, "state_shards": 0}, "state_shards"),
+        ({"seq_len": 8, "tp_size": 3}, "tp_size"),
+        ({"seq_len": 8, "attn_kernel": "flash", "dtype": torch.float32}, "attn_kernel"),
+        ({"seq_len": 8, "device": "xpu"}, "device"),
+        ({"seq_len": 8, "activation_swap": "experts"}, "activation_swap"),
+        ({"seq_len": 8, "activation_swap": "auto", "swap_hide_margin": 1.0}, "swap_hide_margin"),
+        ({"seq_len": 8, "activation_swap": "auto", "swap_hide_margin": -0.5}, "swap_hide_margin"),
     ],
 )
 def test_bad_inputs_name_the_input(kwargs, word) -> None:  # type: ignore[no-untyped-def]
@@ -263,7 +273,7 @@ def test_bad_profiles_name_the_key_the_value_and_the_choices(
     profile: str, words: list[str]
 ) -> None:
     with pytest.raises(ProfileError) as caught:
-        plan_memory(qwen3_moe_config("tiny"), seq=8, profile=profile)
+        plan_memory(qwen3_moe_config("tiny"), seq_len=8, profile=profile)
     for word in words:
         assert word in str(caught.value)
 
@@ -271,7 +281,7 @@ def test_bad_profiles_name_the_key_the_value_and_the_choices(
 def test_eager_experts_are_refused_with_the_fix() -> None:
     config = qwen3_moe_config("tiny", experts_implementation="eager")
     with pytest.raises(PlanSettingError, match="grouped_mm"):
-        plan_memory(config, seq=8)
+        plan_memory(config, seq_len=8)
 
 
 def test_a_model_without_experts_is_planned_whatever_its_experts_implementation() -> None:
@@ -281,7 +291,7 @@ def test_a_model_without_experts_is_planned_whatever_its_experts_implementation(
 
     config = build_model(preset_config("tiny-llama"), device="meta").config
     assert config._experts_implementation == "eager"
-    assert len(plan_memory(config, seq=8, activation_swap="auto").layers) == 3
+    assert len(plan_memory(config, seq_len=8, activation_swap="auto").layers) == 3
 
 
 def test_the_planner_refuses_what_the_swap_rule_refuses(tour_config: Callable[..., object]) -> None:
@@ -291,17 +301,14 @@ def test_the_planner_refuses_what_the_swap_rule_refuses(tour_config: Callable[..
     with pytest.raises(
         PlanSettingError, match=r"^activation_swap='attention': attn_swap: 'model.layers.0' holds"
     ):
-        plan_memory(config, seq=8, activation_swap="attention", device="cpu")
-    assert len(plan_memory(config, seq=8, activation_swap="layer", device="cpu").layers) == 4
+        plan_memory(config, seq_len=8, activation_swap="attention", device="cpu")
+    assert len(plan_memory(config, seq_len=8, activation_swap="layer", device="cpu").layers) == 4
 
 
 def test_layer_candidates_leave_storages_other_layers_save() -> None:
     trace = trace_saved_tensors(
         qwen3_moe_config("tiny", num_hidden_layers=2),
-        seq=SEQ,
-        batch=BATCH,
-        dtype=torch.float32,
-        device="cpu",
+        StepShape(seq_len=SEQ, batch_size=BATCH, dtype=torch.float32, device="cpu"),
     )
     first = layer_candidates(trace)["model.layers.0"]
     storages = {c.saves[0].storage for c in first}
@@ -340,8 +347,8 @@ def test_auto_between_the_extremes(
         return plan_step(
             qwen3_moe_config("tiny"),
             slow_compute_at(gbps),
+            schedule=SwapSchedule(swap_hide_margin=hide_margin),
             activation_swap="auto",
-            hide_margin=hide_margin,
         )
 
     layer = layer_plan

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -26,9 +25,9 @@ from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.passes.swap import apply_swap
-from graphswap.planning import MemoryPlan, SwapMode
+from graphswap.planning import MemoryPlan, StepShape, SwapMode, SwapSchedule
 from graphswap.planning._budget import BudgetError, plan_budget
-from graphswap.planning._plan import DEFAULT_HIDE_MARGIN
+from graphswap.planning._settings import DEFAULT_HIDE_MARGIN
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
@@ -59,11 +58,13 @@ def _trace(
 ) -> StepTrace:
     meta = build_meta_model(
         config,
-        seq=seq,
-        batch=BATCH,
-        dtype=torch.float32,
-        attn_implementation=config._attn_implementation,
-        device="cpu",
+        StepShape(
+            seq_len=seq,
+            batch_size=BATCH,
+            dtype=torch.float32,
+            attn_implementation=config._attn_implementation,
+            device="cpu",
+        ),
         recompute=recompute,
     )
     return trace_step(meta, PROFILE)
@@ -77,7 +78,9 @@ def trace(config: PretrainedConfig) -> StepTrace:
 def predict(
     config: PretrainedConfig, trace: StepTrace, mode: SwapMode, offload_lag: int
 ) -> MemoryPlan:
-    return plan_step(config, trace, activation_swap=mode, offload_lag=offload_lag)
+    return plan_step(
+        config, trace, schedule=SwapSchedule(swap_offload_lag=offload_lag), activation_swap=mode
+    )
 
 
 def measure(
@@ -190,7 +193,12 @@ def test_a_full_host_pool_keeps_on_device_what_the_plan_says(
     third stays on device in the run and in the plan, and step, stalls, peak and the
     pool's peak agree."""
     budget = 5 << 20
-    plan = plan_step(config, trace, activation_swap=mode, offload_lag=1, max_host_bytes=budget)
+    plan = plan_step(
+        config,
+        trace,
+        schedule=SwapSchedule(swap_offload_lag=1, max_host_bytes=budget),
+        activation_swap=mode,
+    )
     measured, _, host_peak = measure(config, plan, mode, 1, max_host_bytes=budget)
     assert plan.refused_bytes > 0 and plan.host_peak_bytes == host_peak <= budget
     predicted = plan.timeline
@@ -199,7 +207,9 @@ def test_a_full_host_pool_keeps_on_device_what_the_plan_says(
         measured.stall_seconds, rel=TOLERANCE, abs=TOLERANCE * 1e-2 * measured.step_seconds
     )
     assert predicted.peak_bytes == pytest.approx(measured.peak_bytes, rel=TOLERANCE)
-    roomy = plan_step(config, trace, activation_swap=mode, offload_lag=1)
+    roomy = plan_step(
+        config, trace, schedule=SwapSchedule(swap_offload_lag=1), activation_swap=mode
+    )
     assert predicted.peak_bytes > roomy.timeline.peak_bytes
 
 
@@ -265,12 +275,14 @@ def budget_clocked(
     plan = plan_budget(
         config,
         traces,
+        schedule=SwapSchedule(
+            swap_hide_margin=DEFAULT_HIDE_MARGIN,
+            swap_offload_lag=1,
+            swap_prefetch_depth=1,
+            state_shards=1,
+            max_host_bytes=None,
+        ),
         budget=int(0.7 * none_plan.timeline.peak_bytes),
-        hide_margin=DEFAULT_HIDE_MARGIN,
-        offload_lag=1,
-        prefetch_depth=1,
-        state_shards=1,
-        max_host_bytes=None,
     )
     return (plan, *measure(config, plan, "budget", 1))
 
@@ -303,19 +315,13 @@ def test_each_deeper_recompute_level_agrees_with_the_clocked_runtime(
     swap (level 2), but for the experts' down projections, which run again (level 3),
     the whole layer recomputed inside its swap (level 5)."""
     traces = functools.cache(lambda kinds: trace if not kinds else _trace(config, SEQ, kinds))
-    settings: dict[str, Any] = {
-        "hide_margin": DEFAULT_HIDE_MARGIN,
-        "offload_lag": 1,
-        "prefetch_depth": 1,
-        "state_shards": 1,
-        "max_host_bytes": None,
-    }
+    schedule = SwapSchedule(swap_offload_lag=1)
     with pytest.raises(BudgetError) as info:
-        plan_budget(config, traces, budget=1, **settings)
+        plan_budget(config, traces, budget=1, schedule=schedule)
     budget = next(
         o.peak_bytes for o in info.value.options if (o.recompute, o.swap) == (level, "auto")
     )
-    plan = plan_budget(config, traces, budget=budget, **settings)
+    plan = plan_budget(config, traces, budget=budget, schedule=schedule)
     assert plan.recompute == level and plan.recomputed_bytes > 0
     measured, loss, host_peak = measure(config, plan, "budget", 1)
     assert_agrees(plan.timeline, measured)

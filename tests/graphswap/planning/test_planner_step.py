@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import MemoryPlan, fit_sequence, plan_memory
+from graphswap.planning import MemoryPlan, StepShape, SwapSchedule, fit_sequence, plan_memory
 from graphswap.planning._auto import plan_auto
 from graphswap.planning._trace import BlockKind, Event
 from graphswap.planning._windows import step_times
@@ -72,7 +72,9 @@ def test_the_base_is_parameters_buffers_and_adamw_state(tiny_trace: StepTrace) -
 def test_state_shards_divide_parameters_gradients_and_the_optimizer(tiny_trace: StepTrace) -> None:
     config = qwen3_moe_config("tiny")
     one = plan_step(config, tiny_trace, activation_swap="none")
-    two = plan_step(config, tiny_trace, activation_swap="none", state_shards=2)
+    two = plan_step(
+        config, tiny_trace, schedule=SwapSchedule(state_shards=2), activation_swap="none"
+    )
     state = tiny_trace.parameter_bytes + tiny_trace.optimizer_state_bytes
     assert one.baseline.base_bytes - two.baseline.base_bytes == state // 2
     gradients = sum(b.nbytes for b in tiny_trace.blocks if b.kind is BlockKind.GRADIENT)
@@ -111,10 +113,12 @@ def qwen3_30b() -> tuple[StepTrace, MemoryPlan, MemoryPlan]:
     its state sharded over 8 ranks: one trace of the 48 layers, planned with attention
     swap and with auto."""
     config = qwen3_moe_config("qwen3-30b-a3b")
-    meta = build_meta_model(config, seq=8192)
+    meta = build_meta_model(config, StepShape(seq_len=8192))
     trace = trace_step(meta, device_profile("h200"))
-    attention = plan_step(config, trace, activation_swap="attention", state_shards=8)
-    auto = plan_step(config, trace, activation_swap="auto", state_shards=8)
+    attention = plan_step(
+        config, trace, schedule=SwapSchedule(state_shards=8), activation_swap="attention"
+    )
+    auto = plan_step(config, trace, schedule=SwapSchedule(state_shards=8), activation_swap="auto")
     return trace, attention, auto
 
 
@@ -205,7 +209,10 @@ def test_longer_lag_and_depth_widen_the_windows(
     trace, attention, _ = qwen3_30b
     config = qwen3_moe_config("qwen3-30b-a3b")
     lagged = plan_step(
-        config, trace, activation_swap="attention", offload_lag=2, prefetch_depth=2, state_shards=8
+        config,
+        trace,
+        schedule=SwapSchedule(swap_offload_lag=2, swap_prefetch_depth=2, state_shards=8),
+        activation_swap="attention",
     )
     middle, wider = attention.layers[10], lagged.layers[10]
     assert wider.forward_window == pytest.approx(2 * middle.forward_window, rel=1e-6)
@@ -254,7 +261,7 @@ def test_with_the_state_sharded_auto_fits_longer_than_none_at_no_cost() -> None:
     assert not auto.capped and auto.seq % fit.seq_step == 0
     assert none.plan is not None and none.plan.seq == none.seq
     longer = plan_memory(
-        config, seq=none.seq + fit.seq_step, activation_swap="none", state_shards=4
+        config, seq_len=none.seq + fit.seq_step, activation_swap="none", state_shards=4
     )
     assert longer.timeline.peak_bytes > fit.memory_bytes  # the next step does not fit
 
@@ -272,9 +279,14 @@ def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only(
     """The benchmark's step (zero-grad, forward, backward): no AdamW state before it and no
     optimizer label in it; the default step (``tiny_trace``, the same shape) is unchanged."""
     config = qwen3_moe_config("tiny")
-    shape: dict[str, Any] = {"seq": 512, "batch": 2, "dtype": torch.float32, "device": "cpu"}
+    shape: dict[str, Any] = {
+        "seq_len": 512,
+        "batch_size": 2,
+        "dtype": torch.float32,
+        "device": "cpu",
+    }
     plan = plan_memory(config, optimizer=False, activation_swap="attention", **shape)
-    meta = build_meta_model(config, **shape)
+    meta = build_meta_model(config, StepShape(**shape))
     trace = trace_step(meta, device_profile("h200"), optimizer=False)
     assert trace.optimizer_state_bytes == 0 and not trace.optimizer
     held = trace.parameter_bytes + trace.buffer_bytes

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.planning import StepShape
 from graphswap.planning.saved_tensors import (
     PlanSettingError,
     SavedTensorCollector,
@@ -124,7 +125,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _traced(**kwargs: Any) -> tuple[list[list[Save]], list[int]]:
     trace = trace_saved_tensors(
-        qwen3_moe_config("tiny", num_hidden_layers=2), seq=SEQ, device="cpu", **kwargs
+        qwen3_moe_config("tiny", num_hidden_layers=2),
+        StepShape(seq_len=SEQ, device="cpu", **kwargs),
     )
     saves = [[(s.shape, s.dtype, s.parameter) for s in layer.saves] for layer in trace.layers]
     by_scope = trace.bytes_by_scope()
@@ -171,7 +173,7 @@ def test_one_rank_under_the_tensor_parallel_plan_matches_the_trace(
     recorder = _PackRecorder(model)
     recorder.run(torch.zeros(1, SEQ, dtype=torch.long))
     traced = {"attn_implementation": attn_implementation, "dtype": torch.float32}
-    saves, saved_bytes = _traced(**traced, tp=2)
+    saves, saved_bytes = _traced(**traced, tp_size=2)
     assert saves == [recorder.saves[0], recorder.saves[1]]
     assert saved_bytes == [recorder.storage_bytes[0], recorder.storage_bytes[1]]
     whole = _traced(**traced)[1]
@@ -191,7 +193,7 @@ def test_per_rank_config_shards_heads_only() -> None:
 def test_tp_that_does_not_divide_the_heads_names_what_would() -> None:
     with pytest.raises(PlanSettingError, match=r"use one of 1, 2, 4$") as caught:
         per_rank_config(qwen3_moe_config("qwen3-30b-a3b"), 3)
-    assert (caught.value.setting, caught.value.value) == ("tp", 3)
+    assert (caught.value.setting, caught.value.value) == ("tp_size", 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -171,7 +171,7 @@ def test_auto_settings_read_numbers_and_measure(tmp_path: Path) -> None:
 def test_auto_plans_on_the_device_profile_unless_told_otherwise() -> None:
     """No link or compute figure set: auto plans with the profile of the device it runs
     on (the simulated one's here); a figure set replaces the profile's."""
-    from graphswap.planning._plan import DEFAULT_HIDE_MARGIN
+    from graphswap.planning._settings import DEFAULT_HIDE_MARGIN
     from graphswap.train.build import build
 
     config = TrainerConfig()

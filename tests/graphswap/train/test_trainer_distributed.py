@@ -112,12 +112,12 @@ def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas_and_swap_moves_the_pl
     assert swapped["losses"] == plain["losses"]
     plan = plan_memory(
         trainer_hf_config(single),
-        seq=1024,
-        batch=SETTINGS["batch_size"],
+        seq_len=1024,
+        batch_size=SETTINGS["batch_size"],
         dtype=torch.float32,
         attn_implementation="sdpa",
         device="cpu",
-        tp=2,
+        tp_size=2,
     )
     assert plan.swapped_bytes > 0
     assert swapped["swap"]["offloaded_bytes"] >= 0.95 * plan.swapped_bytes

@@ -192,8 +192,8 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path:
     def planned(budget: int) -> Any:
         return plan_memory(
             config,
-            seq=SEQ,
-            batch=BATCH,
+            seq_len=SEQ,
+            batch_size=BATCH,
             dtype=torch.float32,
             attn_implementation=config._attn_implementation,
             device="cpu",

@@ -20,7 +20,7 @@ from graphswap.train.cli import _memory
 
 CONSOLE_TEST = "test_json_output_parses_and_counts_every_layer"
 CONSOLE_ARGV = [
-    "plan-memory", "--preset", "tiny", "--seq", "1024", "--batch", "2", "--layers", "2",
+    "plan-memory", "--preset", "tiny", "--seq-len", "1024", "--batch-size", "2", "--layers", "2",
     "--format", "json",
 ]  # fmt: skip
 """The console-script run of this module (the ``console`` fixture)."""
@@ -31,15 +31,15 @@ def test_text_output_from_a_checkpoint_folder(tmp_path: Path, graphswap_cmd) -> 
 
     qwen3_moe_config("tiny", num_hidden_layers=2).save_pretrained(tmp_path)
     done = graphswap_cmd(
-        "plan-memory", "--model", str(tmp_path), "--seq", "64", "--bandwidth", "25",
-        "--tflops", "100",
+        "plan-memory", "--model", str(tmp_path), "--seq-len", "64", "--swap-bandwidth-gbps", "25",
+        "--swap-tflops", "100",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "link=25 GB/s" in done.stdout and "kept on device" in done.stdout
 
 
 def test_a_model_source_is_required(graphswap_cmd) -> None:
-    done = graphswap_cmd("plan-memory", "--seq", "64")
+    done = graphswap_cmd("plan-memory", "--seq-len", "64")
     assert done.returncode == 2
     assert "--model" in done.stderr and "--preset" in done.stderr
 
@@ -47,7 +47,7 @@ def test_a_model_source_is_required(graphswap_cmd) -> None:
 def test_the_last_releases_policy_flag_still_plans_and_names_its_successor(
     graphswap_cmd,
 ) -> None:
-    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq", "64", "--policy", "layer")
+    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq-len", "64", "--policy", "layer")
     assert done.returncode == 0, done.stderr
     assert "activation_swap=layer" in done.stdout
     assert done.stderr == (
@@ -55,7 +55,7 @@ def test_the_last_releases_policy_flag_still_plans_and_names_its_successor(
         " --activation-swap layer\n"
     )
     both = ("--policy", "layer", "--activation-swap", "attention")
-    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq", "64", *both)
+    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq-len", "64", *both)
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1] == (
         "graphswap plan-memory: error: --activation-swap attention: given twice (first"
@@ -70,7 +70,7 @@ def test_a_family_whose_attention_is_not_self_attn_is_planned(
     attention swap plans what that module saves."""
     tour_config("gpt_neox").save_pretrained(tmp_path)
     done = graphswap_cmd(
-        "plan-memory", "--model", str(tmp_path), "--seq", "512", "--attn-implementation",
+        "plan-memory", "--model", str(tmp_path), "--seq-len", "512", "--attn-implementation",
         "eager", "--format", "json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -92,7 +92,7 @@ def test_a_checkpoint_whose_config_names_its_attention_is_read(
     config.attn_implementation = "eager"
     config.save_pretrained(tmp_path)
     assert "attn_implementation" in json.loads((tmp_path / "config.json").read_text())
-    extra = ["--seq", "64"] if command == "plan-memory" else []
+    extra = ["--seq-len", "64"] if command == "plan-memory" else []
     done = graphswap_cmd(command, "--model", str(tmp_path), *extra)
     assert done.returncode == 0, done.stderr
 
@@ -106,7 +106,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "timeline.png"
-    args = _args("--preset", "tiny", "--layers", "1", "--seq", "64", "--plot", str(target))
+    args = _args("--preset", "tiny", "--layers", "1", "--seq-len", "64", "--plot", str(target))
     assert args.run(args) == 0
     assert target.read_bytes()[:4] == b"\x89PNG"
     assert "timeline written" in capsys.readouterr().out
@@ -130,7 +130,7 @@ def test_plot_without_matplotlib_names_the_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     args = _args(
-        "--preset", "tiny", "--layers", "1", "--seq", "64", "--plot", str(tmp_path / "t.png")
+        "--preset", "tiny", "--layers", "1", "--seq-len", "64", "--plot", str(tmp_path / "t.png")
     )
     assert args.run(args) == 2
     assert "pip install graphswap[plot]" in capsys.readouterr().err
@@ -139,7 +139,7 @@ def test_plot_without_matplotlib_names_the_install(
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str, layers: int = 1) -> dict:
     """The JSON plan of ``layers`` tiny layers at batch 2 x seq 512 with ``argv``."""
     args = _args(
-        "--preset", "tiny", "--layers", str(layers), "--seq", "512", "--batch", "2",
+        "--preset", "tiny", "--layers", str(layers), "--seq-len", "512", "--batch-size", "2",
         "--format", "json", *argv,
     )  # fmt: skip
     assert args.run(args) == 0
@@ -148,7 +148,7 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str, layers: int = 1) -> di
 
 def test_tp_predicts_one_rank_of_the_sharded_heads(capsys: pytest.CaptureFixture[str]) -> None:
     whole = _plan(capsys, "--dtype", "float32")
-    rank = _plan(capsys, "--dtype", "float32", "--tp", "2")
+    rank = _plan(capsys, "--dtype", "float32", "--tp-size", "2")
     assert rank["tp"] == 2 and rank["config"] == whole["config"]
     assert 0 < rank["total_saved_bytes"] < whole["total_saved_bytes"]
     assert rank["head_saved_bytes"] == whole["head_saved_bytes"]  # replicated
@@ -171,13 +171,19 @@ def test_the_kernel_decides_the_bytes(capsys: pytest.CaptureFixture[str]) -> Non
             ["--attn-kernel", "flash", "--dtype", "float32"],
             ["--attn-kernel flash:", "use one of efficient, math"],
         ),
-        (["--tp", "3"], ["--tp 3:", "num_attention_heads (4)", "use one of 1, 2"]),
+        (["--tp-size", "3"], ["--tp-size 3:", "num_attention_heads (4)", "use one of 1, 2"]),
         (["--device", "cpu", "--attn-kernel", "cudnn"], ["--attn-kernel cudnn:", "flash, math"]),
         (["--attn-implementation", "eager", "--attn-kernel", "flash"], ["--attn-kernel flash:"]),
-        (["--activation-swap", "auto", "--hide-margin", "1"], ["--hide-margin 1.0:", "[0, 1)"]),
-        (["--hide-margin", "0.2"], ["--hide-margin 0.2 applies to --activation-swap auto only"]),
-        (["--offload-lag", "-1"], ["--offload-lag -1:", "integer >= 0"]),
-        (["--prefetch-depth", "0"], ["--prefetch-depth 0:", "integer >= 1"]),
+        (
+            ["--activation-swap", "auto", "--swap-hide-margin", "1"],
+            ["--swap-hide-margin 1.0:", "[0, 1)"],
+        ),
+        (
+            ["--swap-hide-margin", "0.2"],
+            ["--swap-hide-margin 0.2 applies to --activation-swap auto only"],
+        ),
+        (["--swap-offload-lag", "-1"], ["--swap-offload-lag -1:", "integer >= 0"]),
+        (["--swap-prefetch-depth", "0"], ["--swap-prefetch-depth 0:", "integer >= 1"]),
         (["--state-shards", "0"], ["--state-shards 0:", "integer >= 1"]),
         (["--profile", "h300"], ["--profile h300:", "unknown device profile 'h300'", "h100, h200"]),
         (
@@ -199,7 +205,7 @@ def test_bad_settings_name_the_flag_before_any_model_is_built(
         raise AssertionError("a model was built for a plan that cannot run")
 
     monkeypatch.setattr(graphswap.train.build, "build_model", refuse)
-    args = _args("--preset", "tiny", "--seq", "64", *argv)
+    args = _args("--preset", "tiny", "--seq-len", "64", *argv)
     assert args.run(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("graphswap plan-memory: error: ") and "Traceback" not in err
@@ -208,19 +214,19 @@ def test_bad_settings_name_the_flag_before_any_model_is_built(
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
-@pytest.mark.parametrize("flag", ["--bandwidth", "--tflops"])
+@pytest.mark.parametrize("flag", ["--swap-bandwidth-gbps", "--swap-tflops"])
 def test_a_figure_that_is_not_a_finite_positive_number_is_a_usage_error(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as caught:
-        _args("--preset", "tiny", "--seq", "64", flag, value)
+        _args("--preset", "tiny", "--seq-len", "64", flag, value)
     assert caught.value.code == 2
     assert f"argument {flag}: must be a finite number > 0, got {value}" in capsys.readouterr().err
 
 
 def test_an_unknown_kernel_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
-        _args("--preset", "tiny", "--seq", "64", "--attn-kernel", "flash3")
+        _args("--preset", "tiny", "--seq-len", "64", "--attn-kernel", "flash3")
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert "--attn-kernel" in err and "flash3" in err and "efficient" in err
@@ -232,9 +238,9 @@ def _auto_text(capsys: pytest.CaptureFixture[str], bandwidth: str) -> list[str]:
         "tiny",
         "--layers",
         "2",
-        "--seq",
+        "--seq-len",
         "512",
-        "--batch",
+        "--batch-size",
         "2",
         "--dtype",
         "float32",
@@ -242,9 +248,9 @@ def _auto_text(capsys: pytest.CaptureFixture[str], bandwidth: str) -> list[str]:
         "cpu",
         "--activation-swap",
         "auto",
-        "--bandwidth",
+        "--swap-bandwidth-gbps",
         bandwidth,
-        "--tflops",
+        "--swap-tflops",
         "0.5",
     )
     assert args.run(args) == 0
@@ -293,11 +299,11 @@ def test_policy_auto_json_lists_the_swapped_saves(capsys: pytest.CaptureFixture[
         "cpu",
         "--activation-swap",
         "auto",
-        "--bandwidth",
+        "--swap-bandwidth-gbps",
         "2",
-        "--tflops",
+        "--swap-tflops",
         "1",
-        "--hide-margin",
+        "--swap-hide-margin",
         "0.2",
         layers=2,
     )
@@ -322,7 +328,16 @@ def test_a_smaller_node_is_a_smaller_host_budget_and_the_plan_says_what_stays(
 ) -> None:
     """--host-memory and --ranks-per-node size the pool as the runtime would on that node:
     half of 16 GiB over 4 ranks is 2 GiB, less than layer swap wants at 8192 tokens."""
-    argv = ("--preset", "qwen3-30b-a3b", "--layers", "3", "--seq", "8192", "--state-shards", "8")
+    argv = (
+        "--preset",
+        "qwen3-30b-a3b",
+        "--layers",
+        "3",
+        "--seq-len",
+        "8192",
+        "--state-shards",
+        "8",
+    )
     lines = _text(capsys, *argv, "--activation-swap", "layer")
     [roomy] = [line for line in lines if line.startswith("pinned host memory per rank:")]
     assert roomy.endswith("budget 128.00 GiB")
@@ -343,7 +358,7 @@ def test_a_smaller_node_is_a_smaller_host_budget_and_the_plan_says_what_stays(
     assert "attention_timing=causal" in settings and "offload_lag=1 " in settings
 
 
-QWEN3_30B = ("--preset", "qwen3-30b-a3b", "--seq", "8192", "--layers", "2")
+QWEN3_30B = ("--preset", "qwen3-30b-a3b", "--seq-len", "8192", "--layers", "2")
 """Qwen3-30B-A3B's layers at seq 8192 (bf16, flash, the H200 profile: 50 GB/s, 400
 TFLOP/s); two of its 48 layers, each the same: the first's row is the full model's, the
 second is the kept last layer."""
@@ -395,7 +410,16 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
     """Two tiny layers in steps of 1024 up to their 2048 positions, two traces: 41.5 MB
     holds the step at 2048 only with the first layer swapped whole (``layer``, and
     ``auto`` on a link fast enough to hide every copy), about 5% to spare either side."""
-    argv = ("--preset", "tiny", "--layers", "2", "--bandwidth", "1e4", "--state-shards", "2")
+    argv = (
+        "--preset",
+        "tiny",
+        "--layers",
+        "2",
+        "--swap-bandwidth-gbps",
+        "1e4",
+        "--state-shards",
+        "2",
+    )
     args = _args(*argv, "--seq-step", "1024", "--fit", "41.5MB", "--format", "json")
     assert args.run(args) == 0
     fit = json.loads(capsys.readouterr().out)
@@ -430,10 +454,10 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        ([], ["--seq N is required (or --fit"]),
-        (["--fit", "--seq", "64"], ["--seq 64 with --fit: the fit searches the sequence"]),
+        ([], ["--seq-len N is required (or --fit"]),
+        (["--fit", "--seq-len", "64"], ["--seq-len 64 with --fit: the fit searches the sequence"]),
         (["--fit", "--activation-swap", "auto"], ["--activation-swap auto with --fit"]),
-        (["--fit", "--hide-margin", "2"], ["--hide-margin 2.0: must be in [0, 1)"]),
+        (["--fit", "--swap-hide-margin", "2"], ["--swap-hide-margin 2.0: must be in [0, 1)"]),
     ],
 )
 def test_fit_and_seq_go_one_at_a_time(
@@ -478,7 +502,7 @@ def test_a_checkpoint_folder_of_each_family_plans_what_the_runtime_frees(
     config.save_pretrained(tmp_path)
     seq, batch = 256, 2
     args = _args(
-        "--model", str(tmp_path), "--seq", str(seq), "--batch", str(batch),
+        "--model", str(tmp_path), "--seq-len", str(seq), "--batch-size", str(batch),
         "--activation-swap", "layer",
         "--dtype", "float32", "--device", "cpu", "--attn-implementation", "eager",
         "--format", "json",
@@ -522,3 +546,23 @@ def test_json_output_parses_and_counts_every_layer(console: Any) -> None:
         plan["tp"],
     ) == defaults
     assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])
+
+
+def test_the_old_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: ignore[no-untyped-def]
+    argv = (
+        "plan-memory",
+        "--preset",
+        "tiny",
+        "--layers",
+        "2",
+        "--device",
+        "cpu",
+        "--format",
+        "json",
+    )
+    old = graphswap_cmd(*argv, "--seq", "64", "--batch", "2", "--tp", "2")
+    new = graphswap_cmd(*argv, "--seq-len", "64", "--batch-size", "2", "--tp-size", "2")
+    assert old.returncode == new.returncode == 0
+    assert "--seq is deprecated and will be removed; use --seq-len 64" in old.stderr
+    assert "--tp is deprecated" in old.stderr and not new.stderr
+    assert old.stdout == new.stdout

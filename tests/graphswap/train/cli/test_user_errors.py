@@ -187,17 +187,17 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ),
     (
         "plan-memory-model-missing",
-        lambda p: ["plan-memory", "--seq", "8", "--model", str(p / "nope")],
+        lambda p: ["plan-memory", "--seq-len", "8", "--model", str(p / "nope")],
         "--model ",
     ),
     (
         "plan-memory-model-not-a-decoder",
-        lambda p: ["plan-memory", "--seq", "8", "--model", checkpoint_config(p, NOT_A_DECODER)],
+        lambda p: ["plan-memory", "--seq-len", "8", "--model", checkpoint_config(p, NOT_A_DECODER)],
         "--model ",
     ),
     (
         "plan-memory-unknown-profile",
-        lambda p: ["plan-memory", "--preset", "tiny", "--seq", "8", "--profile", "a100"],
+        lambda p: ["plan-memory", "--preset", "tiny", "--seq-len", "8", "--profile", "a100"],
         "--profile a100: unknown device profile 'a100'; presets: h100, h200",
     ),
     ("train-override-twice", lambda p: ["train", "steps=3", "steps=1"], "steps: given twice"),
@@ -228,7 +228,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ),
     (
         "plan-memory-more-layers-than-layer-types",
-        lambda p: ["plan-memory", "--preset", "tiny-gemma3", "--seq", "8", "--layers", "4"],
+        lambda p: ["plan-memory", "--preset", "tiny-gemma3", "--seq-len", "8", "--layers", "4"],
         "--layers 4: --preset tiny-gemma3 has 4 layers, but the model lists the kinds of only 3",
     ),
     *(
@@ -238,7 +238,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
                 "plan-memory",
                 "--preset",
                 "tiny",
-                "--seq",
+                "--seq-len",
                 "8",
                 "--profile",
                 f"h200,memory_bytes={value}",
@@ -254,7 +254,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
             "plan-memory",
             "--preset",
             "tiny",
-            "--seq",
+            "--seq-len",
             "8",
             "--profile",
             "h100,hbm_gbps=-1",
@@ -267,7 +267,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
             "plan-memory",
             "--preset",
             "tiny",
-            "--seq",
+            "--seq-len",
             "8",
             "--activation-swap",
             "none",
@@ -307,7 +307,7 @@ def test_device_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.usefixtures("no_model_built")
 def test_unknown_attn_implementation_names_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan-memory", "--preset", "tiny", "--seq", "8", "--attn-implementation", "flash"]
+    argv = ["plan-memory", "--preset", "tiny", "--seq-len", "8", "--attn-implementation", "flash"]
     code, err = run(argv, capsys)
     assert code == 2 and "Traceback" not in err
     last = err.splitlines()[-1]
@@ -318,14 +318,14 @@ def test_unknown_attn_implementation_names_the_choices(capsys: pytest.CaptureFix
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-2"])
-@pytest.mark.parametrize("flag", ["--bandwidth", "--tflops"])
+@pytest.mark.parametrize("flag", ["--swap-bandwidth-gbps", "--swap-tflops"])
 @pytest.mark.usefixtures("no_model_built")
 def test_plan_memory_rates_follow_the_rule_train_applies(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One rule (graphswap.train.config.check_finite_positive): train refuses
-    swap_bandwidth_gbps=.inf, so plan-memory refuses --bandwidth inf."""
-    argv = ["plan-memory", "--preset", "tiny", "--seq", "8", flag, value]
+    swap_bandwidth_gbps=.inf, so plan-memory refuses --swap-bandwidth-gbps inf."""
+    argv = ["plan-memory", "--preset", "tiny", "--seq-len", "8", flag, value]
     code, err = run(argv, capsys)
     assert code == 2 and "Traceback" not in err
     assert err.splitlines()[-1] == (
@@ -393,22 +393,22 @@ def config_folder(tmp_path: Path, config: object) -> str:
         ("gpt2", ["plan", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
         (
             "jamba",
-            ["plan-memory", "--seq", "8", "--activation-swap", "attention"],
+            ["plan-memory", "--seq-len", "8", "--activation-swap", "attention"],
             "--activation-swap attention: attn_swap: 'model.layers.0' holds no",
         ),
         (
             "gpt2",
-            ["plan-memory", "--seq", "8"],
+            ["plan-memory", "--seq-len", "8"],
             "--model {folder}: GPT2LMHeadModel must hold exactly one decoder layer list",
         ),
         (
             "mamba",
-            ["plan-memory", "--seq", "8"],
+            ["plan-memory", "--seq-len", "8"],
             "--attn-implementation sdpa: MambaForCausalLM runs eager attention only",
         ),
         (
             "mamba",
-            ["plan-memory", "--seq", "8", "--attn-implementation", "eager"],
+            ["plan-memory", "--seq-len", "8", "--attn-implementation", "eager"],
             "--activation-swap attention: rule 'attn_swap' found no decoder attention",
         ),
     ],
@@ -448,7 +448,7 @@ def test_a_config_file_given_twice_is_refused(
 
 @pytest.mark.usefixtures("no_model_built")
 def test_plan_memory_sdpa_on_an_eager_only_family(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan-memory", "--preset", "tiny-gpt-oss", "--seq", "8"]
+    argv = ["plan-memory", "--preset", "tiny-gpt-oss", "--seq-len", "8"]
     code, err = run([*argv, "--attn-implementation", "sdpa"], capsys)
     assert code == 2
     assert err == (

@@ -1,0 +1,59 @@
+"""The planner's settings as two values: each refused once, when made, by the name the
+trainer's config gives it; 0.1.0's keyword names warn and still work (issue 31)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from graphswap.hf.presets import qwen3_moe_config
+from graphswap.planning import PlanSettingError, StepShape, SwapSchedule, plan_memory
+
+SMALL: dict[str, Any] = {"device": "cpu", "dtype": torch.float32, "activation_swap": "none"}
+
+
+@pytest.mark.parametrize(
+    ("make", "setting"),
+    [
+        (lambda: StepShape(seq_len=0), "seq_len"),
+        (lambda: StepShape(seq_len=8, batch_size=True), "batch_size"),
+        (lambda: StepShape(seq_len=8, tp_size=0), "tp_size"),
+        (lambda: StepShape(seq_len=8, device="xpu"), "device"),
+        (lambda: SwapSchedule(swap_hide_margin=1.0), "swap_hide_margin"),
+        (lambda: SwapSchedule(swap_offload_lag=-1), "swap_offload_lag"),
+        (lambda: SwapSchedule(swap_prefetch_depth=0), "swap_prefetch_depth"),
+        (lambda: SwapSchedule(state_shards=0), "state_shards"),
+        (lambda: SwapSchedule(max_host_bytes=-1), "max_host_bytes"),
+    ],
+)
+def test_a_bad_value_is_refused_when_made_naming_the_config_key(make, setting) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanSettingError) as caught:
+        make()
+    assert caught.value.setting == setting
+    assert str(caught.value).startswith(f"{setting}=")
+
+
+def test_an_unknown_keyword_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(PlanSettingError, match="use one of seq_len, batch_size") as caught:
+        plan_memory(qwen3_moe_config("tiny"), seq_len=8, seqlen=8)
+    assert caught.value.setting == "seqlen"
+
+
+def test_the_old_keywords_warn_naming_the_new_one_and_plan_the_same() -> None:
+    config = qwen3_moe_config("tiny", num_hidden_layers=2)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = plan_memory(config, seq=64, batch=2, tp=1, offload_lag=1, **SMALL)
+    assert [str(w.message) for w in caught] == [
+        f"plan_memory({name}=...) is deprecated: use {new}= (removed in 0.3)"
+        for name, new in (
+            ("seq", "seq_len"),
+            ("batch", "batch_size"),
+            ("tp", "tp_size"),
+            ("offload_lag", "swap_offload_lag"),
+        )
+    ]
+    assert all(w.filename == __file__ for w in caught), "the warning points at the caller"
+    new = plan_memory(config, seq_len=64, batch_size=2, tp_size=1, swap_offload_lag=1, **SMALL)
+    assert old.to_dict() == new.to_dict()
