@@ -66,7 +66,7 @@ def _without_swap(name: str, seq: int, recompute: tuple[str, ...]) -> tuple[int,
     """The step at ``seq`` with ``recompute`` and nothing swapped: its device peak and
     its seconds."""
     trace = trace_step(
-        build_meta_model(preset_config(name), StepShape(seq_len=seq), recompute=recompute),  # type: ignore[arg-type]
+        build_meta_model(preset_config(name), StepShape(seq_len=seq), recompute=recompute),
         device_profile("h200"),
     )
     run = replay(
