@@ -47,8 +47,8 @@ from swap_overhead import (
     target_line,
 )
 
-from graphswap.planning import StepShape, SwapSchedule
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
+from graphswap.planning.trace import StepShape, SwapSchedule
 
 SDPA_BACKENDS = {
     "flash": "FLASH_ATTENTION",

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import StepShape, fit_sequence
+from graphswap.planning import fit_sequence
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.planning.trace import SwapChoice, replay, trace_step
+from graphswap.planning.trace import StepShape, SwapChoice, replay, trace_step
 from graphswap.runtime.profile import device_profile
 
 MODELS = ("qwen3-30b-a3b", "llama-3.1-8b")

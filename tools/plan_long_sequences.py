@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import MemoryPlan, StepShape, SwapSchedule, fit_sequence
+from graphswap.planning import MemoryPlan, fit_sequence
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import (
+    StepShape,
     StepTrace,
     SwapChoice,
+    SwapSchedule,
     layer_candidates,
     plan_step,
     replay,

@@ -25,7 +25,6 @@ the steps behind a plan (a trace replayed per choice) are :mod:`graphswap.planni
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._fit import FitResult, ModeFit, fit_sequence
 from graphswap.planning._plan import DEFAULT_PROFILE, LayerPlan, MemoryPlan, SwapMode, plan_memory
-from graphswap.planning._settings import StepShape, SwapSchedule
 from graphswap.runtime.profile import ProfileError
 
 __all__ = [
@@ -36,9 +35,7 @@ __all__ = [
     "ModeFit",
     "PlanSettingError",
     "ProfileError",
-    "StepShape",
     "SwapMode",
-    "SwapSchedule",
     "fit_sequence",
     "plan_memory",
 ]

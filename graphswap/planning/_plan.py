@@ -417,10 +417,10 @@ def plan_memory(
     ``activation_swap`` and without.
 
     ``settings`` are flat keywords named as the trainer config's keys, as users and the
-    swap pass hold them: the fields of :class:`~graphswap.planning.StepShape`
+    swap pass hold them: the fields of :class:`~graphswap.planning.trace.StepShape`
     (``seq_len``, required; ``batch_size``, ``dtype``, ``attn_implementation``,
     ``device``, ``attn_kernel``, ``tp_size``) and of
-    :class:`~graphswap.planning.SwapSchedule` (``swap_hide_margin``,
+    :class:`~graphswap.planning.trace.SwapSchedule` (``swap_hide_margin``,
     ``swap_offload_lag``, ``swap_prefetch_depth``, ``state_shards``,
     ``max_host_bytes``), each made once and checked there, and the profile's overrides
     ``swap_bandwidth_gbps`` (both link directions) and ``swap_tflops``. 0.1.0's names

@@ -13,8 +13,8 @@ from graphswap.hf.attention_kernels import (
     resolve_attention_kernel,
 )
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import StepShape
 from graphswap.planning.saved_tensors import trace_saved_tensors
+from graphswap.planning.trace import StepShape
 from graphswap.train.cli import _memory
 
 BATCH, HEADS, SEQ = 2, 4, 256

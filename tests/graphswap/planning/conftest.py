@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import StepShape
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.planning.trace import StepTrace, trace_step
+from graphswap.planning.trace import StepShape, StepTrace, trace_step
 from graphswap.runtime.profile import DeviceProfile, device_profile
 
 

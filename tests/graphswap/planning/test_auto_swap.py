@@ -16,7 +16,7 @@ import torch
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.passes import PassSettingError
-from graphswap.planning import MemoryPlan, StepShape
+from graphswap.planning import MemoryPlan
 from graphswap.planning.auto_swap import (
     AutoSwap,
     AutoSwapMismatchError,
@@ -25,7 +25,7 @@ from graphswap.planning.auto_swap import (
 )
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import trace_saved_tensors
-from graphswap.planning.trace import StepTrace, plan_step
+from graphswap.planning.trace import StepShape, StepTrace, plan_step
 from graphswap.runtime import SwapManager, swap_wrapper
 from graphswap.runtime.policy import CheckpointPolicy
 from graphswap.train.build import BuiltModel, build

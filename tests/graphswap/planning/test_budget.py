@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphswap
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
-from graphswap.planning import PlanSettingError, StepShape, plan_memory
+from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.planning.trace import StepShape
 from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
 from graphswap.train.build import build, from_config
 from graphswap.train.config import TrainerConfig

@@ -10,10 +10,10 @@ import pytest
 from transformers import PretrainedConfig
 
 from graphswap.hf.presets import preset_config, qwen3_moe_config
-from graphswap.planning import FitResult, StepShape, SwapSchedule, fit_sequence, plan_memory
+from graphswap.planning import FitResult, fit_sequence, plan_memory
 from graphswap.planning._fit import _Scan
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.planning.trace import plan_step, trace_step
+from graphswap.planning.trace import StepShape, SwapSchedule, plan_step, trace_step
 from graphswap.runtime.profile import device_profile
 
 GIB = 1 << 30

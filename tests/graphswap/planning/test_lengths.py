@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import StepShape
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._trace import Event
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.planning.trace import StepTrace, trace_step
+from graphswap.planning.trace import StepShape, StepTrace, trace_step
 from graphswap.runtime.policy import MIN_SWAP_TENSOR_BYTES, SwapPolicy, swap_large_activations
 from graphswap.runtime.profile import device_profile
 

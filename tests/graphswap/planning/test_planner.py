@@ -11,18 +11,10 @@ import torch
 from graphswap import rewrite
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import (
-    LayerPlan,
-    MemoryPlan,
-    PlanSettingError,
-    ProfileError,
-    StepShape,
-    SwapSchedule,
-    plan_memory,
-)
+from graphswap.planning import LayerPlan, MemoryPlan, PlanSettingError, ProfileError, plan_memory
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import trace_saved_tensors
-from graphswap.planning.trace import StepTrace, layer_candidates, plan_step
+from graphswap.planning.trace import StepShape, StepTrace, SwapSchedule, layer_candidates, plan_step
 from graphswap.train.cli._memory import auto_verdict, format_plan
 
 SEQ, BATCH = 512, 2

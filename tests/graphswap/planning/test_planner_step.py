@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import MemoryPlan, StepShape, SwapSchedule, fit_sequence, plan_memory
+from graphswap.planning import MemoryPlan, fit_sequence, plan_memory
 from graphswap.planning._auto import plan_auto
 from graphswap.planning._trace import BlockKind, Event
 from graphswap.planning._windows import step_times
 from graphswap.planning.saved_tensors import LAYER_SCOPE, build_meta_model
 from graphswap.planning.trace import (
+    StepShape,
     StepTrace,
+    SwapSchedule,
     layer_candidates,
     plan_step,
     replay,

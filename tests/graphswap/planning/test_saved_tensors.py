@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import StepShape
 from graphswap.planning.saved_tensors import (
     PlanSettingError,
     SavedTensorCollector,
@@ -19,6 +18,7 @@ from graphswap.planning.saved_tensors import (
     per_rank_config,
     trace_saved_tensors,
 )
+from graphswap.planning.trace import StepShape
 
 SEQ = 512
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import PlanSettingError, StepShape, SwapSchedule, plan_memory
+from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.planning.trace import StepShape, SwapSchedule
 
 SMALL: dict[str, Any] = {"device": "cpu", "dtype": torch.float32, "activation_swap": "none"}
 
