@@ -51,7 +51,7 @@ def test_the_planner_refuses_tp_for_an_attention_it_cannot_shard(
     family_config: Callable[[str, str], Any],
 ) -> None:
     config = family_config("tiny-deepseek-v3", "eager")
-    with pytest.raises(PlanSettingError, match=r"^tp=2: shards attention heads") as info:
+    with pytest.raises(PlanSettingError, match=r"^tp_size=2: shards attention heads") as info:
         plan_memory(config, seq_len=64, tp_size=2, device="cpu", dtype=torch.float32)
     assert "no q_proj, k_proj, v_proj projection" in str(info.value)
 
