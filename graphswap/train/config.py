@@ -156,7 +156,7 @@ class InfrastructureSettings:
     fsdp: bool = False
     """FSDP2 ``fully_shard`` per decoder layer and the root."""
     pass_order: tuple[str, ...] | None = None
-    """The passes in the order to run them, checked as given by ``graphswap.passes.plan``;
+    """The passes in the order to run them, checked as given by ``graphswap.passes.pass_plan``;
     ``None``: the canonical order of the passes the other settings enable."""
 
 

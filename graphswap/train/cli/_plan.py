@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_config(args.config, args.overrides)
         if args.order is not None:
             config = dataclasses.replace(config, pass_order=parse_names(args.order))
-        plan = passes.plan(config).check_runnable()
+        plan = passes.pass_plan(config).check_runnable()
         check_swap_rule(config, check_model(config))
     except (ConfigError, passes.PlanError) as error:
         return user_error("plan", str(error))

@@ -45,7 +45,7 @@ def test_json_and_dot(capsys: pytest.CaptureFixture[str]) -> None:
     assert [p["name"] for p in data["passes"]] == ["swap", "fsdp"]
     assert run_plan(["--format", "dot", "activation_swap=attention", "fsdp=true"]) == 0
     dot = capsys.readouterr().out
-    assert dot.startswith("digraph plan {") and '"swap" -> "fsdp";' in dot
+    assert dot.startswith("digraph pass_plan {") and '"swap" -> "fsdp";' in dot
 
 
 def test_rejected_plan_exits_with_the_code_its_help_names(
