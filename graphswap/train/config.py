@@ -398,7 +398,7 @@ def _field_types() -> dict[str, Any]:
 
 def parse_names(text: str) -> tuple[str, ...]:
     """``"swap,fsdp"`` -> ``("swap", "fsdp")``: the comma-separated form of a list
-    setting, as an override or ``graphswap plan --order`` takes it."""
+    setting, as an override or ``graphswap passes --order`` takes it."""
     return tuple(name.strip() for name in text.split(","))
 
 
