@@ -68,6 +68,9 @@ NAMES: dict[str, str] = {
     "graphswap.rules.qwen3_layer_swap_policy": _SIZE_POLICY,
     "graphswap.rules.layer_swap_policy": _SIZE_POLICY,
     "graphswap.config.ActivationSwap": "graphswap.planning:SwapMode",
+    # 0.1.0's passes.Plan and passes.plan: the pass plan, named apart from the memory plan.
+    "graphswap.passes.Plan": "graphswap.passes:PassPlan",
+    "graphswap.passes.plan": "graphswap.passes:pass_plan",
     "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._settings:DEFAULT_HIDE_MARGIN",
     # graphswap.planning's names are what a user calls; the steps behind a plan are
     # graphswap.planning.trace's, the rest the planner's own.
@@ -213,7 +216,9 @@ def _name(old: str, search: tuple[str, ...]) -> Any:
 def module_getattr(module: str) -> Callable[[str], Any]:
     """The ``__getattr__`` of a live module whose 0.1.0 names or submodules moved:
     ``graphswap`` (its old names, its old modules as attributes), ``graphswap.runtime``,
-    ``graphswap.hf`` and ``graphswap.train`` (which were modules in 0.1.0)."""
+    ``graphswap.hf`` and ``graphswap.train`` (which were modules in 0.1.0), and
+    ``graphswap.passes`` (0.1.0's top-level ``passes``, whose ``Plan`` and ``plan`` were
+    renamed)."""
 
     def __getattr__(name: str) -> Any:
         old = f"{module}.{name}"

@@ -1,13 +1,15 @@
 """The pass plan and the model-infrastructure passes of graphswap: ``graphswap.passes``.
 
-``plan(config)`` lists the passes a config asks for, ``Plan.check()`` refuses illegal
-orders and combinations as data, and ``apply_model_infrastructure`` runs the checked
-plan on a model, verifying each pass's effect.
+``pass_plan(config)`` lists the passes a config asks for, ``PassPlan.check()`` refuses
+illegal orders and combinations as data, and ``apply_model_infrastructure`` runs the
+checked pass plan on a model, verifying each pass's effect. (The planner's answer, what
+to keep, swap and recompute per layer, is the memory plan: ``graphswap.planning``.)
 
 The folder is the repository's top-level ``passes/`` (a layer of its own);
 ``graphswap/passes`` links to it, so it installs under graphswap and nowhere else.
 """
 
+from graphswap._deprecated import module_getattr
 from graphswap.passes.errors import (
     PassConflictError,
     PassNotImplementedError,
@@ -19,7 +21,7 @@ from graphswap.passes.errors import (
 )
 from graphswap.passes.infrastructure import InfrastructureResult, apply_model_infrastructure
 from graphswap.passes.mesh import build_mesh
-from graphswap.passes.plan import Plan, plan
+from graphswap.passes.pass_plan import PassPlan, pass_plan
 from graphswap.passes.settings import PassSettings
 from graphswap.passes.specs import (
     CANONICAL_ORDER,
@@ -38,19 +40,21 @@ __all__ = [
     "PassConflictError",
     "PassNotImplementedError",
     "PassOrderError",
+    "PassPlan",
     "PassPostconditionError",
     "PassRequirementError",
     "PassSettingError",
     "PassSettings",
     "PassSpec",
-    "Plan",
     "PlanError",
     "apply_model_infrastructure",
     "build_mesh",
     "get_spec",
+    "pass_plan",
     "pass_specs",
-    "plan",
 ]
+
+__getattr__ = module_getattr(__name__)  # 0.1.0's Plan and plan, renamed, until 0.3
 
 if __name__ == "passes":  # 0.1.0's top-level name, found in a source checkout: until 0.3
     from graphswap._deprecated import moved_package

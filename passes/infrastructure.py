@@ -20,7 +20,7 @@ from graphswap.passes.activation_checkpointing import apply_activation_checkpoin
 from graphswap.passes.compile import apply_compile
 from graphswap.passes.fsdp import apply_fsdp
 from graphswap.passes.mesh import Meshes, resolve_meshes
-from graphswap.passes.plan import Plan, plan_of
+from graphswap.passes.pass_plan import PassPlan, pass_plan_of
 from graphswap.passes.specs import pass_specs
 from graphswap.passes.swap import PLANNED_MODES, apply_swap, plan_auto_swap, swap_engine
 from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
@@ -39,7 +39,7 @@ class InfrastructureResult:
     """The transformed model and what was done to it."""
 
     model: nn.Module
-    plan: Plan
+    plan: PassPlan
     report: RewriteReport | None
     """The swap rewrite's report (its ``manager`` runs the swap); ``None`` without swap."""
     applied: tuple[str, ...]
@@ -99,16 +99,16 @@ def apply_model_infrastructure(
     config: PassSettings,
     *,
     mesh: DeviceMesh | None = None,
-    planned: Plan | None = None,
+    pass_plan: PassPlan | None = None,
 ) -> InfrastructureResult:
-    """Apply the passes ``config`` asks for, in plan order, to ``model`` in place.
+    """Apply the passes ``config`` asks for, in pass plan order, to ``model`` in place.
 
     ``mesh``: a device mesh with a ``"tp"`` and/or ``"dp_shard"`` dimension; by default
     one is built from the initialized process group when a distributed pass runs.
-    ``planned``: ``config``'s plan when the caller built it already (``graphswap train``
+    ``pass_plan``: ``config``'s pass plan when the caller built it already (``graphswap train``
     builds one per run, for its checks, the mesh and this); checked again here.
     """
-    checked = plan_of(config, planned).check_runnable()
+    checked = pass_plan_of(config, pass_plan).check_runnable()
     if config.tp_size > 1:
         check_heads_divisible(getattr(model, "config", None), config.tp_size)
     _refuse_traces(checked, model, config)
@@ -128,7 +128,7 @@ def _device_type(model: nn.Module) -> str:
     return "cpu" if param is None else param.device.type
 
 
-def _refuse_traces(checked: Plan, model: nn.Module, config: PassSettings) -> None:
+def _refuse_traces(checked: PassPlan, model: nn.Module, config: PassSettings) -> None:
     """Refuse a model on which a pass that must follow one of the plan's passes (or that
     one of them excludes) already ran outside the plan. The check runs before the first
     pass: whatever it finds was there from the start, so nothing is half-applied."""

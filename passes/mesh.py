@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from graphswap.passes.errors import PassRequirementError, PassSettingError
-from graphswap.passes.plan import Plan, plan_of
+from graphswap.passes.pass_plan import PassPlan, pass_plan_of
 from graphswap.passes.specs import DISTRIBUTED, PassSpec
 
 if TYPE_CHECKING:
@@ -29,16 +29,16 @@ class Meshes:
 
 
 def build_mesh(
-    config: PassSettings, *, device_type: str, planned: Plan | None = None
+    config: PassSettings, *, device_type: str, pass_plan: PassPlan | None = None
 ) -> DeviceMesh | None:
     """The mesh the config's distributed passes need, from the initialized process
-    group; ``None`` when the config enables no distributed pass. ``planned``:
-    ``config``'s plan when the caller built it already."""
-    planned = plan_of(config, planned)
+    group; ``None`` when the config enables no distributed pass. ``pass_plan``:
+    ``config``'s pass plan when the caller built it already."""
+    planned = pass_plan_of(config, pass_plan)
     return _build(planned, device_type) if _distributed_passes(planned) else None
 
 
-def resolve_meshes(planned: Plan, device_type: str, mesh: DeviceMesh | None) -> Meshes:
+def resolve_meshes(planned: PassPlan, device_type: str, mesh: DeviceMesh | None) -> Meshes:
     """Check ``mesh`` against the config, or build one from the initialized world."""
     config = planned.config
     if not _distributed_passes(planned):
@@ -59,11 +59,11 @@ def resolve_meshes(planned: Plan, device_type: str, mesh: DeviceMesh | None) -> 
     )
 
 
-def _distributed_passes(planned: Plan) -> list[PassSpec]:
+def _distributed_passes(planned: PassPlan) -> list[PassSpec]:
     return [spec for spec in planned.passes if DISTRIBUTED in spec.requires]
 
 
-def _build(planned: Plan, device_type: str) -> DeviceMesh:
+def _build(planned: PassPlan, device_type: str) -> DeviceMesh:
     # torch.distributed loads only when a distributed pass runs.
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -94,7 +94,7 @@ def _build(planned: Plan, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
-def _check_given(mesh: DeviceMesh, planned: Plan) -> None:
+def _check_given(mesh: DeviceMesh, planned: PassPlan) -> None:
     config = planned.config
     names = mesh.mesh_dim_names or ()
     wanted = {DP_SHARD: None} if config.fsdp else {}

@@ -37,7 +37,7 @@ CANONICAL_ORDER: tuple[str, ...] = (
     "compile",
     "fsdp",
 )
-"""The order ``graphswap.passes.plan`` emits. Pipeline parallel splits the model into stages
+"""The order ``graphswap.passes.pass_plan`` emits. Pipeline parallel splits the model into stages
 first (as in torchtitan); every other pass then runs per stage."""
 
 DISTRIBUTED = "distributed"

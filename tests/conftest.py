@@ -160,18 +160,18 @@ def tour_config() -> Callable[..., Any]:
 
 @pytest.fixture
 def plans_built(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every pass plan built from here on (``graphswap.passes.plan``, ``Plan.from_names``):
-    a run builds its plan once and passes it along."""
-    from graphswap.passes import Plan
+    """Every pass plan built from here on (``graphswap.passes.pass_plan``,
+    ``PassPlan.from_names``): a run builds its pass plan once and passes it along."""
+    from graphswap.passes import PassPlan
 
-    built: list[Plan] = []
-    post_init = Plan.__post_init__
+    built: list[PassPlan] = []
+    post_init = PassPlan.__post_init__
 
-    def counted(plan: Plan) -> None:
+    def counted(plan: PassPlan) -> None:
         built.append(plan)
         post_init(plan)
 
-    monkeypatch.setattr(Plan, "__post_init__", counted)
+    monkeypatch.setattr(PassPlan, "__post_init__", counted)
     return built
 
 

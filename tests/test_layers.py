@@ -61,7 +61,7 @@ def test_the_tree_keeps_the_contract() -> None:
     ("module", "upward"),
     [
         ("graphswap/rewriting/rules.py", "graphswap.passes"),
-        ("graphswap/passes/plan.py", "graphswap.train.trainer"),
+        ("graphswap/passes/pass_plan.py", "graphswap.train.trainer"),
         ("graphswap/runtime/_manager.py", "graphswap.planning"),
     ],
 )

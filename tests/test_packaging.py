@@ -39,5 +39,5 @@ def test_the_wheel_installs_graphswap_alone(tmp_path: Path) -> None:
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top == {"graphswap"}
     passes = {name.removeprefix("graphswap/passes/") for name in names if "/passes/" in name}
-    assert {"__init__.py", "plan.py", "specs.py", "errors.py", "swap.py"} <= passes
+    assert {"__init__.py", "pass_plan.py", "specs.py", "errors.py", "swap.py"} <= passes
     assert passes == {path.name for path in (ROOT / "passes").glob("*.py")}

@@ -21,8 +21,8 @@ from graphswap.hf.checkpoints import (
     load_weights,
     model_config,
 )
-from graphswap.passes import Plan, apply_model_infrastructure
-from graphswap.passes.plan import plan_of
+from graphswap.passes import PassPlan, apply_model_infrastructure
+from graphswap.passes.pass_plan import pass_plan_of
 from graphswap.planning import SwapMode
 from graphswap.train.config import ConfigError, DType, TrainerConfig
 
@@ -60,7 +60,7 @@ def build(
     weights: str | Path | None = None,
     device: str | torch.device = "cpu",
     mesh: DeviceMesh | None = None,
-    planned: Plan | None = None,
+    pass_plan: PassPlan | None = None,
 ) -> BuiltModel:
     """The one path from settings to a ready model: every builder goes through here.
 
@@ -69,10 +69,10 @@ def build(
     trained from its weights, never from a random init of its shape. The
     infrastructure (swap, sharding, compile, FSDP) is applied by
     ``graphswap.passes.apply_model_infrastructure`` from the same ``config``, so a setting
-    cannot be dropped on the way. ``planned``: ``config``'s pass plan when the caller
+    cannot be dropped on the way. ``pass_plan``: ``config``'s pass plan when the caller
     built it already; the build and the passes share one.
     """
-    planned = plan_of(config, planned).check_runnable()  # refused before a model is built
+    planned = pass_plan_of(config, pass_plan).check_runnable()  # refused before a model is built
     if hf_config is None:
         hf_config = trainer_hf_config(config)
     dtype = getattr(torch, config.dtype)
@@ -82,7 +82,7 @@ def build(
         model = load_weights(weights, hf_config, dtype=dtype).to(device)
     else:
         model = build_model(hf_config, device=device, dtype=dtype)
-    infrastructure = apply_model_infrastructure(model, config, mesh=mesh, planned=planned)
+    infrastructure = apply_model_infrastructure(model, config, mesh=mesh, pass_plan=planned)
     return BuiltModel(infrastructure.model, infrastructure)
 
 

@@ -156,7 +156,7 @@ class InfrastructureSettings:
     fsdp: bool = False
     """FSDP2 ``fully_shard`` per decoder layer and the root."""
     pass_order: tuple[str, ...] | None = None
-    """The passes in the order to run them, checked as given by ``graphswap.passes.plan``;
+    """The passes in the order to run them, checked as given by ``graphswap.passes.pass_plan``;
     ``None``: the canonical order of the passes the other settings enable."""
 
 
@@ -398,7 +398,7 @@ def _field_types() -> dict[str, Any]:
 
 def parse_names(text: str) -> tuple[str, ...]:
     """``"swap,fsdp"`` -> ``("swap", "fsdp")``: the comma-separated form of a list
-    setting, as an override or ``graphswap plan --order`` takes it."""
+    setting, as an override or ``graphswap passes --order`` takes it."""
     return tuple(name.strip() for name in text.split(","))
 
 

@@ -4,7 +4,7 @@ device, for the swap rule).
 
 A wrong path or an impossible setting must cost the user a second and one clear
 line, not a model build, a training run, or a traceback; ``graphswap train`` runs
-every check here first and ``graphswap plan`` runs the ones about the model.
+every check here first and ``graphswap passes`` runs the ones about the model.
 Every error is a :class:`~graphswap.train.config.ConfigError` (message starts with the
 key) or, for a distributed layout, a ``passes`` plan error naming the setting.
 """
@@ -27,8 +27,8 @@ from graphswap.hf.checkpoints import (
     eager_only,
     weight_files,
 )
-from graphswap.passes import SWAP_RULES, PassRequirementError, Plan
-from graphswap.passes.plan import plan_of
+from graphswap.passes import SWAP_RULES, PassPlan, PassRequirementError
+from graphswap.passes.pass_plan import pass_plan_of
 from graphswap.passes.tensor_parallel import check_head_layout, check_heads_divisible
 from graphswap.planning.auto_swap import check_measurable
 from graphswap.rewriting.rules import check_rule
@@ -40,11 +40,11 @@ if TYPE_CHECKING:
 
 
 def check_inputs(
-    config: TrainerConfig, *, world_size: int = 1, planned: Plan | None = None
+    config: TrainerConfig, *, world_size: int = 1, pass_plan: PassPlan | None = None
 ) -> PretrainedConfig:
     """Every check ``graphswap train`` needs; returns the Hugging Face config to build.
-    ``planned``: ``config``'s pass plan when the caller built it already."""
-    plan_of(config, planned).check_runnable()
+    ``pass_plan``: ``config``'s pass plan when the caller built it already."""
+    pass_plan_of(config, pass_plan).check_runnable()
     # The paths first: they need no model code, whose import alone takes seconds.
     check_data(config)
     check_output_dir(config)

@@ -18,8 +18,8 @@ import torch
 from tqdm import tqdm
 
 from graphswap.hf.checkpoints import decoder_layers
-from graphswap.passes import Plan
-from graphswap.passes.plan import plan_of
+from graphswap.passes import PassPlan
+from graphswap.passes.pass_plan import pass_plan_of
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import simulated_profile
@@ -118,13 +118,18 @@ class _Run:
     """One config's model, optimizer and batches, advanced one step at a time."""
 
     def __init__(
-        self, config: TrainerConfig, planned: Plan, device: torch.device, mesh: Any, world_size: int
+        self,
+        config: TrainerConfig,
+        pass_plan: PassPlan,
+        device: torch.device,
+        mesh: Any,
+        world_size: int,
     ) -> None:
         self.config = config
         self.device = device
         self.world_size = world_size
         torch.manual_seed(config.seed)
-        self.built = build(config, device=device, mesh=mesh, planned=planned)
+        self.built = build(config, device=device, mesh=mesh, pass_plan=pass_plan)
         self.built.model.train()
         self.optimizer = torch.optim.AdamW(self.built.model.parameters(), lr=config.lr)
         dp_rank, self.dp_size = data_parallel_rank(self.built.infrastructure.mesh)
@@ -262,15 +267,15 @@ def train_side_by_side(
     mesh: Any = None,
     progress: bool = True,
     out: TextIO = sys.stderr,
-    plans: Sequence[Plan] | None = None,
+    pass_plans: Sequence[PassPlan] | None = None,
 ) -> list[TrainResult]:
     """Train every config from the same seed, interleaved step by step (in alternating
     order): each sees the same warm-up, machine noise and allocator state, so their
     step times compare.
 
     Every input is checked (``graphswap.train.preflight``) before the first model is built.
-    ``plans``: per config, its pass plan when the caller built it already; each config's
-    plan is built once and serves its checks and its build.
+    ``pass_plans``: per config, its pass plan when the caller built it already; each
+    config's pass plan is built once and serves its checks and its build.
     """
     if not configs:
         raise ConfigError("configs", "train_side_by_side needs at least one config; pass one")
@@ -280,10 +285,10 @@ def train_side_by_side(
             "steps", f"configs trained side by side need equal steps, got {sorted(steps)}"
         )
     world_size = _world_size()
-    given: Sequence[Plan | None] = [None] * len(configs) if plans is None else plans
-    planned = [plan_of(config, p) for config, p in zip(configs, given, strict=True)]
+    given: Sequence[PassPlan | None] = [None] * len(configs) if pass_plans is None else pass_plans
+    planned = [pass_plan_of(config, p) for config, p in zip(configs, given, strict=True)]
     for config, checked in zip(configs, planned, strict=True):
-        check_inputs(config, world_size=world_size, planned=checked)
+        check_inputs(config, world_size=world_size, pass_plan=checked)
     device = resolve_device(configs[0])
     runs = [
         _Run(config, checked, device, mesh, world_size)

@@ -197,3 +197,51 @@ def test_the_top_level_passes_of_a_checkout_warns_and_is_graphswap_passes() -> N
     assert done.stdout.strip() == (
         "passes is deprecated: import from graphswap.passes (removed in 0.3)"
     )
+
+
+@pytest.mark.parametrize(("old", "new"), [("Plan", "PassPlan"), ("plan", "pass_plan")])
+def test_the_pass_plans_0_1_names_warn_naming_their_new_ones(old: str, new: str) -> None:
+    """0.1.0's ``passes.Plan`` and ``passes.plan``: the pass plan is named apart from the
+    memory plan (``graphswap.planning.MemoryPlan``) now; the old names stay out of
+    ``__all__``, so that ``from graphswap.passes import *`` brings the new ones only."""
+    from graphswap import passes
+
+    message = rf"^graphswap\.passes\.{old} is deprecated: use graphswap\.passes\.{new} "
+    with pytest.warns(DeprecationWarning, match=message):
+        assert getattr(passes, old) is getattr(passes, new)
+    assert old not in passes.__all__ and new in passes.__all__
+
+
+def test_the_deprecated_plan_builds_the_pass_plan() -> None:
+    """``passes.plan(config)`` is still the function (not a module of that name)."""
+    from graphswap import passes
+    from graphswap.train.config import TrainerConfig
+
+    config = TrainerConfig(activation_swap="attention")
+    with pytest.warns(DeprecationWarning, match=r"graphswap\.passes\.pass_plan"):
+        built = passes.plan(config)
+    assert isinstance(built, passes.PassPlan) and built.names == ("swap",)
+
+
+def test_the_top_level_passes_of_a_checkout_has_its_plan_names_with_the_warning() -> None:
+    """In a checkout, 0.1.0's ``passes.Plan`` and ``passes.plan`` warn naming the new names."""
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import passes\n"
+        "    from passes import Plan, plan\n"
+        "import graphswap.passes\n"
+        "assert Plan is graphswap.passes.PassPlan and plan is graphswap.passes.pass_plan\n"
+        "print(*sorted({str(w.message) for w in caught if w.category is DeprecationWarning}),"
+        " sep='\\n')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "graphswap.passes.Plan is deprecated: use graphswap.passes.PassPlan (removed in 0.3)",
+        "graphswap.passes.plan is deprecated: use graphswap.passes.pass_plan (removed in 0.3)",
+        "passes is deprecated: import from graphswap.passes (removed in 0.3)",
+    ]

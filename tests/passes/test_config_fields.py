@@ -2,11 +2,11 @@
 argument on the way to the builder, which silently skipped the module replacement).
 
 Each field has one test that changes it and observes the difference from outside,
-through the public entry points only: the plan (``graphswap.passes.plan``), the built model
-(``graphswap.train.build.build``), the training run (``graphswap.train.trainer.train``: losses,
-measured activations, applied passes, swap statistics), the files ``graphswap train``
-writes, or an error that names the field. ``test_every_field_has_a_behaviour_case``
-fails when a field is added without one.
+through the public entry points only: the pass plan (``graphswap.passes.pass_plan``), the
+built model (``graphswap.train.build.build``), the training run
+(``graphswap.train.trainer.train``: losses, measured activations, applied passes, swap
+statistics), the files ``graphswap train`` writes, or an error that names the field.
+``test_every_field_has_a_behaviour_case`` fails when a field is added without one.
 """
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ def test_fsdp_shards_the_model(base: TrainerConfig, base_run: TrainResult, world
     from torch.distributed.fsdp import FSDPModule
 
     config = dataclasses.replace(base, fsdp=True)
-    assert passes.plan(config).names == ("fsdp",)
+    assert passes.pass_plan(config).names == ("fsdp",)
     assert isinstance(build(config).model, FSDPModule)
     sharded = run(base, fsdp=True)
     assert sharded.applied_passes == ["fsdp"]
@@ -353,7 +353,7 @@ def test_fsdp_shards_the_model(base: TrainerConfig, base_run: TrainResult, world
 @case("tp_size")
 def test_tp_size_plans_tensor_parallel_and_needs_its_ranks(base: TrainerConfig) -> None:
     config = dataclasses.replace(base, tp_size=2)
-    assert passes.plan(config).names == ("tensor_parallel",)
+    assert passes.pass_plan(config).names == ("tensor_parallel",)
     with pytest.raises(passes.PlanError, match=r"^tp_size: 2 "):
         run(base, tp_size=2)
 
@@ -371,7 +371,7 @@ def test_declared_parallelisms_are_planned_and_refused(
     base: TrainerConfig, field: str, name: str
 ) -> None:
     config = dataclasses.replace(base, **{field: 2})
-    assert passes.plan(config).names == (name,)
+    assert passes.pass_plan(config).names == (name,)
     with pytest.raises(passes.PassNotImplementedError) as info:
         run(base, **{field: 2})
     assert str(info.value).startswith(f"{field}: 2 asks for {name}, which graphswap declares")

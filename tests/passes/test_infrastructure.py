@@ -48,16 +48,16 @@ def test_nothing_asked_changes_nothing(tiny_model: Model) -> None:
     assert result.model is model
 
 
-def test_a_plan_of_other_settings_is_refused(tiny_model: Model) -> None:
-    """A caller's plan must be its config's: its passes would be another config's (I2)."""
+def test_a_pass_plan_of_other_settings_is_refused(tiny_model: Model) -> None:
+    """A caller's pass plan must be its config's: its passes would be another config's (I2)."""
     config = TrainerConfig(activation_swap="attention")
-    with pytest.raises(PassSettingError, match=r"^planned= is the plan of other settings"):
+    with pytest.raises(PassSettingError, match=r"^pass_plan= is the pass plan of other settings"):
         passes.apply_model_infrastructure(
-            tiny_model(), config, planned=passes.plan(TrainerConfig())
+            tiny_model(), config, pass_plan=passes.pass_plan(TrainerConfig())
         )
-    planned = passes.plan(config)
-    result = passes.apply_model_infrastructure(tiny_model(), config, planned=planned)
-    assert result.plan is planned
+    pass_plan = passes.pass_plan(config)
+    result = passes.apply_model_infrastructure(tiny_model(), config, pass_plan=pass_plan)
+    assert result.plan is pass_plan
 
 
 def test_swap_wraps_and_links_every_layer(tiny_model: Model) -> None:

@@ -16,9 +16,9 @@ from graphswap import passes
 from graphswap.passes import (
     PassConflictError,
     PassOrderError,
+    PassPlan,
     PassSettingError,
     PassSpec,
-    Plan,
     PlanError,
 )
 from graphswap.train.config import TrainerConfig
@@ -78,7 +78,7 @@ def reference(order: tuple[str, ...]) -> type[PlanError] | None:
 
 def assert_matches_reference(order: tuple[str, ...]) -> None:
     expected = reference(order)
-    plan = Plan.from_names(order, config_for(order))
+    plan = PassPlan.from_names(order, config_for(order))
     assert_pass_order_matches(order, expected)
     if expected is None:
         assert plan.check() is plan
@@ -106,7 +106,7 @@ def assert_pass_order_matches(order: tuple[str, ...], expected: type[PlanError] 
     """The same order given as the config's ``pass_order``: the same verdict, a message
     that starts with the key, and for a wrong order a suggested order that runs."""
     config = dataclasses.replace(config_for(order), pass_order=order)
-    plan = passes.plan(config)
+    plan = passes.pass_plan(config)
     assert plan.names == order, "pass_order is taken as given, never re-sorted"
     if expected is None:
         assert plan.check() is plan
@@ -119,7 +119,7 @@ def assert_pass_order_matches(order: tuple[str, ...], expected: type[PlanError] 
         assert message.startswith("pass_order: ") and found, message
         suggested = tuple(found.group(1).split(", "))
         assert sorted(suggested) == sorted(order) and reference(suggested) is None
-        passes.plan(dataclasses.replace(config, pass_order=suggested)).check()
+        passes.pass_plan(dataclasses.replace(config, pass_order=suggested)).check()
 
 
 def test_every_declared_pass_has_a_setting_that_turns_it_on() -> None:
@@ -153,7 +153,7 @@ def test_a_swap_rule_naming_an_unknown_pass_is_refused(
             match=rf"rule 'misspelt_swap': {field} names unknown"
             r" passes \['fdsp'\]; declared passes: pipeline_parallel, swap",
         ):
-            passes.plan(config_for(["swap"]))
+            passes.pass_plan(config_for(["swap"]))
     finally:
         specs.pass_specs.cache_clear()
 
@@ -220,11 +220,11 @@ def test_specs_are_declared_with_settings_and_requirements() -> None:
     ],
 )
 def test_plan_is_the_canonical_order(names: tuple[str, ...], expected: tuple[str, ...]) -> None:
-    assert passes.plan(config_for(names)).names == expected
+    assert passes.pass_plan(config_for(names)).names == expected
 
 
 def test_default_config_plans_nothing() -> None:
-    plan = passes.plan(TrainerConfig())
+    plan = passes.pass_plan(TrainerConfig())
     assert plan.names == () and plan.check() is plan
     assert "no passes" in plan.to_text()
 
@@ -263,7 +263,7 @@ def test_each_exclusion_is_rejected(other: str, swap_first: bool) -> None:
     other_setting = passes.get_spec(other).setting_text(config)
     off = passes.get_spec(other).off_text()
     with pytest.raises(PassConflictError) as info:
-        Plan.from_names(order, config).check()
+        PassPlan.from_names(order, config).check()
     assert str(info.value) == (
         f"activation_swap: attention excludes {other_setting}; set activation_swap: none or"
         f" {off} (swap (position {order.index('swap') + 1}) and {other} (position"
@@ -276,7 +276,7 @@ def test_each_exclusion_is_rejected(other: str, swap_first: bool) -> None:
         )
     )
     with pytest.raises(PassConflictError):
-        passes.plan(config).check()
+        passes.pass_plan(config).check()
 
 
 @pytest.mark.parametrize("mode", ["attention", "layer", "auto"])
@@ -286,13 +286,13 @@ def test_each_exclusion_is_rejected(other: str, swap_first: bool) -> None:
 def test_every_swap_mode_has_the_same_exclusions(mode: str, other: dict[str, object]) -> None:
     config = TrainerConfig(activation_swap=mode, **other)  # type: ignore[arg-type]
     with pytest.raises(PassConflictError, match=rf"^activation_swap: {mode} excludes "):
-        passes.plan(config).check()
+        passes.pass_plan(config).check()
 
 
 def test_compile_exclusion_message() -> None:
     config = TrainerConfig(activation_swap="attention", compile=True)
     with pytest.raises(PassConflictError) as info:
-        passes.plan(config).check()
+        passes.pass_plan(config).check()
     assert str(info.value).startswith(
         "activation_swap: attention excludes compile: true; set activation_swap: none or"
         " compile: false"
@@ -303,38 +303,40 @@ def test_sharding_first_is_rejected_at_plan_time() -> None:
     """P2: the swap rewrite needs the unsharded exact type."""
     config = TrainerConfig(activation_swap="attention", tp_size=2)
     with pytest.raises(PassOrderError) as info:
-        Plan.from_names(["tensor_parallel", "swap"], config).check()
+        PassPlan.from_names(["tensor_parallel", "swap"], config).check()
     assert str(info.value) == (
         "swap (position 2) must run before tensor_parallel (position 1): move swap ahead of"
-        " tensor_parallel (graphswap.passes.plan orders them swap -> tensor_parallel) or turn"
+        " tensor_parallel (graphswap.passes.pass_plan orders them swap -> tensor_parallel) or turn"
         " one off: set activation_swap: none or tp_size: 1"
     )
     config = TrainerConfig(activation_swap="attention", fsdp=True)
     with pytest.raises(PassOrderError, match=r"^swap \(position 2\) must run before fsdp"):
-        Plan.from_names(["fsdp", "swap"], config).check()
+        PassPlan.from_names(["fsdp", "swap"], config).check()
 
 
 def test_plan_and_config_must_agree() -> None:
     config = TrainerConfig(activation_swap="attention", tp_size=2)
     with pytest.raises(PassSettingError) as info:
-        Plan.from_names(["swap"], config).check()
+        PassPlan.from_names(["swap"], config).check()
     assert str(info.value) == (
-        "tp_size: 2 asks for the tensor_parallel pass but the plan does not contain it;"
+        "tp_size: 2 asks for the tensor_parallel pass but the pass plan does not contain it;"
         " add tensor_parallel or set tp_size: 1"
     )
     with pytest.raises(PassSettingError) as info:
-        Plan.from_names(["swap", "tensor_parallel", "fsdp"], config).check()
+        PassPlan.from_names(["swap", "tensor_parallel", "fsdp"], config).check()
     assert str(info.value) == (
-        "fsdp (position 3) is in the plan but fsdp: false does not enable it; remove fsdp"
-        " from the plan or change fsdp"
+        "fsdp (position 3) is in the pass plan but fsdp: false does not enable it; remove fsdp"
+        " from the pass plan or change fsdp"
     )
 
 
 def test_unknown_and_duplicate_pass_names() -> None:
     with pytest.raises(PlanError, match=r"^unknown pass 'swapp'; declared passes: "):
-        Plan.from_names(["swapp"], TrainerConfig())
-    with pytest.raises(PlanError, match=r"^pass 'swap' appears 2 times in the plan; list it once"):
-        Plan.from_names(["swap", "swap"], TrainerConfig(activation_swap="attention"))
+        PassPlan.from_names(["swapp"], TrainerConfig())
+    with pytest.raises(
+        PlanError, match=r"^pass 'swap' appears 2 times in the pass plan; list it once"
+    ):
+        PassPlan.from_names(["swap", "swap"], TrainerConfig(activation_swap="attention"))
     with pytest.raises(PlanError, match=r"^unknown pass 'x'"):
         passes.get_spec("x")
 
@@ -346,7 +348,7 @@ def test_cycles_are_rejected() -> None:
     }
     config = TrainerConfig(compile=True, fsdp=True)
     with pytest.raises(PassOrderError) as info:
-        Plan((specs["compile"], specs["fsdp"]), config).check()
+        PassPlan((specs["compile"], specs["fsdp"]), config).check()
     assert str(info.value) == (
         "the constraints of compile (position 1) -> fsdp (position 2) -> compile form a cycle,"
         " so no order satisfies them; turn one of these passes off: set compile: false or"
@@ -356,7 +358,7 @@ def test_cycles_are_rejected() -> None:
 
 def test_graph_holds_the_constraints_among_planned_passes() -> None:
     order = ("tensor_parallel", "swap", "fsdp")
-    plan = Plan.from_names(order, config_for(order))
+    plan = PassPlan.from_names(order, config_for(order))
     graph = plan.graph
     assert list(graph.nodes) == list(order)
     assert graph.nodes["swap"]["position"] == 2
@@ -375,7 +377,7 @@ def test_renderings_are_deterministic_and_parse() -> None:
     import pydot
 
     config = config_for(("swap", "tensor_parallel", "fsdp"))
-    first, second = passes.plan(config), passes.plan(config)
+    first, second = passes.pass_plan(config), passes.pass_plan(config)
     assert first.to_dot() == second.to_dot()
     assert first.to_json() == second.to_json()
     data = json.loads(first.to_json())
@@ -386,7 +388,7 @@ def test_renderings_are_deterministic_and_parse() -> None:
     assert {node.get_name().strip('"') for node in graph.get_nodes()} >= {"swap", "fsdp"}
     text = first.to_text()
     assert "1. swap" in text and "tp_size: 2" in text and "swap -> tensor_parallel" in text
-    not_implemented = passes.plan(config_for(("context_parallel",))).to_text()
+    not_implemented = passes.pass_plan(config_for(("context_parallel",))).to_text()
     assert "[declared, not implemented]" in not_implemented
 
 
@@ -397,8 +399,8 @@ def test_pass_order_runs_as_given_when_legal() -> None:
         fsdp=True,
         pass_order=("swap", "tensor_parallel", "fsdp"),
     )
-    assert passes.plan(config).check().names == ("swap", "tensor_parallel", "fsdp")
-    assert passes.plan(TrainerConfig(pass_order=())).check().names == ()
+    assert passes.pass_plan(config).check().names == ("swap", "tensor_parallel", "fsdp")
+    assert passes.pass_plan(TrainerConfig(pass_order=())).check().names == ()
 
 
 @pytest.mark.parametrize(
@@ -448,7 +450,7 @@ def test_bad_pass_order_names_the_key_and_the_fix(
 ) -> None:
     config = TrainerConfig(**settings, pass_order=order)
     with pytest.raises(error) as info:
-        passes.plan(config).check()
+        passes.pass_plan(config).check()
     assert type(info.value) is error
     assert str(info.value) == message
 
@@ -458,4 +460,4 @@ def test_pass_order_keeps_the_exclusion_and_cycle_checks() -> None:
         activation_swap="attention", compile=True, pass_order=("swap", "compile")
     )
     with pytest.raises(PassConflictError, match=r"^activation_swap: attention excludes compile"):
-        passes.plan(config).check()
+        passes.pass_plan(config).check()

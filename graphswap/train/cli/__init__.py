@@ -16,7 +16,7 @@ from collections.abc import Sequence
 _COMMAND_MODULES = (
     "graphswap.train.cli._train",
     "graphswap.train.cli._graph",
-    "graphswap.train.cli._plan",
+    "graphswap.train.cli._passes",
     "graphswap.train.cli._memory",
 )
 

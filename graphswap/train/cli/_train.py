@@ -42,9 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _init_distributed(config: Any, planned: Any) -> Any:
+def _init_distributed(config: Any, pass_plan: Any) -> Any:
     """Under torchrun: a process group (gloo on CPU, nccl on CUDA) and the device mesh of
-    ``planned``, the pass plan of one of the run's configs (they differ in the swap only)."""
+    ``pass_plan``, the pass plan of one of the run's configs (they differ in the swap only)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return None
@@ -62,7 +62,7 @@ def _init_distributed(config: Any, planned: Any) -> Any:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return build_mesh(planned.config, device_type=device.type, planned=planned)
+    return build_mesh(pass_plan.config, device_type=device.type, pass_plan=pass_plan)
 
 
 def _as_mode(config: Any, mode: str) -> Any:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from graphswap.hf.checkpoints import CheckpointError
-    from graphswap.passes import PlanError, plan
+    from graphswap.passes import PlanError, pass_plan
     from graphswap.planning.auto_swap import AutoSwapMismatchError
     from graphswap.train.cli._memory import format_auto_report
     from graphswap.train.config import ConfigError, resolve_config
@@ -102,9 +102,11 @@ def run(args: argparse.Namespace) -> int:
     modes = ["none", swapped] if args.compare else [config.activation_swap]
     configs = [_as_mode(config, mode) for mode in modes]
     try:
-        plans = [plan(config) for config in configs]  # once per run: checks, mesh, build
-        mesh = _init_distributed(config, plans[0])
-        results = train_side_by_side(configs, mesh=mesh, progress=not args.no_progress, plans=plans)
+        pass_plans = [pass_plan(config) for config in configs]  # once: checks, mesh, build
+        mesh = _init_distributed(config, pass_plans[0])
+        results = train_side_by_side(
+            configs, mesh=mesh, progress=not args.no_progress, pass_plans=pass_plans
+        )
     except (PlanError, ConfigError, CheckpointError, AutoSwapMismatchError) as err:
         return user_error("train", str(err))
     finally:

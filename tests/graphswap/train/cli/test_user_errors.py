@@ -160,13 +160,13 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         "tp_size: 3 must divide",
     ),
     (
-        "plan-exclusion",
-        lambda p: ["plan", "activation_swap=attention", "compile=true"],
+        "passes-exclusion",
+        lambda p: ["passes", "activation_swap=attention", "compile=true"],
         "activation_swap: attention excludes compile: true",
     ),
     (
-        "plan-a-pass-it-cannot-apply",
-        lambda p: ["plan", "cp_size=2"],
+        "passes-a-pass-it-cannot-apply",
+        lambda p: ["passes", "cp_size=2"],
         "cp_size: 2 asks for context_parallel, which graphswap declares and checks but cannot"
         " apply yet",
     ),
@@ -340,21 +340,21 @@ def test_plan_memory_rates_follow_the_rule_train_applies(
     ids=["heads", "exclusion", "value"],
 )
 @pytest.mark.usefixtures("no_model_built")
-def test_plan_rejects_what_train_rejects(
+def test_passes_rejects_what_train_rejects(
     overrides: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_code, plan_err = run(["plan", *overrides], capsys)
+    passes_code, passes_err = run(["passes", *overrides], capsys)
     train_code, train_err = run(["train", *overrides], capsys)
-    assert (plan_code, train_code) == (2, 2)
-    reason = plan_err.removeprefix("graphswap plan: error: ")
-    assert reason != plan_err and train_err == f"graphswap train: error: {reason}"
+    assert (passes_code, train_code) == (2, 2)
+    reason = passes_err.removeprefix("graphswap passes: error: ")
+    assert reason != passes_err and train_err == f"graphswap train: error: {reason}"
 
 
-def test_plan_says_the_world_size_it_cannot_know(capsys: pytest.CaptureFixture[str]) -> None:
-    code, err = run(["plan", "tp_size=2"], capsys)
+def test_passes_says_the_world_size_it_cannot_know(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(["passes", "tp_size=2"], capsys)
     assert code == 0
     assert err == (
-        "graphswap plan: the world size is not known here (torchrun sets it): tp_size: 2"
+        "graphswap passes: the world size is not known here (torchrun sets it): tp_size: 2"
         " without fsdp needs exactly 2 ranks; set fsdp: true for more\n"
     )
 
@@ -387,10 +387,10 @@ def config_folder(tmp_path: Path, config: object) -> str:
         ("gpt2", ["train", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
         (
             "jamba",
-            ["plan", "activation_swap=attention"],
+            ["passes", "activation_swap=attention"],
             "activation_swap: attention: attn_swap: 'model.layers.0' holds no",
         ),
-        ("gpt2", ["plan", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
+        ("gpt2", ["passes", "activation_swap=layer"], "activation_swap: layer: rule 'layer_swap'"),
         (
             "jamba",
             ["plan-memory", "--seq-len", "8", "--activation-swap", "attention"],
@@ -432,7 +432,7 @@ def test_a_model_the_swap_rule_refuses_is_refused_by_every_command(
     assert len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("command", ["train", "plan"])
+@pytest.mark.parametrize("command", ["train", "passes"])
 @pytest.mark.usefixtures("no_model_built")
 def test_a_config_file_given_twice_is_refused(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -1,4 +1,9 @@
-"""``graphswap plan``: show the pass plan a training config asks for, and check it."""
+"""``graphswap passes``: show the pass plan a training config asks for, and check it.
+
+0.1.0 called it ``graphswap plan``, which read as the memory plan (``graphswap
+plan-memory``); that name runs it still, hidden from the command list and with a
+warning on stderr, until 0.3.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,40 @@ import dataclasses
 import sys
 from typing import Any
 
+from graphswap._deprecated import REMOVED_IN
 from graphswap.train.cli._args import USER_ERROR, Once, user_error
 
 FORMATS = ("text", "dot", "json")
 
+DESCRIPTION = (
+    "Resolve a training config, list its passes (swap, tensor parallel, activation"
+    " checkpointing, compile, FSDP, ...) in the order they run (canonical, or the"
+    " config's pass_order, or --order), and check their order and exclusions, and"
+    " check the model it names (its config.json and weights,"
+    f" heads divisible by tp_size). Exits {USER_ERROR} with the reason on stderr when"
+    " graphswap train would refuse the config. The world size is not known here: the"
+    " ranks the pass plan needs are printed to stderr."
+)
+
+DEPRECATED_NAME = "plan"
+"""The command's name in 0.1.0: accepted, unlisted, with a warning, until 0.3."""
+
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "plan",
+        "passes",
         help="show and check the model-infrastructure passes a training config asks for",
-        description=(
-            "Resolve a training config, list its passes (swap, tensor parallel, activation"
-            " checkpointing, compile, FSDP, ...) in the order they run (canonical, or the"
-            " config's pass_order, or --order), and check their order and exclusions, and"
-            " check the model it names (its config.json and weights,"
-            f" heads divisible by tp_size). Exits {USER_ERROR} with the reason on stderr when"
-            " graphswap train would refuse the config. The world size is not known here: the"
-            " ranks the plan needs are printed to stderr."
-        ),
+        description=DESCRIPTION,
     )
+    _add_arguments(parser)
+    parser.set_defaults(run=run)
+    # No help=: argparse lists a sub-command only with one, so the old name stays unlisted.
+    old = subparsers.add_parser(DEPRECATED_NAME, description=DESCRIPTION)
+    _add_arguments(old)
+    old.set_defaults(run=run_deprecated)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", action=Once, metavar="FILE", help="training YAML (default: all defaults)"
     )
@@ -41,7 +61,16 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings that override the file"
     )
-    parser.set_defaults(run=run)
+
+
+def run_deprecated(args: argparse.Namespace) -> int:
+    """``graphswap plan``: say the command's name now, then run it."""
+    print(
+        f"graphswap {DEPRECATED_NAME}: warning: graphswap {DEPRECATED_NAME} is deprecated and"
+        f" will be removed in {REMOVED_IN}; use graphswap passes",
+        file=sys.stderr,
+    )
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,20 +83,20 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_config(args.config, args.overrides)
         if args.order is not None:
             config = dataclasses.replace(config, pass_order=parse_names(args.order))
-        plan = passes.plan(config).check_runnable()
+        pass_plan = passes.pass_plan(config).check_runnable()
         check_swap_rule(config, check_model(config))
     except (ConfigError, passes.PlanError) as error:
-        return user_error("plan", str(error))
-    render = {"text": plan.to_text, "dot": plan.to_dot, "json": plan.to_json}[args.format]
-    sys.stdout.write(render())
+        return user_error(args.command, str(error))
+    formats = {"text": pass_plan.to_text, "dot": pass_plan.to_dot, "json": pass_plan.to_json}
+    sys.stdout.write(formats[args.format]())
     world = world_requirement(config.tp_size, config.fsdp)
     if world:
-        print(f"graphswap plan: {world}", file=sys.stderr)
+        print(f"graphswap {args.command}: {world}", file=sys.stderr)
     return 0
 
 
 def world_requirement(tp_size: int, fsdp: bool) -> str | None:
-    """What the world size must be, which the plan cannot see (torchrun sets it)."""
+    """What the world size must be, which the pass plan cannot see (torchrun sets it)."""
     unknown = "the world size is not known here (torchrun sets it)"
     if tp_size > 1 and fsdp:
         return (

@@ -1,6 +1,6 @@
 """The pass plan: which passes run, in which order, and whether that order is legal.
 
-A plan is checked as data (a networkx graph of the declared constraints) before any
+A pass plan is checked as data (a networkx graph of the declared constraints) before any
 pass touches the model, and it is never re-sorted behind the user's back: a wrong
 order is an error that says how to fix it (I5, I6).
 """
@@ -48,31 +48,33 @@ def _recompute_hint(names: set[str], config: PassSettings) -> str:
     )
 
 
-def plan(config: PassSettings) -> Plan:
+def pass_plan(config: PassSettings) -> PassPlan:
     """The passes ``config`` asks for (not yet checked): in ``config.pass_order`` when it
-    sets one, taken as given so that :meth:`Plan.check` judges the user's own order,
+    sets one, taken as given so that :meth:`PassPlan.check` judges the user's own order,
     else in canonical order."""
     if config.pass_order is not None:
-        return Plan.from_names(config.pass_order, config, order_from=PASS_ORDER)
-    return Plan(tuple(spec for spec in pass_specs().values() if spec.enabled_by(config)), config)
+        return PassPlan.from_names(config.pass_order, config, order_from=PASS_ORDER)
+    return PassPlan(
+        tuple(spec for spec in pass_specs().values() if spec.enabled_by(config)), config
+    )
 
 
-def plan_of(config: PassSettings, planned: Plan | None) -> Plan:
-    """``planned`` when a caller built ``config``'s plan already (a run builds its plan
-    once and passes it along), else ``config``'s plan. A plan of other settings is
-    refused: its passes are not the ones ``config`` asks for (I2)."""
-    if planned is None:
-        return plan(config)
-    if planned.config != config:
+def pass_plan_of(config: PassSettings, given: PassPlan | None) -> PassPlan:
+    """``given`` when a caller built ``config``'s pass plan already (a run builds it once
+    and passes it along as ``pass_plan=``), else ``config``'s pass plan. A pass plan of
+    other settings is refused: its passes are not the ones ``config`` asks for (I2)."""
+    if given is None:
+        return pass_plan(config)
+    if given.config != config:
         raise PassSettingError(
-            "planned= is the plan of other settings than the config it came with; pass"
-            " graphswap.passes.plan(config), or leave planned= out"
+            "pass_plan= is the pass plan of other settings than the config it came with;"
+            " pass graphswap.passes.pass_plan(config), or leave pass_plan= out"
         )
-    return planned
+    return given
 
 
 @dataclass(frozen=True)
-class Plan:
+class PassPlan:
     """An ordered tuple of passes for one config; :meth:`check` decides if it may run."""
 
     passes: tuple[PassSpec, ...]
@@ -97,8 +99,9 @@ class Plan:
         config: PassSettings,
         *,
         order_from: str | None = None,
-    ) -> Plan:
-        """A plan in exactly the given order, so that any order can be expressed and checked."""
+    ) -> PassPlan:
+        """A pass plan in exactly the given order, so that any order can be expressed
+        and checked."""
         known = pass_specs()
         chosen = []
         for name in names:
@@ -111,7 +114,7 @@ class Plan:
 
     @property
     def _where(self) -> str:
-        return self.order_from or "the plan"
+        return self.order_from or "the pass plan"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -126,7 +129,7 @@ class Plan:
 
     @functools.cached_property
     def graph(self) -> nx.DiGraph:
-        """Nodes: the plan's passes; edge ``a -> b``: a must run before b."""
+        """Nodes: the pass plan's passes; edge ``a -> b``: a must run before b."""
         graph = nx.DiGraph()
         for position, spec in enumerate(self.passes, start=1):
             graph.add_node(
@@ -148,7 +151,7 @@ class Plan:
             satisfied = self.position(first) < self.position(then)
             graph.add_edge(first, then, declared_by=declared_by, satisfied=satisfied)
 
-    def check(self) -> Plan:
+    def check(self) -> PassPlan:
         """Raise a :class:`PlanError` subclass unless the plan may run; return ``self``."""
         self._check_settings()
         self._check_exclusions()
@@ -156,7 +159,7 @@ class Plan:
         self._check_order()
         return self
 
-    def check_runnable(self) -> Plan:
+    def check_runnable(self) -> PassPlan:
         """:meth:`check`, and that graphswap can apply every pass of the plan: a pass it
         declares (so that the order and exclusions are checked) but cannot apply yet is
         refused here, before a model is built, naming the passes it can apply."""
@@ -229,7 +232,7 @@ class Plan:
             legal = nx.lexicographical_topological_sort(self.graph, key=self.position)
             works = f"an order that runs: {self.order_from}: [{', '.join(legal)}]"
         else:
-            works = f"graphswap.passes.plan orders them {_canonical(self.names)}"
+            works = f"graphswap.passes.pass_plan orders them {_canonical(self.names)}"
         raise PassOrderError(
             f"{_lead(self.order_from)}{self.label(first)} must run before {self.label(then)}:"
             f" move {first} ahead of {then} ({works}) or turn one off: set"
@@ -238,9 +241,9 @@ class Plan:
 
     def to_text(self) -> str:
         if not self.passes:
-            return "plan: no passes (the config enables none)\n"
+            return "pass plan: no passes (the config enables none)\n"
         width = max(len(name) for name in self.names)
-        lines = ["plan:"]
+        lines = ["pass plan:"]
         for spec in self.passes:
             note = "" if spec.implemented else "  [declared, not implemented]"
             lines.append(
@@ -278,7 +281,7 @@ class Plan:
 
     def to_dot(self) -> str:
         """Solid edges: the plan's order; dashed edges: declared constraints."""
-        lines = ["digraph plan {", "  rankdir=LR;", "  node [shape=box];"]
+        lines = ["digraph pass_plan {", "  rankdir=LR;", "  node [shape=box];"]
         for spec in self.passes:
             label = f"{self.position(spec.name)}. {spec.name}\\n{spec.setting_text(self.config)}"
             style = "" if spec.implemented else ", style=dashed"
