@@ -176,6 +176,16 @@ def test_python_m_graphswap_cli_runs_the_command() -> None:
     assert "python -m graphswap.train.cli" in done.stderr
 
 
+def _run_in_checkout(code: str) -> str:
+    """``code`` in a fresh interpreter at the checkout's root (where the folder ``passes``
+    is importable as a top-level package); its standard output."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_the_top_level_passes_of_a_checkout_warns_and_is_graphswap_passes() -> None:
     """0.1.0 installed a top-level ``passes``; an installed graphswap no longer has one
     (``tests/test_packaging.py``), but a checkout's root still finds the folder. There it
@@ -190,13 +200,8 @@ def test_the_top_level_passes_of_a_checkout_warns_and_is_graphswap_passes() -> N
         "assert passes is graphswap.passes and PlanError is graphswap.passes.errors.PlanError\n"
         "print(*{str(w.message) for w in caught if w.category is DeprecationWarning})\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == (
-        "passes is deprecated: import from graphswap.passes (removed in 0.3)"
-    )
+    stdout = _run_in_checkout(code)
+    assert stdout.strip() == ("passes is deprecated: import from graphswap.passes (removed in 0.3)")
 
 
 @pytest.mark.parametrize(("old", "new"), [("Plan", "PassPlan"), ("plan", "pass_plan")])
@@ -236,11 +241,8 @@ def test_the_top_level_passes_of_a_checkout_has_its_plan_names_with_the_warning(
         "print(*sorted({str(w.message) for w in caught if w.category is DeprecationWarning}),"
         " sep='\\n')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    stdout = _run_in_checkout(code)
+    assert stdout.splitlines() == [
         "graphswap.passes.Plan is deprecated: use graphswap.passes.PassPlan (removed in 0.3)",
         "graphswap.passes.plan is deprecated: use graphswap.passes.pass_plan (removed in 0.3)",
         "passes is deprecated: import from graphswap.passes (removed in 0.3)",
