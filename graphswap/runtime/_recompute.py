@@ -154,9 +154,12 @@ class _SaveMatmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func in _MATMULS and out.shape[-1] == self.saved.rerun_width:
-            self.saved.packed.setdefault(func, []).append(_RERUN)
-        elif func in _MATMULS:
+        if func not in _MATMULS:
+            return out
+        calls = self.saved.packed.setdefault(func, [])
+        if out.shape[-1] == self.saved.rerun_width:
+            calls.append(_RERUN)
+        else:
             # A detached alias: the same storage, but no autograd graph, which the
             # packed tensor would otherwise keep alive (nor, below autograd, the
             # output's version counter: ``_Packed`` watches the output for that). It
@@ -167,8 +170,7 @@ class _SaveMatmuls(TorchDispatchMode):
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args
             ):
                 alias.requires_grad_(True)
-            packed = _Packed(self.saved.pack(alias), weakref.ref(out), out._version)
-            self.saved.packed.setdefault(func, []).append(packed)
+            calls.append(_Packed(self.saved.pack(alias), weakref.ref(out), out._version))
             storage = out.untyped_storage()
             self.saved.storages[storage._cdata] = StorageWeakRef(storage)
         return out
