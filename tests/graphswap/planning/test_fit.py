@@ -154,12 +154,14 @@ def test_a_mode_whose_rule_refuses_the_model_is_refused_not_planned(
     """Jamba's Mamba layers hold no attention: the fit says why attention swap cannot run
     and plans the modes that can."""
     config = tour_config("jamba")
-    config.max_position_embeddings = 1024
-    fit = fit_sequence(config, memory_bytes=8 * GIB, device="cpu", modes=("attention", "layer"))
+    config.max_position_embeddings = 256
+    fit = fit_sequence(
+        config, memory_bytes=8 * GIB, device="cpu", modes=("attention", "layer"), seq_step=128
+    )
     attention, layer = fit.modes
     assert attention.refused is not None and "attn_swap" in attention.refused
     assert (attention.seq, attention.plan, attention.points) == (None, None, ())
-    assert layer.refused is None and layer.seq == 1024 and layer.capped
+    assert layer.refused is None and layer.seq == 256 and layer.capped
     from graphswap.train.cli._memory import format_fit
 
     [row] = [line for line in format_fit(fit.to_dict()).splitlines() if line.startswith("atten")]

@@ -14,7 +14,7 @@ its own.
 
 from __future__ import annotations
 
-import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -46,15 +46,17 @@ class SwapVsPlain(RuleBasedStateMachine):
     engine_lag: int | None = None
     offload_lag: int = 1
     make_model: Callable[..., torch.nn.Module]
+    entries: weakref.WeakSet[_Entry]
+    """Every host copy record made since this example began (the test records each)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.entries.clear()  # an earlier example's, if a cycle held them: not this one's
         self.plain = self.make_model(layers=LAYERS)
         engine = None if self.engine_lag is None else SimulatedAccelerator(lag=self.engine_lag)
         self.manager = SwapManager(engine=engine, offload_lag=self.offload_lag)
         self.swap = self.make_model(layers=LAYERS, manager=self.manager, policy=swap_from_4k)
         self.graphs: list[tuple] = []
-        gc.collect()  # an earlier example's graphs, if a cycle held them: not this one's
 
     def run_both(self, fn) -> list:
         results = []
@@ -164,8 +166,9 @@ class SwapVsPlain(RuleBasedStateMachine):
         if self.graphs:
             return
         assert self.manager.stats.host_in_use_bytes == 0
-        # No host copy record is left, not even in a cycle the collector has yet to free.
-        assert not any(type(o) is _Entry for o in gc.get_objects())
+        # No host copy record is left, not even in a cycle the collector has yet to free
+        # (such a cycle keeps its weak references alive too).
+        assert not self.entries
 
 
 @pytest.mark.parametrize(
@@ -174,8 +177,19 @@ class SwapVsPlain(RuleBasedStateMachine):
     ids=["cpu", "sim3", "sim50-offload0", "sim50-offload2", "sim50-offload3"],
 )
 def test_swap_behaves_as_plain_pytorch(
-    toy_model: Callable[..., torch.nn.Module], engine_lag: int | None, offload_lag: int
+    toy_model: Callable[..., torch.nn.Module],
+    engine_lag: int | None,
+    offload_lag: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    entries: weakref.WeakSet[_Entry] = weakref.WeakSet()
+    make_entry = _Entry.__init__
+
+    def record_entry(entry: _Entry, *args: object) -> None:
+        make_entry(entry, *args)  # type: ignore[arg-type]
+        entries.add(entry)
+
+    monkeypatch.setattr(_Entry, "__init__", record_entry)
     machine = type(
         f"SwapVsPlain_{engine_lag}_{offload_lag}",
         (SwapVsPlain,),
@@ -183,12 +197,13 @@ def test_swap_behaves_as_plain_pytorch(
             "engine_lag": engine_lag,
             "offload_lag": offload_lag,
             "make_model": staticmethod(toy_model),
+            "entries": entries,
         },
     )
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=10,
+            max_examples=25,
             stateful_step_count=12,
             deadline=None,
             derandomize=True,
