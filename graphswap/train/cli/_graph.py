@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphswap.train.cli._args import positive_int, user_error
+from graphswap.train.cli._args import DeprecatedAlias, Once, positive_int, user_error
 
 DEFAULT_PRESET = "graph-default"
 DEFAULT_RULE = "attn_swap"
@@ -35,10 +35,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="local Hugging Face checkpoint folder; only its config.json is read",
     )
     parser.add_argument(
-        "--layers",
+        "--num-layers",
         type=positive_int,
+        action=Once,
         metavar="N",
-        help="number of decoder layers (overrides the preset or config.json)",
+        help="number of decoder layers (overrides the preset or config.json), as the trainer"
+        " config's num_layers",
+    )
+    parser.add_argument(
+        "--layers",
+        dest="num_layers",
+        type=positive_int,
+        action=DeprecatedAlias,
+        new="--num-layers",
+        help=argparse.SUPPRESS,
     )
     parser.add_argument(
         "--rule",
@@ -78,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.format in RENDER_FORMATS:
             require_graphviz(args.format)
-        config = model_config(DEFAULT_PRESET, args.model, num_layers=args.layers)
+        config = model_config(DEFAULT_PRESET, args.model, num_layers=args.num_layers)
     except CheckpointError as exc:
         return user_error("graph", f"--model {args.model}: {exc}")
     except (OSError, ValueError, RuntimeError) as exc:

@@ -87,8 +87,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="sequences per batch (default 1)",
     )
-    parser.add_argument(
-        "--layers", type=positive_int, metavar="N", help="override the number of decoder layers"
+    _setting(
+        parser,
+        "--num-layers",
+        "--layers",
+        type=positive_int,
+        metavar="N",
+        help="override the number of decoder layers",
     )
     parser.add_argument(
         "--profile",
@@ -177,13 +182,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="what is swapped, as graphswap train's activation_swap: attention (default), "
         "layer (every tensor of the decoder layer the size policy swaps), auto (per layer, "
         "largest first, the tensors whose copies hide in both windows, less --swap-hide-margin), "
-        "budget (per layer what to keep, swap and recompute within --budget) or none",
+        "budget (per layer what to keep, swap and recompute within --activation-memory-budget) "
+        "or none",
     )
-    parser.add_argument(
+    _setting(
+        parser,
+        "--activation-memory-budget",
         "--budget",
         type=memory_size,
-        action=Once,
-        default=None,
         metavar="MEMORY",
         help="--activation-swap budget (implied): the device peak to plan within (120GiB, "
         "80GB, bytes); prints per layer the bytes kept, swapped and recomputed",
@@ -262,19 +268,25 @@ def _setting(parser: argparse.ArgumentParser, flag: str, old: str, **kwargs: Any
 
 
 def _mode(args: argparse.Namespace) -> str:
-    """The swap mode of one plan: ``--budget`` implies ``budget``; else ``attention``."""
-    return args.activation_swap or ("budget" if args.budget is not None else "attention")
+    """The swap mode of one plan: ``--activation-memory-budget`` implies ``budget``; else
+    ``attention``."""
+    budget = args.activation_memory_budget
+    return args.activation_swap or ("budget" if budget is not None else "attention")
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
     """A combination of flags that would change nothing, or lacks what it needs."""
     mode = _mode(args)
-    if args.fit is None and (mode == "budget") != (args.budget is not None):
-        if args.budget is None:
-            return "--activation-swap budget needs --budget MEMORY (120GiB): the peak to plan in"
+    budget = args.activation_memory_budget
+    if args.fit is None and (mode == "budget") != (budget is not None):
+        if budget is None:
+            return (
+                "--activation-swap budget needs --activation-memory-budget MEMORY (120GiB): the"
+                " peak to plan in"
+            )
         return (
-            f"--budget {args.budget} is read by --activation-swap budget only (it would change"
-            f" nothing for --activation-swap {mode}); drop one of them"
+            f"--activation-memory-budget {budget} is read by --activation-swap budget only (it"
+            f" would change nothing for --activation-swap {mode}); drop one of them"
         )
     margin = args.swap_hide_margin
     if margin is not None and mode not in ("auto", "budget") and args.fit is None:
@@ -301,7 +313,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
     for flag, value in (
         ("--seq-len", args.seq_len),
         ("--activation-swap", args.activation_swap),
-        ("--budget", args.budget),
+        ("--activation-memory-budget", budget),
     ):
         if value is not None:
             return (
@@ -336,12 +348,12 @@ def run(args: argparse.Namespace) -> int:
             args.preset,
             args.model,
             attn_implementation=args.attn_implementation,
-            num_layers=args.layers,
+            num_layers=args.num_layers,
         )
     except CheckpointError as error:
         return user_error("plan-memory", f"--model {args.model}: {error}")
     except LayerCountError as error:
-        return user_error("plan-memory", f"--layers {args.layers}: {source} has {error}")
+        return user_error("plan-memory", f"--num-layers {args.num_layers}: {source} has {error}")
     node = {
         key: value
         for key, value in (
@@ -378,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
                 config,
                 profile=profile,
                 activation_swap=_mode(args),
-                activation_memory_budget=args.budget,
+                activation_memory_budget=args.activation_memory_budget,
                 **settings,
             )
             data = plan.to_dict()

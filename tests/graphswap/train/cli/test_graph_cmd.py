@@ -27,8 +27,20 @@ def run_graph(argv: list[str]) -> int:
     return args.run(args)
 
 
-def test_json_with_layers(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_old_layers_flag_warns_and_writes_the_same_graph(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """0.1.0's ``--layers`` is ``--num-layers``, the trainer config's key, until 0.3."""
+    assert run_graph(["--format", "json", "--num-layers", "3"]) == 0
+    new = capsys.readouterr()
     assert run_graph(["--format", "json", "--layers", "3"]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out and "deprecated" not in new.err
+    assert "--layers is deprecated and will be removed; use --num-layers 3" in old.err
+
+
+def test_json_with_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_graph(["--format", "json", "--num-layers", "3"]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
     assert [n["id"] for n in data["nodes"]] == [f"model.layers.{i}.self_attn" for i in range(3)]
@@ -61,7 +73,7 @@ def test_model_dir_of_another_family(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_layers_override_the_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     qwen3_moe_config("tiny", num_hidden_layers=5).save_pretrained(tmp_path)
-    assert run_graph(["--model", str(tmp_path), "--layers", "2", "--format", "json"]) == 0
+    assert run_graph(["--model", str(tmp_path), "--num-layers", "2", "--format", "json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["nodes"]) == 2
 
 
@@ -73,13 +85,13 @@ def test_missing_model_dir_fails_clearly(
 
 
 def test_unknown_rule_fails_with_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_graph(["--layers", "2", "--rule", "qwen3_attn_swp"]) == 2
+    assert run_graph(["--num-layers", "2", "--rule", "qwen3_attn_swp"]) == 2
     assert "did you mean 'qwen3_attn_swap'" in capsys.readouterr().err
 
 
 def test_bad_layer_count_is_a_usage_error() -> None:
     with pytest.raises(SystemExit):
-        run_graph(["--layers", "0"])
+        run_graph(["--num-layers", "0"])
 
 
 def test_image_without_graphviz_names_the_package(
@@ -92,7 +104,7 @@ def test_image_without_graphviz_names_the_package(
 
 def test_json_to_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "graph.json"
-    assert run_graph(["--format", "json", "--layers", "4", "-o", str(out_file)]) == 0
+    assert run_graph(["--format", "json", "--num-layers", "4", "-o", str(out_file)]) == 0
     assert capsys.readouterr().out == ""
     assert len(json.loads(out_file.read_text())["edges"]) == 3
 

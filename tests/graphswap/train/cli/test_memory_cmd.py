@@ -20,8 +20,8 @@ from graphswap.train.cli import _memory
 
 CONSOLE_TEST = "test_json_output_parses_and_counts_every_layer"
 CONSOLE_ARGV = [
-    "plan-memory", "--preset", "tiny", "--seq-len", "1024", "--batch-size", "2", "--layers", "2",
-    "--format", "json",
+    "plan-memory", "--preset", "tiny", "--seq-len", "1024", "--batch-size", "2",
+    "--num-layers", "2", "--format", "json",
 ]  # fmt: skip
 """The console-script run of this module (the ``console`` fixture)."""
 
@@ -106,7 +106,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "timeline.png"
-    args = _args("--preset", "tiny", "--layers", "1", "--seq-len", "64", "--plot", str(target))
+    args = _args("--preset", "tiny", "--num-layers", "1", "--seq-len", "64", "--plot", str(target))
     assert args.run(args) == 0
     assert target.read_bytes()[:4] == b"\x89PNG"
     assert "timeline written" in capsys.readouterr().out
@@ -118,7 +118,15 @@ def test_fit_plot_draws_each_modes_peak_and_ratio_over_the_length(
     pytest.importorskip("matplotlib")
     target = tmp_path / "fit.png"
     args = _args(
-        "--preset", "tiny", "--layers", "2", "--seq-step", "1024", "--fit", "--plot", str(target)
+        "--preset",
+        "tiny",
+        "--num-layers",
+        "2",
+        "--seq-step",
+        "1024",
+        "--fit",
+        "--plot",
+        str(target),
     )
     assert args.run(args) == 0
     assert target.read_bytes()[:4] == b"\x89PNG"
@@ -130,7 +138,14 @@ def test_plot_without_matplotlib_names_the_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     args = _args(
-        "--preset", "tiny", "--layers", "1", "--seq-len", "64", "--plot", str(tmp_path / "t.png")
+        "--preset",
+        "tiny",
+        "--num-layers",
+        "1",
+        "--seq-len",
+        "64",
+        "--plot",
+        str(tmp_path / "t.png"),
     )
     assert args.run(args) == 2
     assert "pip install graphswap[plot]" in capsys.readouterr().err
@@ -139,7 +154,7 @@ def test_plot_without_matplotlib_names_the_install(
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str, layers: int = 1) -> dict:
     """The JSON plan of ``layers`` tiny layers at batch 2 x seq 512 with ``argv``."""
     args = _args(
-        "--preset", "tiny", "--layers", str(layers), "--seq-len", "512", "--batch-size", "2",
+        "--preset", "tiny", "--num-layers", str(layers), "--seq-len", "512", "--batch-size", "2",
         "--format", "json", *argv,
     )  # fmt: skip
     assert args.run(args) == 0
@@ -236,7 +251,7 @@ def _auto_text(capsys: pytest.CaptureFixture[str], bandwidth: str) -> list[str]:
     args = _args(
         "--preset",
         "tiny",
-        "--layers",
+        "--num-layers",
         "2",
         "--seq-len",
         "512",
@@ -331,7 +346,7 @@ def test_a_smaller_node_is_a_smaller_host_budget_and_the_plan_says_what_stays(
     argv = (
         "--preset",
         "qwen3-30b-a3b",
-        "--layers",
+        "--num-layers",
         "3",
         "--seq-len",
         "8192",
@@ -358,7 +373,7 @@ def test_a_smaller_node_is_a_smaller_host_budget_and_the_plan_says_what_stays(
     assert "attention_timing=causal" in settings and "offload_lag=1 " in settings
 
 
-QWEN3_30B = ("--preset", "qwen3-30b-a3b", "--seq-len", "8192", "--layers", "2")
+QWEN3_30B = ("--preset", "qwen3-30b-a3b", "--seq-len", "8192", "--num-layers", "2")
 """Qwen3-30B-A3B's layers at seq 8192 (bf16, flash, the H200 profile: 50 GB/s, 400
 TFLOP/s); two of its 48 layers, each the same: the first's row is the full model's, the
 second is the kept last layer."""
@@ -413,7 +428,7 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
     argv = (
         "--preset",
         "tiny",
-        "--layers",
+        "--num-layers",
         "2",
         "--swap-bandwidth-gbps",
         "1e4",
@@ -553,7 +568,7 @@ def test_the_old_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: i
         "plan-memory",
         "--preset",
         "tiny",
-        "--layers",
+        "--num-layers",
         "2",
         "--device",
         "cpu",
@@ -566,3 +581,16 @@ def test_the_old_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: i
     assert "--seq is deprecated and will be removed; use --seq-len 64" in old.stderr
     assert "--tp is deprecated" in old.stderr and not new.stderr
     assert old.stdout == new.stdout
+
+
+def test_the_old_budget_and_layers_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: ignore[no-untyped-def]
+    """0.1.0's ``--budget`` and ``--layers`` are the config keys' flags now."""
+    argv = ("plan-memory", "--preset", "tiny", "--seq-len", "256", "--device", "cpu")
+    old = graphswap_cmd(*argv, "--layers", "2", "--budget", "1TiB")
+    new = graphswap_cmd(*argv, "--num-layers", "2", "--activation-memory-budget", "1TiB")
+    assert old.returncode == new.returncode == 0, old.stderr
+    assert "--budget is deprecated and will be removed; use --activation-memory-budget" in (
+        old.stderr
+    )
+    assert "--layers is deprecated and will be removed; use --num-layers 2" in old.stderr
+    assert not new.stderr and old.stdout == new.stdout and "budget" in new.stdout

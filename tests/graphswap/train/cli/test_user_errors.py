@@ -228,8 +228,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ),
     (
         "plan-memory-more-layers-than-layer-types",
-        lambda p: ["plan-memory", "--preset", "tiny-gemma3", "--seq-len", "8", "--layers", "4"],
-        "--layers 4: --preset tiny-gemma3 has 4 layers, but the model lists the kinds of only 3",
+        lambda p: ["plan-memory", "--preset", "tiny-gemma3", "--seq-len", "8", "--num-layers", "4"],
+        "--num-layers 4: --preset tiny-gemma3 has 4 layers, but the model lists the kinds of"
+        " only 3",
     ),
     *(
         (
