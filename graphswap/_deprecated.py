@@ -71,6 +71,8 @@ NAMES: dict[str, str] = {
     # 0.1.0's passes.Plan and passes.plan: the pass plan, named apart from the memory plan.
     "graphswap.passes.Plan": "graphswap.passes:PassPlan",
     "graphswap.passes.plan": "graphswap.passes:pass_plan",
+    "graphswap.passes.PlanError": "graphswap.passes.errors:PassPlanError",
+    "graphswap.passes.errors.PlanError": "graphswap.passes.errors:PassPlanError",
     "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._settings:DEFAULT_HIDE_MARGIN",
     # graphswap.planning's names are what a user calls; the steps behind a plan are
     # graphswap.planning.trace's, the rest the planner's own.
@@ -240,7 +242,7 @@ def moved(old: str) -> Callable[[str], Any]:
 def moved_package(old: str) -> None:
     """Called by the package's ``__init__`` when it runs under its old top-level name:
     warn, and make the old name and its submodules the new modules themselves. A second
-    copy would have classes of its own, and ``except passes.PlanError`` would miss the
+    copy would have classes of its own, and ``except passes.PassPlanError`` would miss the
     errors graphswap raises."""
     new = PACKAGES[old]
     warn(f"{old} is deprecated: import from {new}")

@@ -14,10 +14,10 @@ from graphswap.passes.errors import (
     PassConflictError,
     PassNotImplementedError,
     PassOrderError,
+    PassPlanError,
     PassPostconditionError,
     PassRequirementError,
     PassSettingError,
-    PlanError,
 )
 from graphswap.passes.infrastructure import InfrastructureResult, apply_model_infrastructure
 from graphswap.passes.mesh import build_mesh
@@ -41,12 +41,12 @@ __all__ = [
     "PassNotImplementedError",
     "PassOrderError",
     "PassPlan",
+    "PassPlanError",
     "PassPostconditionError",
     "PassRequirementError",
     "PassSettingError",
     "PassSettings",
     "PassSpec",
-    "PlanError",
     "apply_model_infrastructure",
     "build_mesh",
     "get_spec",

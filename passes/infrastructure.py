@@ -1,7 +1,7 @@
-"""``apply_model_infrastructure``: run the checked plan on a model, pass by pass.
+"""``apply_model_infrastructure``: run the checked pass plan on a model, pass by pass.
 
 Everything that can be refused is refused before the first pass changes the model:
-the plan's order and exclusions, passes that are declared but not implemented, the
+the pass plan's order and exclusions, passes that are declared but not implemented, the
 distributed world, the head counts, and traces on the model of passes that must come
 later (P2: a model sharded before the swap). After each pass its effect is verified
 (I2: never a silent no-op).
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from graphswap._deprecated import warn
 from graphswap.errors import AlreadyTransformedError
 from graphswap.passes.activation_checkpointing import apply_activation_checkpointing
 from graphswap.passes.compile import apply_compile
@@ -39,7 +40,8 @@ class InfrastructureResult:
     """The transformed model and what was done to it."""
 
     model: nn.Module
-    plan: PassPlan
+    pass_plan: PassPlan
+    """The checked pass plan that ran (0.1.0's ``plan``)."""
     report: RewriteReport | None
     """The swap rewrite's report (its ``manager`` runs the swap); ``None`` without swap."""
     applied: tuple[str, ...]
@@ -47,6 +49,15 @@ class InfrastructureResult:
     """The device mesh the distributed passes used; ``None`` when none ran."""
     auto_swap: AutoSwap | None = None
     """``activation_swap: auto`` or ``budget``: the plan and the policies carrying it out."""
+
+    @property
+    def plan(self) -> PassPlan:
+        """0.1.0's name of ``pass_plan``, until 0.3: "plan" alone also named the memory plan."""
+        warn(
+            "InfrastructureResult.plan is deprecated: use InfrastructureResult.pass_plan",
+            inside=__name__,
+        )
+        return self.pass_plan
 
 
 @dataclass

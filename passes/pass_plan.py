@@ -20,8 +20,8 @@ from graphswap.passes.errors import (
     PassConflictError,
     PassNotImplementedError,
     PassOrderError,
+    PassPlanError,
     PassSettingError,
-    PlanError,
 )
 from graphswap.passes.specs import CANONICAL_ORDER, PassSpec, pass_specs
 
@@ -87,7 +87,7 @@ class PassPlan:
         names = [spec.name for spec in self.passes]
         for name in names:
             if names.count(name) > 1:
-                raise PlanError(
+                raise PassPlanError(
                     f"{_lead(self.order_from)}pass {name!r} appears {names.count(name)} times"
                     f" in {self._where}; list it once"
                 )
@@ -106,7 +106,7 @@ class PassPlan:
         chosen = []
         for name in names:
             if name not in known:
-                raise PlanError(
+                raise PassPlanError(
                     f"{_lead(order_from)}unknown pass {name!r}; declared passes: {', '.join(known)}"
                 )
             chosen.append(known[name])
@@ -152,7 +152,7 @@ class PassPlan:
             graph.add_edge(first, then, declared_by=declared_by, satisfied=satisfied)
 
     def check(self) -> PassPlan:
-        """Raise a :class:`PlanError` subclass unless the plan may run; return ``self``."""
+        """Raise a :class:`PassPlanError` subclass unless the plan may run; return ``self``."""
         self._check_settings()
         self._check_exclusions()
         self._check_cycles()

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphswap.passes.errors import PlanError
+from graphswap.passes.errors import PassPlanError
 from graphswap.rewriting.rules import SWAP_MODE_RULES, Rule, get_rule
 from graphswap.rewriting.transforms import Transform
 
@@ -189,7 +189,7 @@ def _rule_passes(rules: Iterable[Rule], field: str) -> tuple[str, ...]:
     for rule in rules:
         unknown = [name for name in getattr(rule, field) if name not in CANONICAL_ORDER]
         if unknown:
-            raise PlanError(
+            raise PassPlanError(
                 f"rule {rule.name!r}: {field} names unknown passes {unknown}; declared"
                 f" passes: {', '.join(CANONICAL_ORDER)}"
             )
@@ -206,5 +206,5 @@ def pass_specs() -> Mapping[str, PassSpec]:
 def get_spec(name: str) -> PassSpec:
     specs = pass_specs()
     if name not in specs:
-        raise PlanError(f"unknown pass {name!r}; declared passes: {', '.join(specs)}")
+        raise PassPlanError(f"unknown pass {name!r}; declared passes: {', '.join(specs)}")
     return specs[name]

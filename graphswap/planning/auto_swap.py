@@ -292,7 +292,8 @@ class AutoSwap:
         """Deprecated (0.1.0's name), removed in 0.3: the report ``graphswap train`` prints."""
         _deprecated.warn(
             "AutoSwap.format_report is deprecated:"
-            " use graphswap.train.reports.format_auto_report(auto.to_dict())"
+            " use graphswap.train.reports.format_auto_report(auto.to_dict())",
+            inside=__name__,
         )
         report = _deprecated.resolve("graphswap.train.reports:format_auto_report")
         return str(report(self.to_dict()))

@@ -189,15 +189,16 @@ def _run_in_checkout(code: str) -> str:
 def test_the_top_level_passes_of_a_checkout_warns_and_is_graphswap_passes() -> None:
     """0.1.0 installed a top-level ``passes``; an installed graphswap no longer has one
     (``tests/test_packaging.py``), but a checkout's root still finds the folder. There it
-    warns and is the same package, so ``except passes.PlanError`` catches graphswap's."""
+    warns and is the same package, so ``except passes.PassPlanError`` catches graphswap's."""
     code = (
         "import warnings\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import passes\n"
-        "    from passes.errors import PlanError\n"
+        "    from passes.errors import PassPlanError\n"
         "import graphswap.passes, graphswap.passes.errors\n"
-        "assert passes is graphswap.passes and PlanError is graphswap.passes.errors.PlanError\n"
+        "assert passes is graphswap.passes\n"
+        "assert PassPlanError is graphswap.passes.errors.PassPlanError\n"
         "print(*{str(w.message) for w in caught if w.category is DeprecationWarning})\n"
     )
     stdout = _run_in_checkout(code)
@@ -215,6 +216,19 @@ def test_the_pass_plans_0_1_names_warn_naming_their_new_ones(old: str, new: str)
     with pytest.warns(DeprecationWarning, match=message):
         assert getattr(passes, old) is getattr(passes, new)
     assert old not in passes.__all__ and new in passes.__all__
+
+
+@pytest.mark.parametrize("module", ["graphswap.passes", "graphswap.passes.errors"])
+def test_the_pass_plans_0_1_error_base_warns_and_is_pass_plan_error(module: str) -> None:
+    """0.1.0's ``PlanError`` is ``PassPlanError``: an ``except PlanError`` written then
+    still catches every refusal of the pass plan."""
+    import importlib
+
+    from graphswap.passes.errors import PassOrderError, PassPlanError
+
+    with pytest.warns(DeprecationWarning, match=rf"^{module}\.PlanError is deprecated: use "):
+        old = importlib.import_module(module).PlanError
+    assert old is PassPlanError and issubclass(PassOrderError, old)
 
 
 def test_the_deprecated_plan_builds_the_pass_plan() -> None:

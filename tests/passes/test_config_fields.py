@@ -354,7 +354,7 @@ def test_fsdp_shards_the_model(base: TrainerConfig, base_run: TrainResult, world
 def test_tp_size_plans_tensor_parallel_and_needs_its_ranks(base: TrainerConfig) -> None:
     config = dataclasses.replace(base, tp_size=2)
     assert passes.pass_plan(config).names == ("tensor_parallel",)
-    with pytest.raises(passes.PlanError, match=r"^tp_size: 2 "):
+    with pytest.raises(passes.PassPlanError, match=r"^tp_size: 2 "):
         run(base, tp_size=2)
 
 

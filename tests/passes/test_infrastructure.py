@@ -57,7 +57,7 @@ def test_a_pass_plan_of_other_settings_is_refused(tiny_model: Model) -> None:
         )
     pass_plan = passes.pass_plan(config)
     result = passes.apply_model_infrastructure(tiny_model(), config, pass_plan=pass_plan)
-    assert result.plan is pass_plan
+    assert result.pass_plan is pass_plan
 
 
 def test_swap_wraps_and_links_every_layer(tiny_model: Model) -> None:
@@ -66,7 +66,7 @@ def test_swap_wraps_and_links_every_layer(tiny_model: Model) -> None:
     model = tiny_model()
     config = TrainerConfig(activation_swap="attention", swap_prefetch_depth=2)
     result = passes.apply_model_infrastructure(model, config)
-    assert result.applied == ("swap",) and result.plan.names == ("swap",)
+    assert result.applied == ("swap",) and result.pass_plan.names == ("swap",)
     assert result.report is not None
     manager = result.report.manager
     layers = model.model.layers
@@ -371,3 +371,11 @@ def test_a_wrong_pass_order_changes_nothing(tiny_model: Model) -> None:
     with pytest.raises(PassOrderError, match=r"^pass_order: activation_checkpointing \(position"):
         passes.apply_model_infrastructure(model, config)
     assert type(model.model.layers[0]).__name__ == "Qwen3MoeDecoderLayer"
+
+
+def test_the_result_s_0_1_plan_warns_and_is_the_pass_plan(tiny_model: Model) -> None:
+    config = TrainerConfig(activation_swap="attention")
+    result = passes.apply_model_infrastructure(tiny_model(), config)
+    with pytest.warns(DeprecationWarning, match=r"use InfrastructureResult\.pass_plan") as caught:
+        assert result.plan is result.pass_plan
+    assert caught[0].filename == __file__, "the warning points at the caller's line"

@@ -17,9 +17,9 @@ from graphswap.passes import (
     PassConflictError,
     PassOrderError,
     PassPlan,
+    PassPlanError,
     PassSettingError,
     PassSpec,
-    PlanError,
 )
 from graphswap.train.config import TrainerConfig
 
@@ -65,7 +65,7 @@ def config_for(names: tuple[str, ...] | list[str]) -> TrainerConfig:
     return TrainerConfig(**values)
 
 
-def reference(order: tuple[str, ...]) -> type[PlanError] | None:
+def reference(order: tuple[str, ...]) -> type[PassPlanError] | None:
     """What a plan in this order must do: the error type it raises, or None."""
     if any(frozenset(pair) in EXCLUDED for pair in itertools.combinations(order, 2)):
         return PassConflictError
@@ -102,7 +102,7 @@ def assert_matches_reference(order: tuple[str, ...]) -> None:
     assert plan.names == order, "a plan is never re-sorted"
 
 
-def assert_pass_order_matches(order: tuple[str, ...], expected: type[PlanError] | None) -> None:
+def assert_pass_order_matches(order: tuple[str, ...], expected: type[PassPlanError] | None) -> None:
     """The same order given as the config's ``pass_order``: the same verdict, a message
     that starts with the key, and for a wrong order a suggested order that runs."""
     config = dataclasses.replace(config_for(order), pass_order=order)
@@ -149,7 +149,7 @@ def test_a_swap_rule_naming_an_unknown_pass_is_refused(
     specs.pass_specs.cache_clear()
     try:
         with pytest.raises(
-            PlanError,
+            PassPlanError,
             match=rf"rule 'misspelt_swap': {field} names unknown"
             r" passes \['fdsp'\]; declared passes: pipeline_parallel, swap",
         ):
@@ -331,13 +331,13 @@ def test_plan_and_config_must_agree() -> None:
 
 
 def test_unknown_and_duplicate_pass_names() -> None:
-    with pytest.raises(PlanError, match=r"^unknown pass 'swapp'; declared passes: "):
+    with pytest.raises(PassPlanError, match=r"^unknown pass 'swapp'; declared passes: "):
         PassPlan.from_names(["swapp"], TrainerConfig())
     with pytest.raises(
-        PlanError, match=r"^pass 'swap' appears 2 times in the pass plan; list it once"
+        PassPlanError, match=r"^pass 'swap' appears 2 times in the pass plan; list it once"
     ):
         PassPlan.from_names(["swap", "swap"], TrainerConfig(activation_swap="attention"))
-    with pytest.raises(PlanError, match=r"^unknown pass 'x'"):
+    with pytest.raises(PassPlanError, match=r"^unknown pass 'x'"):
         passes.get_spec("x")
 
 
@@ -431,13 +431,13 @@ def test_pass_order_runs_as_given_when_legal() -> None:
         (
             {"activation_swap": "attention"},
             ("swap", "swap"),
-            PlanError,
+            PassPlanError,
             "pass_order: pass 'swap' appears 2 times in pass_order; list it once",
         ),
         (
             {},
             ("swapp",),
-            PlanError,
+            PassPlanError,
             "pass_order: unknown pass 'swapp'; declared passes: pipeline_parallel, swap,"
             " tensor_parallel, context_parallel, expert_parallel, activation_checkpointing,"
             " compile, fsdp",
@@ -446,7 +446,7 @@ def test_pass_order_runs_as_given_when_legal() -> None:
     ids=["order", "missing", "not-enabled", "duplicate", "unknown"],
 )
 def test_bad_pass_order_names_the_key_and_the_fix(
-    settings: dict[str, Any], order: tuple[str, ...], error: type[PlanError], message: str
+    settings: dict[str, Any], order: tuple[str, ...], error: type[PassPlanError], message: str
 ) -> None:
     config = TrainerConfig(**settings, pass_order=order)
     with pytest.raises(error) as info:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, pass_order=parse_names(args.order))
         pass_plan = passes.pass_plan(config).check_runnable()
         check_swap_rule(config, check_model(config))
-    except (ConfigError, passes.PlanError) as error:
+    except (ConfigError, passes.PassPlanError) as error:
         return user_error(args.command, str(error))
     formats = {"text": pass_plan.to_text, "dot": pass_plan.to_dot, "json": pass_plan.to_json}
     sys.stdout.write(formats[args.format]())

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from graphswap.hf.checkpoints import CheckpointError
-    from graphswap.passes import PlanError, pass_plan
+    from graphswap.passes import PassPlanError, pass_plan
     from graphswap.planning.auto_swap import AutoSwapMismatchError
     from graphswap.train.cli._memory import format_auto_report
     from graphswap.train.config import ConfigError, resolve_config
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         results = train_side_by_side(
             configs, mesh=mesh, progress=not args.no_progress, pass_plans=pass_plans
         )
-    except (PlanError, ConfigError, CheckpointError, AutoSwapMismatchError) as err:
+    except (PassPlanError, ConfigError, CheckpointError, AutoSwapMismatchError) as err:
         return user_error("train", str(err))
     finally:
         if dist.is_available() and dist.is_initialized():

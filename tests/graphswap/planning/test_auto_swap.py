@@ -351,8 +351,9 @@ def test_the_released_report_method_warns_and_renders_what_train_prints(
 ) -> None:
     """0.1.0's ``AutoSwap.format_report``, until 0.3."""
     auto = AutoSwap(fast_link_plan, made_for="a test")
-    with pytest.warns(DeprecationWarning, match=r"format_report .*format_auto_report"):
+    with pytest.warns(DeprecationWarning, match=r"format_report .*format_auto_report") as caught:
         assert auto.format_report() == format_auto_report(auto.to_dict())
+    assert caught[0].filename == __file__, "the warning points at the caller's line"
 
 
 def test_measure_needs_a_cuda_device() -> None:
