@@ -44,7 +44,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "graphswap.runtime.manager": ("graphswap.runtime", "graphswap.errors"),
     "graphswap.runtime.pool": ("graphswap.runtime", "graphswap.runtime._pool"),
     "graphswap.runtime.stats": ("graphswap.runtime",),
-    "graphswap.runtime.tape": ("graphswap.runtime._tape",),
+    "graphswap.runtime.tape": ("graphswap.runtime.timeline",),
     "graphswap.runtime.wrapper": ("graphswap.runtime", "graphswap.runtime._wrapper"),
 }
 """Old module path -> the modules its names are now in, the one to import from first."""

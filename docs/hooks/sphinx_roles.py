@@ -1,5 +1,5 @@
 """A griffe extension for the API pages: the docstrings cite code with Sphinx roles
-(``:class:`~graphswap.runtime._tape.StepTimeline```), which Markdown would print as
+(``:class:`~graphswap.runtime.timeline.StepTimeline```), which Markdown would print as
 they are. Each role becomes inline code of the name it shows, as Sphinx would render
 it: the last part after ``~``, the whole path otherwise."""
 

@@ -9,7 +9,7 @@ replayed under the clock contract the simulated device implements
 ``offload_lag`` modules later, the kept last layer, reloads ``prefetch_depth``
 modules ahead, first-needed first, and device memory over the whole step. Each mode
 (``none``, ``attention``, ``layer``, ``auto``) gives a
-:class:`~graphswap.runtime._tape.StepTimeline`, the same figures a clocked run of the
+:class:`~graphswap.runtime.timeline.StepTimeline`, the same figures a clocked run of the
 real runtime reports.
 
 ``auto`` swaps, per layer, the tensors whose copies still hide in both windows

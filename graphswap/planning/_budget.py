@@ -27,7 +27,7 @@ from graphswap.planning._replay import Replay, replay_without_swap
 from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import Event, StepTrace
 from graphswap.planning._units import RECOMPUTE_LEVELS, RecomputeKind
-from graphswap.runtime._tape import backward_label
+from graphswap.runtime.timeline import backward_label
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -30,9 +30,9 @@ from graphswap.planning.saved_tensors import (
     SavedTensor,
     build_meta_model,
 )
-from graphswap.runtime._tape import StepTimeline
 from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 from graphswap.runtime.profile import DeviceProfile, device_profile
+from graphswap.runtime.timeline import StepTimeline
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -29,7 +29,7 @@ from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import BlockKind, Event, StepTrace
 from graphswap.planning._windows import group_of
 from graphswap.runtime._pool import size_class
-from graphswap.runtime._tape import EMBED_LABEL, OPTIMIZER_LABEL, StepTimeline
+from graphswap.runtime.timeline import EMBED_LABEL, OPTIMIZER_LABEL, StepTimeline
 
 
 @dataclass(frozen=True)

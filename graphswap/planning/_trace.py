@@ -3,9 +3,9 @@
 The model is built on ``meta`` (:func:`graphswap.planning.saved_tensors.build_meta_model`), given
 the AdamW state its first step leaves, and then run for one steady-state step: forward,
 ``loss.backward()``, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, as
-``graphswap train`` runs it. An :class:`~graphswap.runtime._tape.OpTape` above the trace
+``graphswap train`` runs it. An :class:`~graphswap.runtime.timeline.OpTape` above the trace
 modes reports every operator with its roofline time on the device profile, and every
-device storage's birth and death; :func:`~graphswap.runtime._tape.step_labels` labels
+device storage's birth and death; :func:`~graphswap.runtime.timeline.step_labels` labels
 them as the simulated device does.
 
 The saved-tensor hooks *drop* what autograd saves: pack records the save and hands
@@ -33,9 +33,9 @@ from graphswap.planning.saved_tensors import (
     SavedTensorCollector,
     SavedTensorTrace,
 )
-from graphswap.runtime._tape import OPTIMIZER_LABEL, OpTape, step_labels
 from graphswap.runtime.policy import SwapPolicy, policy_name, swap_large_activations
 from graphswap.runtime.profile import DeviceProfile, OpCost
+from graphswap.runtime.timeline import OPTIMIZER_LABEL, OpTape, step_labels
 
 
 class Event(enum.IntEnum):

@@ -18,13 +18,13 @@ from graphswap.runtime._recompute import (
 )
 from graphswap.runtime._slot import GroupInfo
 from graphswap.runtime._stats import GroupStats, SwapStats
-from graphswap.runtime._tape import step_labels
 from graphswap.runtime._wrapper import (
     is_swap_wrapped,
     swap_manager_of,
     swap_wrapper,
     unwrap_swap,
 )
+from graphswap.runtime.timeline import step_labels
 
 __all__ = [
     "AcceleratorCopyEngine",

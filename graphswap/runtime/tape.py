@@ -1,4 +1,4 @@
-"""Deprecated: the 0.1.0 path of :mod:`graphswap.runtime._tape`, removed in 0.3."""
+"""Deprecated: the 0.1.0 path of :mod:`graphswap.runtime.timeline`, removed in 0.3."""
 
 from graphswap._deprecated import moved
 

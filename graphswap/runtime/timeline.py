@@ -1,4 +1,8 @@
-"""The op tape: every operator a step runs on one device, with its time and memory.
+"""A step's timeline, and the op tape it is made from: every operator a step runs on
+one device, with its time and memory.
+
+Public: the planner's ``MemoryPlan.timeline`` and the clocked runs report
+:class:`StepTimeline` objects, and both label the step with :func:`step_labels`.
 
 A dispatch mode sees each operator once, below autograd, in the order the device
 would run it. For each it reports the kernel's cost and roofline time

@@ -21,9 +21,9 @@ from graphswap.hf.checkpoints import decoder_layers
 from graphswap.passes import PassPlan
 from graphswap.passes.pass_plan import pass_plan_of
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
-from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import simulated_profile
 from graphswap.runtime.sim import SimulatedAccelerator
+from graphswap.runtime.timeline import OPTIMIZER_LABEL, StepTimeline
 from graphswap.train.build import BuiltModel, build
 from graphswap.train.config import ConfigError, TrainerConfig
 from graphswap.train.preflight import check_data, check_inputs, resolve_device

@@ -207,7 +207,7 @@ def test_the_peak_goes_to_the_label_that_raised_it_last(
 ) -> None:
     """``PeakByLabel`` under ``step_labels`` on CPU, the allocator's running peak faked:
     each layer's forward raises it by its index + 1 MiB, backward of layer 1 by 10 MiB."""
-    from graphswap.runtime._tape import step_labels
+    from graphswap.runtime.timeline import step_labels
 
     peak = [0]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])

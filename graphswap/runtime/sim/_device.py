@@ -37,8 +37,8 @@ from torch.utils._pytree import tree_leaves
 
 from graphswap.errors import SwapStateError
 from graphswap.runtime._device import Device, HazardError
-from graphswap.runtime._tape import OpTape, StepTimeline
 from graphswap.runtime.profile import DeviceProfile, OpCost
+from graphswap.runtime.timeline import OpTape, StepTimeline
 
 Point = tuple["SimStream", int]
 """A position on a stream: what an event marks, a write or a read happened at."""

@@ -13,9 +13,9 @@ import torch
 from graphswap.errors import SwapSetupError
 from graphswap.runtime._device import Device
 from graphswap.runtime._engines import AcceleratorCopyEngine, CopyEngine
-from graphswap.runtime._tape import step_labels
 from graphswap.runtime.profile import DeviceProfile, device_profile
 from graphswap.runtime.sim._device import Clock, SimDevice, SimStream
+from graphswap.runtime.timeline import step_labels
 
 __all__ = ["SimulatedAccelerator"]
 

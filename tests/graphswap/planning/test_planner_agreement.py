@@ -33,9 +33,9 @@ from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import StepShape, StepTrace, SwapSchedule, plan_step, trace_step
 from graphswap.runtime import SwapManager
-from graphswap.runtime._tape import OPTIMIZER_LABEL, StepTimeline
 from graphswap.runtime.profile import device_profile
 from graphswap.runtime.sim import SimulatedAccelerator
+from graphswap.runtime.timeline import OPTIMIZER_LABEL, StepTimeline
 from graphswap.train.trainer import _state_bytes
 
 PROFILE = device_profile("h200,tflops=60,hbm_gbps=1980")

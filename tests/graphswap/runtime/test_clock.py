@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
-from graphswap.runtime._tape import OpTape, StepTimeline
 from graphswap.runtime.profile import DeviceProfile, ProfileError
 from graphswap.runtime.sim import SimulatedAccelerator
+from graphswap.runtime.timeline import OpTape, StepTimeline
 
 ROWS, WIDTH, WIDEN, LAYERS = 512, 16, 2, 4
 WIDE_BYTES = ROWS * WIDTH * WIDEN * 4

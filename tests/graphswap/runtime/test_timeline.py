@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from graphswap.runtime._tape import OpTape
 from graphswap.runtime.profile import device_profile
+from graphswap.runtime.timeline import OpTape
 
 
 class Births:
