@@ -110,20 +110,18 @@ class Device(abc.ABC, Generic[S, E]):
     def host_free(self, host: torch.Tensor) -> None:
         """The engine drops ``host``, a buffer of ``host_empty``."""
 
+    @abc.abstractmethod
     def drop(self, storage: torch.UntypedStorage, event: E) -> None:
         """The engine lets go of ``storage``, which the copy ending at ``event`` read.
 
         Legal once the copy completed or the stream that allocated the storage waited
         for ``event``: the caching allocator hands a block freed on its allocation
-        stream out again at once, to that stream's next kernel. Nothing to add by
-        default (the engine orders the drop); a device that overrides it is called at
-        every drop, one that does not is not called at all (``_engines._Lane``)."""
+        stream out again at once, to that stream's next kernel."""
 
+    @abc.abstractmethod
     def read(self, dst: torch.Tensor, event: E) -> torch.Tensor:
         """``dst``, filled by the copy ending at ``event``, for the current stream to
-        read; legal once the current stream waited for ``event``. ``dst`` itself by
-        default; as ``drop``, called only where a device overrides it."""
-        return dst
+        read; legal once the current stream waited for ``event``."""
 
 
 class TorchDevice(Device[Stream, Event]):
@@ -169,6 +167,12 @@ class TorchDevice(Device[Stream, Event]):
         """The block goes back to torch's caching host allocator when the last reference
         dies: no driver call, and its cache is never emptied (other components, a
         DataLoader's ``pin_memory`` among them, keep theirs there)."""
+
+    def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
+        """The engine orders the drop (a completed query or a fence); nothing to add."""
+
+    def read(self, dst: torch.Tensor, event: Event) -> torch.Tensor:
+        return dst
 
 
 class _NoOpEvent:
@@ -256,3 +260,9 @@ class NoOpDevice(Device[Stream, Event]):
 
     def host_free(self, host: torch.Tensor) -> None:
         """The buffer goes back to the allocator with its last reference."""
+
+    def drop(self, storage: torch.UntypedStorage, event: Event) -> None:
+        """The copy that read the storage is done already."""
+
+    def read(self, dst: torch.Tensor, event: Event) -> torch.Tensor:
+        return dst

@@ -28,7 +28,7 @@ from __future__ import annotations
 import abc
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -82,15 +82,6 @@ class Copy(abc.ABC):
         """``fence()``, then ``result()``: what an unpack does with its reload, one call."""
         self.fence()
         return self.result()
-
-    def settle(self, due: bool) -> weakref.ref[torch.UntypedStorage] | Literal[False] | None:
-        """An offload's release at a module boundary, one call: ``fence()`` first when
-        ``due``, else False (nothing dropped) unless ``done()``; then ``release_source()``."""
-        if due:
-            self.fence()
-        elif not self.done():
-            return False
-        return self.release_source()
 
 
 class CopyEngine(abc.ABC):
@@ -200,14 +191,12 @@ class _Lane:
         "d2h",
         "d2h_after_h2d",
         "device",
-        "drop",
         "fenced",
         "h2d",
         "h2d_after_d2h",
         "loaded",
         "offload_events",
         "offloads",
-        "read",
         "reload_events",
         "reloads",
     )
@@ -215,13 +204,6 @@ class _Lane:
     def __init__(self, device: Device[Any, Any]) -> None:
         self.device = device
         """The device's interface: torch's accelerator or the simulated device."""
-        cls = type(device)
-        self.drop = device.drop if cls.drop is not Device.drop else None
-        """``device.drop``; None where the device keeps the default, which adds nothing:
-        a call fewer per offload (torch's accelerator and the no-op device)."""
-        self.read = device.read if cls.read is not Device.read else None
-        """``device.read``; None where the device keeps the default, ``dst`` itself: a
-        call fewer per unpack."""
         self.d2h = device.new_stream("offload")
         """Offloads, in issue order."""
         self.h2d = device.new_stream("reload")
@@ -339,31 +321,8 @@ class _Offload(Copy):
             return None
         self._hold = None
         batch = self._batch
-        drop = batch.lane.drop
-        if drop is not None:
-            drop(hold, (batch if batch.seq else batch.sealed()).event)
+        batch.lane.device.drop(hold, (batch if batch.seq else batch.sealed()).event)
         # This reference and another: the bytes stay on device whatever the swap does.
-        if _use_count(hold._cdata) > 1:
-            return weakref.ref(hold)
-        return None
-
-    def settle(self, due: bool) -> weakref.ref[torch.UntypedStorage] | Literal[False] | None:
-        """``Copy.settle`` with ``done()`` and ``release_source()`` inline: every offload
-        is settled so at a module boundary."""
-        batch = self._batch
-        if due:
-            self.fence()
-        else:
-            seq = batch.seq
-            if not (seq and batch.lane.offloads.done >= seq) and not batch.done():
-                return False
-        hold = self._hold
-        if hold is None:
-            return None
-        self._hold = None
-        drop = batch.lane.drop
-        if drop is not None:
-            drop(hold, (batch if batch.seq else batch.sealed()).event)
         if _use_count(hold._cdata) > 1:
             return weakref.ref(hold)
         return None
@@ -404,18 +363,17 @@ class _Load(_Mark, Copy):
         """A load holds no source: its host buffer is the pool's, which orders its reuse."""
 
     def result(self) -> torch.Tensor:
-        read = self._lane.read
-        return self._out if read is None else read(self._out, self.event)
+        return self._lane.device.read(self._out, self.event)
 
     def fenced_result(self) -> torch.Tensor:
         """``fence()`` and ``result()`` inline: every unpack of a swapped tensor calls it."""
         lane = self._lane
-        stream = lane.device.current_stream()
+        device = lane.device
+        stream = device.current_stream()
         if lane.loaded.get(stream, 0) < self.seq:
             stream.wait_event(self.event)
             lane.loaded[stream] = self.seq
-        read = lane.read
-        return self._out if read is None else read(self._out, self.event)
+        return device.read(self._out, self.event)
 
 
 class AcceleratorCopyEngine(CopyEngine):

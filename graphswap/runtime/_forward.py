@@ -134,7 +134,7 @@ class _Forward:
                 protected = self.protected = _state_storages(slot.module)
             if protected is not None and key in protected:
                 return (t.detach(), version, self)
-            entry = self.offload(local, storage, key)
+            entry = self.offload(local, storage)
             if entry is None:
                 return (t.detach(), version, self)
             entry.version = version
@@ -148,12 +148,9 @@ class _Forward:
     def name(self) -> str:
         return self.slot.name
 
-    def offload(
-        self, local: torch.Tensor, storage: torch.UntypedStorage, key: int
-    ) -> _Entry | None:
-        """Copy ``storage`` (``local``'s, ``key`` its address) to a pooled host buffer; None
-        when it stays on device (the kept last layer, a capture, a full pool), counted by
-        reason."""
+    def offload(self, local: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
+        """Copy ``storage`` (``local``'s) to a pooled host buffer; None when it stays on
+        device (the kept last layer, a capture, a full pool), counted by reason."""
         nbytes = storage.nbytes()
         ctx = self.ctx
         device = local.device
@@ -182,7 +179,7 @@ class _Forward:
                 size = local.size()
                 host = buf.view(dtype, size, nbytes)
                 stride = local.stride()  # a size-1 dimension may have any stride
-                first = None if stride == buf.stride else (0, dtype, size, stride)
+                first = None if stride == host.stride() else (0, dtype, size, stride)
             else:
                 src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
                 host = buf.view(torch.uint8, src.size(), nbytes)
@@ -191,7 +188,7 @@ class _Forward:
             entry = _Entry(
                 ctx, self.slot.name, stats, device, engine, nbytes, buf, host, copy, first
             )  # ``device``: the one object of its device (``_Context.first_engine``)
-            self.entries[key] = entry
+            self.entries[storage._cdata] = entry
             if not self.queued:
                 self.queued = True
                 ctx.in_flight.append(weakref.ref(self))  # ``_latest``'s: no new object
@@ -223,12 +220,13 @@ class _Forward:
         reference keeps is watched until its reload (``_Entry.held``, I12)."""
         for entry in self.entries.values():
             if not entry.released:
-                # When due: fenced, ordered already unless another producer.
-                held = entry.offload.settle(due)
-                if held is False:
+                offload = entry.offload
+                if due:
+                    offload.fence()  # ordered already, unless another producer
+                elif not offload.done():
                     return False
                 entry.released = True
-                entry.held = held
+                entry.held = offload.release_source()
         self.queued = False
         return True
 

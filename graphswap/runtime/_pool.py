@@ -154,7 +154,6 @@ class HostBuffer:
         "key",
         "last_use",
         "nbytes",
-        "stride",
         "tensor",
     )
 
@@ -170,13 +169,12 @@ class HostBuffer:
         self._view = tensor
         self._dtype = tensor.dtype
         self._shape = tensor.shape
-        self.stride = tensor.stride()  # the view's: an offload compares its source's with it
 
     def view(self, dtype: torch.dtype, shape: torch.Size, nbytes: int) -> torch.Tensor:
         """The buffer's first ``nbytes`` bytes as a contiguous tensor of ``dtype`` and ``shape``."""
         if dtype is not self._dtype or shape != self._shape:
-            view = self._view = self.tensor[:nbytes].view(dtype).view(shape)
-            self._dtype, self._shape, self.stride = dtype, shape, view.stride()
+            self._view = self.tensor[:nbytes].view(dtype).view(shape)
+            self._dtype, self._shape = dtype, shape
         return self._view
 
 
