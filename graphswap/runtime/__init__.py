@@ -9,6 +9,7 @@ from graphswap.runtime._engines import (
     HazardError,
     NoOpAccelerator,
 )
+from graphswap.runtime._group import GroupInfo
 from graphswap.runtime._manager import SwapManager
 from graphswap.runtime._pool import host_budget
 from graphswap.runtime._recompute import (
@@ -16,7 +17,6 @@ from graphswap.runtime._recompute import (
     recompute_wrapper,
     unwrap_recompute,
 )
-from graphswap.runtime._slot import GroupInfo
 from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime._wrapper import (
     is_swap_wrapped,

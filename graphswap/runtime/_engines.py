@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from graphswap._deprecated import warn
 from graphswap.errors import GraphswapTypeError
 from graphswap.runtime._device import (
     Device,
@@ -55,7 +56,7 @@ __all__ = [
 
 
 class Copy(abc.ABC):
-    """One asynchronous copy: an offload (device to host) or a load (host to device)."""
+    """One asynchronous copy: an offload (device to host) or a reload (host to device)."""
 
     __slots__ = ()
 
@@ -76,7 +77,7 @@ class Copy(abc.ABC):
 
     @abc.abstractmethod
     def result(self) -> torch.Tensor:
-        """The device tensor a load filled; legal only after ``fence()``."""
+        """The device tensor a reload filled; legal only after ``fence()``."""
 
     def fenced_result(self) -> torch.Tensor:
         """``fence()``, then ``result()``: what an unpack does with its reload, one call."""
@@ -90,6 +91,18 @@ class CopyEngine(abc.ABC):
     pin: bool
     """Whether host buffers for this engine are pinned (page-locked)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """An engine written for 0.1.0 implements ``loads``: it serves as ``reloads``,
+        with a warning, until 0.3."""
+        super().__init_subclass__(**kwargs)
+        if "loads" in vars(cls) and "reloads" not in vars(cls):
+            warn(
+                f"{cls.__qualname__}.loads: CopyEngine.loads is deprecated: implement"
+                " CopyEngine.reloads",
+                inside=__name__,
+            )
+            cls.reloads = vars(cls)["loads"]  # type: ignore[method-assign]
+
     @abc.abstractmethod
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
         """Copy ``src`` (a contiguous device tensor) into ``host`` (a host tensor of its
@@ -98,11 +111,18 @@ class CopyEngine(abc.ABC):
         without grad): the copy keeps its storage, never its autograd graph."""
 
     @abc.abstractmethod
-    def loads(
+    def reloads(
         self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
     ) -> list[Copy]:
         """Per ``(host, after)`` of ``items``, copy ``host`` into a new tensor of its dtype
         and shape on ``device`` after ``after``: one batch, in the order given."""
+
+    def loads(
+        self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
+    ) -> list[Copy]:
+        """0.1.0's name of :meth:`reloads`, until 0.3."""
+        warn("CopyEngine.loads is deprecated: use CopyEngine.reloads", inside=__name__)
+        return self.reloads(device, items)
 
     @abc.abstractmethod
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
@@ -331,9 +351,9 @@ class _Offload(Copy):
         raise GraphswapTypeError("result() of an offload: an offload fills a host buffer")
 
 
-class _Load(_Mark, Copy):
+class _Reload(_Mark, Copy):
     """A copy to device: its own mark (an unpack waits for its own copy only), so one
-    object per reload: its event goes back to the pool when the load dies."""
+    object per reload: its event goes back to the pool when the reload dies."""
 
     __slots__ = ("_lane", "_out")
 
@@ -360,7 +380,7 @@ class _Load(_Mark, Copy):
             lane.loaded[stream] = self.seq
 
     def release_source(self) -> None:
-        """A load holds no source: its host buffer is the pool's, which orders its reuse."""
+        """A reload holds no source: its host buffer is the pool's, which orders its reuse."""
 
     def result(self) -> torch.Tensor:
         return self._lane.device.read(self._out, self.event)
@@ -428,7 +448,7 @@ class AcceleratorCopyEngine(CopyEngine):
             lane.d2h_after_h2d = loaded
         for copy in after:
             # An earlier offload ran on d2h itself, in order; a reload needs a wait.
-            if type(copy) is _Load and copy.seq > lane.d2h_after_h2d:
+            if type(copy) is _Reload and copy.seq > lane.d2h_after_h2d:
                 d2h.wait_event(copy.event)
                 lane.d2h_after_h2d = copy.seq
         device.to_host(d2h, src, host)
@@ -437,7 +457,7 @@ class AcceleratorCopyEngine(CopyEngine):
             batch = lane.batch = _Batch(lane)
         return _Offload(batch, producer, src.untyped_storage())
 
-    def loads(
+    def reloads(
         self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
     ) -> list[Copy]:
         lane = self._lanes.get(device) or self._lane(device)
@@ -463,7 +483,7 @@ class AcceleratorCopyEngine(CopyEngine):
             interface.to_device(h2d, host, dst)
             event = record(h2d, free.pop() if free else interface.new_event("reload"))
             progress.marks += 1
-            copies.append(_Load(lane, event, free, progress.marks, dst))
+            copies.append(_Reload(lane, event, free, progress.marks, dst))
         return copies
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:

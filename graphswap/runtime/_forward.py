@@ -19,9 +19,9 @@ from torch.utils._pytree import tree_leaves
 
 from graphswap.errors import SwapExclusionError
 from graphswap.runtime._context import _Context
-from graphswap.runtime._handles import Kept, Layout, _Entry, _Swapped, layout_in, load
+from graphswap.runtime._group import _bad_decision, _Group
+from graphswap.runtime._handles import Kept, Layout, _Entry, _Swapped, layout_in, reload
 from graphswap.runtime._pool import TYPED_VIEWS, Refusal
-from graphswap.runtime._slot import _bad_decision, _Slot
 from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import (
     CheckpointPolicy,
@@ -51,13 +51,13 @@ class _Forward:
         "__weakref__",
         "ctx",
         "entries",
+        "group",
         "keep",
         "prev",
         "protected",
         "queued",
         "saves",
         "seq",
-        "slot",
         "stats",
         "task",
     )
@@ -65,16 +65,16 @@ class _Forward:
     def __init__(
         self,
         ctx: _Context,
-        slot: _Slot,
+        group: _Group,
         seq: int,
         stats: GroupStats,
         keep: bool,
         prev: _Forward | None,
     ) -> None:
         self.ctx = ctx  # the manager's shared state: engines, pool, lock, in-flight queue
-        self.slot = slot  # the wrapped module this forward ran
+        self.group = group  # the wrapped module this forward ran
         self.seq = seq  # the manager's forward count when it opened: offload_lag's clock
-        self.stats = stats  # the slot's stats, counted into by every pack and reload
+        self.stats = stats  # the group's stats, counted into by every pack and reload
         self.keep = keep  # the end of a linked chain (keep_last): nothing is swapped
         self.prev = prev
         """The forward its prev module ran last: the one this forward's backward prefetches."""
@@ -122,16 +122,16 @@ class _Forward:
         version = t._version
         entry = self.entries.get(key)
         if entry is None or entry.buf is None:  # none, or every handle of its copy died
-            slot = self.slot
-            decide = slot.decide
-            decision = slot.policy(t) if decide is None else decide(t, index)
+            group = self.group
+            decide = group.decide
+            decision = group.policy(t) if decide is None else decide(t, index)
             if decision is not _MUST_SWAP:
                 if decision is not _MUST_SAVE:
-                    raise _bad_decision(slot, decision)
+                    raise _bad_decision(group, decision)
                 return (t.detach(), version, self)
             protected = self.protected
             if protected is None and (base is not None or version or t.is_leaf):
-                protected = self.protected = _state_storages(slot.module)
+                protected = self.protected = _state_storages(group.module)
             if protected is not None and key in protected:
                 return (t.detach(), version, self)
             entry = self.offload(local, storage)
@@ -146,7 +146,7 @@ class _Forward:
 
     @property
     def name(self) -> str:
-        return self.slot.name
+        return self.group.name
 
     def offload(self, local: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
         """Copy ``storage`` (``local``'s) to a pooled host buffer; None when it stays on
@@ -186,7 +186,7 @@ class _Forward:
                 first = layout_in(local, host)
             copy = engine.offload(src, host, buf.last_use)
             entry = _Entry(
-                ctx, self.slot.name, stats, device, engine, nbytes, buf, host, copy, first
+                ctx, self.group.name, stats, device, engine, nbytes, buf, host, copy, first
             )  # ``device``: the one object of its device (``_Context.first_engine``)
             self.entries[storage._cdata] = entry
             if not self.queued:
@@ -251,10 +251,10 @@ class _Forward:
             due = [
                 entry
                 for entry in reversed(self.entries.values())
-                if entry.load is None and entry.buf is not None and entry.refs
+                if entry.reload is None and entry.buf is not None and entry.refs
             ]
             if due:
-                load(due, prefetched=True)
+                reload(due, prefetched=True)
         finally:
             lock.release()
 

@@ -2,7 +2,7 @@
 
 One of the runtime's objects (``_manager.py`` lists them). Here: the handles (a kept
 tensor's ``(alias, version, forward)``, ``_Swapped``), the host copy of one storage
-they share (``_Entry``) and its reloads (``load``), the in-place check and its
+they share (``_Entry``) and its reloads (``reload``), the in-place check and its
 ``SwapIntegrityError``, a handle's death (``_Swapped.__del__``), and the unpack hook
 (``unpack_hook``). A handle knows the forward that saved it only as ``Saver``, so this
 module does not import ``_forward``.
@@ -92,9 +92,9 @@ class _Entry:
     that tensor covers its storage contiguously (the usual case: its reload is then
     handed back as it is), else as bytes.
 
-    ``load`` is the reload of the current backward, ``gen`` counts reloads and
+    ``reload`` is the reload of the current backward, ``gen`` counts reloads and
     ``waiting`` how many live handles have not yet consumed the current one: the
-    set of consumers is fixed when the load is issued, so handles that die while
+    set of consumers is fixed when the reload is issued, so handles that die while
     others unpack never cause a second reload.
     """
 
@@ -108,13 +108,13 @@ class _Entry:
         "gen",
         "held",
         "host",
-        "load",
         "name",
         "nbytes",
         "offload",
         "prefetched",
         "refs",
         "released",
+        "reload",
         "stats",
         "version",
         "waiting",
@@ -149,10 +149,10 @@ class _Entry:
         self.held: weakref.ref[torch.UntypedStorage] | None = None
         """The source, when another reference kept it on device after it was dropped:
         watched until the reload (``_Context.not_freed``)."""
-        self.load: Copy | None = None  # the current backward's reload; None: none pending
-        self.prefetched = False  # ``load`` was issued by a prefetch, not yet hit
-        self.gen = 0  # the current reload's generation: ``load`` counts them
-        self.waiting = 0  # live handles that have not consumed the current ``load``
+        self.reload: Copy | None = None  # the current backward's reload; None: none pending
+        self.prefetched = False  # ``reload`` was issued by a prefetch, not yet hit
+        self.gen = 0  # the current reload's generation: ``reload`` counts them
+        self.waiting = 0  # live handles that have not consumed the current ``reload``
         self.refs = 0  # live handles (``_Swapped``) aliasing this storage
         self.version = -1
         """The saved tensor's version when its copy was issued (set by the pack): every
@@ -211,11 +211,11 @@ class _Swapped:
         self.gen = -1
         """The reload generation this handle consumed last (-1: none)."""
         entry.refs += 1
-        if entry.load is not None:
+        if entry.reload is not None:
             entry.waiting += 1
 
     def __del__(self) -> None:
-        """A saved-tensor slot freed this handle: settle the reload, and when it was the
+        """Autograd dropped this handle: settle the reload, and when it was the
         last handle of its storage, free the source once ordered and pool the host buffer.
 
         Nothing here blocks the host: the stream that produced the source waits for its
@@ -226,15 +226,15 @@ class _Swapped:
         ctx.lock.acquire()  # not ``with``: it makes two bound methods a call
         try:
             refs = entry.refs = entry.refs - 1
-            load = entry.load
-            if load is not None and self.gen != entry.gen:
+            reload = entry.reload
+            if reload is not None and self.gen != entry.gen:
                 # It never consumed the current reload: one consumer fewer to wait for.
                 entry.waiting -= 1
                 if entry.waiting == 0:
-                    entry.load = None
+                    entry.reload = None
                     if not ctx.capturing:
-                        load.fence()
-                    load = None
+                        reload.fence()
+                    reload = None
             if refs:
                 return
             buf = entry.buf
@@ -248,23 +248,23 @@ class _Swapped:
                         offload.fence()
                     entry.released = True
                     entry.held = offload.release_source()
-                if load is not None:
-                    load.fence()
+                if reload is not None:
+                    reload.fence()
             held = entry.held
             if held is not None:
                 entry.held = None
                 if held() is not None:
                     ctx.not_freed(entry.stats, entry.nbytes, entry.name)
-            if load is None:
+            if reload is None:
                 ctx.pool.release(buf, (offload,))
             else:
-                entry.load = None
-                ctx.pool.release(buf, (offload, load))
+                entry.reload = None
+                ctx.pool.release(buf, (offload, reload))
         finally:
             ctx.lock.release()
 
 
-def load(entries: list[_Entry], *, prefetched: bool) -> None:
+def reload(entries: list[_Entry], *, prefetched: bool) -> None:
     """Issue the reloads of ``entries``, all of one forward (per device, one batch), for
     the live handles that have not consumed one; ``prefetched``: ahead of their first
     unpack. Called under the context's lock, by a prefetch or by an unpack that found
@@ -277,14 +277,14 @@ def load(entries: list[_Entry], *, prefetched: bool) -> None:
         for entry in entries:
             if entry.engine is not engine or entry.device is not device:
                 batch = [e for e in entries if e.engine is engine and e.device is device]
-                load([e for e in entries if e not in batch], prefetched=prefetched)
+                reload([e for e in entries if e not in batch], prefetched=prefetched)
                 break
     # ``host`` is None once the last handle died; a due entry has live handles (``refs``).
     items = [(entry.host, (entry.offload,)) for entry in batch]
-    loads = engine.loads(device, items)  # type: ignore[arg-type]
+    reloads = engine.reloads(device, items)  # type: ignore[arg-type]
     nbytes = 0
-    for entry, copy in zip(batch, loads, strict=True):
-        entry.load = copy
+    for entry, copy in zip(batch, reloads, strict=True):
+        entry.reload = copy
         entry.gen += 1
         entry.waiting = entry.refs
         entry.prefetched = prefetched
@@ -328,27 +328,27 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
     lock = entry.ctx.lock
     lock.acquire()  # not ``with``: it makes two bound methods a call
     try:
-        copy = entry.load
+        copy = entry.reload
         if copy is None or packed.gen == entry.gen:
             entry.stats.prefetch_misses += 1
             if copy is None:
-                load([entry], prefetched=False)
-                copy = entry.load
+                reload([entry], prefetched=False)
+                copy = entry.reload
                 assert copy is not None
             else:
                 host = entry.host
                 assert host is not None  # a live handle's entry holds its host copy
-                (copy,) = entry.engine.loads(entry.device, [(host, (entry.offload,))])
+                (copy,) = entry.engine.reloads(entry.device, [(host, (entry.offload,))])
                 entry.stats.reloaded_tensors += 1
                 entry.stats.reloaded_bytes += entry.nbytes
         elif entry.prefetched:
             entry.stats.prefetch_hits += 1
             entry.prefetched = False
-        if copy is entry.load:
+        if copy is entry.reload:
             packed.gen = entry.gen
             entry.waiting -= 1
             if entry.waiting == 0:
-                entry.load = None
+                entry.reload = None
     finally:
         lock.release()
     out = copy.fenced_result()

@@ -14,7 +14,7 @@ imports included):
 - ``_handles.py``: per-tensor handles (a kept tensor's tuple, ``_Swapped``, ``_Entry``),
   the in-place check (``SwapIntegrityError``), reloads, unpack (``unpack_hook``) and
   lifetimes.
-- ``_slot.py``: per wrapped-module records (``_Slot``, ``GroupInfo``) and the refusals of
+- ``_group.py``: per wrapped-module records (``_Group``, ``GroupInfo``) and the refusals of
   compile, export, activation checkpointing and other offloaders (``SwapExclusionError``).
 
 Autograd's hooks are the forward itself (``_Forward``, the pack hook) and a plain
@@ -36,9 +36,9 @@ from graphswap.errors import SwapSetupError
 from graphswap.runtime._context import _Context
 from graphswap.runtime._engines import CopyEngine
 from graphswap.runtime._forward import _Forward
+from graphswap.runtime._group import GroupInfo, _excluded, _Group, _refuse, _refuse_traced
 from graphswap.runtime._handles import unpack_hook
 from graphswap.runtime._pool import HostPool, check_host_bytes, host_budget
-from graphswap.runtime._slot import GroupInfo, _excluded, _refuse, _refuse_traced, _Slot
 from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime.policy import SwapPolicy, policy_name
 
@@ -46,7 +46,7 @@ __all__ = ["SwapManager"]
 
 _task_id = torch._C._current_graph_task_id
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-"""What every wrapped forward asks first (``_slot._excluded``), read once here."""
+"""What every wrapped forward asks first (``_group._excluded``), read once here."""
 
 
 def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> int:
@@ -116,13 +116,13 @@ class SwapManager:
         # (``engine``; None: each device's own), the offloads in flight, the lock, the
         # capture flag, the forward count.
         self._ctx = _Context(pool, engine, depth, lag)
-        self._slots: dict[torch.nn.Module, _Slot] = {}  # the registry: wrapped module -> slot
-        self._registered = 0  # registrations so far: the next slot's index
+        self._groups: dict[torch.nn.Module, _Group] = {}  # the registry: wrapped module -> group
+        self._registered = 0  # registrations so far: the next group's index
         self._prev: dict[torch.nn.Module, torch.nn.Module] = {}  # links: later -> earlier
         self._next: dict[torch.nn.Module, torch.nn.Module] = {}  # links: earlier -> later
         # The forward each module ran last: the ``prev`` of its next module's next forward.
         self._latest: dict[torch.nn.Module, weakref.ref[_Forward]] = {}
-        self._stats: dict[str, GroupStats] = {}  # per slot name; outlives unregister
+        self._stats: dict[str, GroupStats] = {}  # per group name; outlives unregister
 
     @property
     def prefetch_depth(self) -> int:
@@ -144,8 +144,8 @@ class SwapManager:
                 "offload_lag": self.offload_lag,
                 "engine": self._ctx.engine_override,
             },
-            "slots": [
-                (s.module, s.name, s.index, s.policy, s.module_type) for s in self._slots.values()
+            "groups": [
+                (s.module, s.name, s.index, s.policy, s.module_type) for s in self._groups.values()
             ],
             "registered": self._registered,
             "links": list(self._next.items()),
@@ -153,8 +153,8 @@ class SwapManager:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state["options"])  # type: ignore[misc]
-        for module, name, index, policy, module_type in state["slots"]:
-            self._slots[module] = _Slot(module, name, index, policy, module_type)
+        for module, name, index, policy, module_type in state["groups"]:
+            self._groups[module] = _Group(module, name, index, policy, module_type)
             self._stats[name] = GroupStats()
         self._registered = state["registered"]
         for prev, nxt in state["links"]:
@@ -166,13 +166,13 @@ class SwapManager:
         Returns the name registered."""
         cls = type(module)
         name = name or f"{cls.__name__}_{self._registered}"
-        if module in self._slots:
+        if module in self._groups:
             raise SwapSetupError(f"module {name!r} is already registered with this SwapManager")
-        if any(slot.name == name for slot in self._slots.values()):
+        if any(group.name == name for group in self._groups.values()):
             raise SwapSetupError(
                 f"a module named {name!r} is already registered; pass a unique name"
             )
-        self._slots[module] = _Slot(
+        self._groups[module] = _Group(
             module, name, self._registered, policy, f"{cls.__module__}.{cls.__qualname__}"
         )
         self._registered += 1
@@ -182,7 +182,7 @@ class SwapManager:
     def unregister(self, module: torch.nn.Module) -> None:
         """Forget ``module`` and its links. Its stats stay readable, what it did while
         wrapped, until a module is registered under its name again and starts at zero."""
-        del self._slots[module]
+        del self._groups[module]
         for a, b in list(self._next.items()):
             if module in (a, b):
                 del self._next[a], self._prev[b]
@@ -193,7 +193,7 @@ class SwapManager:
         backward of ``later`` begins, ``earlier``'s tensors start coming back (in FSDP2's
         words, a backward prefetch)."""
         for role, module in (("earlier", earlier), ("later", later)):
-            if module not in self._slots:
+            if module not in self._groups:
                 raise SwapSetupError(
                     f"{role} module {type(module).__name__} is not swap-wrapped by this manager;"
                     " call swap_wrapper(module, manager=manager) first"
@@ -201,7 +201,7 @@ class SwapManager:
         if earlier is later:
             raise SwapSetupError("a module cannot prefetch itself; link it to another module")
         if earlier in self._next or later in self._prev:
-            taken = self._slots[earlier if earlier in self._next else later].name
+            taken = self._groups[earlier if earlier in self._next else later].name
             raise SwapSetupError(
                 f"{taken!r} is already linked; each module has one prev and one next"
             )
@@ -232,8 +232,8 @@ class SwapManager:
 
     @property
     def links(self) -> list[tuple[str, str]]:
-        order = sorted(self._next.items(), key=lambda kv: self._slots[kv[0]].index)
-        return [(self._slots[a].name, self._slots[b].name) for a, b in order]
+        order = sorted(self._next.items(), key=lambda kv: self._groups[kv[0]].index)
+        return [(self._groups[a].name, self._groups[b].name) for a, b in order]
 
     def is_kept(self, module: torch.nn.Module) -> bool:
         return self.keep_last and module in self._prev and module not in self._next
@@ -241,9 +241,13 @@ class SwapManager:
     def groups(self) -> list[GroupInfo]:
         return [
             GroupInfo(
-                slot.name, slot.index, slot.module_type, policy_name(slot.policy), self.is_kept(m)
+                group.name,
+                group.index,
+                group.module_type,
+                policy_name(group.policy),
+                self.is_kept(m),
             )
-            for m, slot in self._slots.items()
+            for m, group in self._groups.items()
         ]
 
     def prefetch_schedule(self) -> list[tuple[str, str]]:
@@ -253,7 +257,7 @@ class SwapManager:
         layer after it within ``prefetch_depth`` links.
         """
         pairs = []
-        for target, slot in self._slots.items():
+        for target, group in self._groups.items():
             if self.is_kept(target) or target not in self._next:
                 continue
             trigger = target
@@ -261,9 +265,9 @@ class SwapManager:
                 if trigger not in self._next:
                     break
                 trigger = self._next[trigger]
-            pairs.append((self._slots[trigger].index, slot.index, trigger, target))
+            pairs.append((self._groups[trigger].index, group.index, trigger, target))
         pairs.sort(key=lambda p: (-p[0], -p[1]))
-        return [(self._slots[t].name, self._slots[g].name) for _, _, t, g in pairs]
+        return [(self._groups[t].name, self._groups[g].name) for _, _, t, g in pairs]
 
     @property
     def stats(self) -> SwapStats:
@@ -312,16 +316,16 @@ class SwapManager:
         """Run ``forward(module, *args, **kwargs)`` (the original class's forward, unbound:
         no per-call partial) under this manager's saved-tensor hooks."""
         if torch.compiler.is_compiling():  # torch.compile or torch.export traces this forward
-            _refuse_traced(self._slots[module].name)
+            _refuse_traced(self._groups[module].name)
         if not torch.is_grad_enabled():
             return forward(module, *args, **kwargs)
-        slot = self._slots[module]
+        group = self._groups[module]
         # ``_excluded()``'s two queries inline; it names what was found only when either
         # answers (a backward running, or saved-tensor hooks installed: ours when nested).
         if _task_id() != -1 or _top_hooks(False) is not None:
             excluded = _excluded()
             if excluded is not None:
-                _refuse(slot.name, *excluded)
+                _refuse(group.name, *excluded)
         ctx = self._ctx
         ctx.seq = seq = ctx.seq + 1
         pool = ctx.pool
@@ -332,14 +336,14 @@ class SwapManager:
         ctx.boundary(seq)
         prev = self._prev.get(module)
         if prev is None:
-            fwd = _Forward(ctx, slot, seq, self._stats[slot.name], False, None)
+            fwd = _Forward(ctx, group, seq, self._stats[group.name], False, None)
         else:
             prev_ref = self._latest.get(prev)
             fwd = _Forward(
                 ctx,
-                slot,
+                group,
                 seq,
-                self._stats[slot.name],
+                self._stats[group.name],
                 self.keep_last and module not in self._next,  # keep: is_kept(module)
                 prev_ref() if prev_ref is not None else None,
             )

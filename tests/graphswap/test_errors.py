@@ -24,7 +24,7 @@ import pytest
 import graphswap
 from graphswap import _deprecated, errors
 from graphswap.errors import GraphswapError
-from graphswap.runtime import _handles, _slot
+from graphswap.runtime import _group, _handles
 
 PACKAGE = Path(graphswap.__file__).parent
 
@@ -176,7 +176,7 @@ def test_every_raise_raises_a_graphswap_error() -> None:
                 allowed.add((name, raised))
             elif not issubclass(raised, GraphswapError):
                 stray.append(f"{where}: raise {raised.__qualname__}")
-    assert {"graphswap.passes.swap", "graphswap.runtime._slot"} <= modules, "the walk missed files"
+    assert {"graphswap.passes.swap", "graphswap.runtime._group"} <= modules, "the walk missed files"
     assert stray == [], "derive these from graphswap.errors.GraphswapError:\n" + "\n".join(stray)
     assert allowed == set(ALLOWED), f"allowed but no longer raised: {set(ALLOWED) - allowed}"
 
@@ -198,7 +198,7 @@ def test_the_walk_tells_what_a_raise_raises(source: str, raised: str) -> None:
         errors=errors,
         RewriteError=errors.RewriteError,
         _integrity_error=_handles._integrity_error,
-        _traced_exclusion_error=_slot._traced_exclusion_error,
+        _traced_exclusion_error=_group._traced_exclusion_error,
     )
     body = "".join(f"    {line}\n" for line in source.split("\n"))
     [(node, scopes)] = raises(ast.parse(f"def f():\n{body}"))

@@ -159,7 +159,7 @@ class RecordingEngine(CopyEngine):
     call on to the engine it wraps (default: the no-op device, CPU's own): the public
     seam through which tests see the order of the runtime's copies, not its methods.
 
-    ``calls``: ``("offload", host)``, ``("load", host)`` per reload of a batch,
+    ``calls``: ``("offload", host)``, ``("reload", host)`` per reload of a batch,
     ``("read", host)`` when an unpack reads its reload, ``("boundary", None)``,
     ``("host_buffer", nbytes)`` and ``("free_host_buffer", host)``; ``host`` is the host
     copy of one storage (one object per storage and step)."""
@@ -173,11 +173,11 @@ class RecordingEngine(CopyEngine):
         self.calls.append(("offload", host))
         return self.inner.offload(src, host, _inner(after))
 
-    def loads(
+    def reloads(
         self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
     ) -> list[Copy]:
-        copies = self.inner.loads(device, [(host, _inner(after)) for host, after in items])
-        self.calls.extend(("load", host) for host, _ in items)
+        copies = self.inner.reloads(device, [(host, _inner(after)) for host, after in items])
+        self.calls.extend(("reload", host) for host, _ in items)
         return [_Read(self, copy, host) for copy, (host, _) in zip(copies, items, strict=True)]
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:

@@ -14,10 +14,10 @@ from graphswap.runtime.sim import SimulatedAccelerator
 CPU = torch.device("cpu")
 
 
-def load_one(engine: SimulatedAccelerator, host: torch.Tensor, after: tuple) -> Copy:
+def reload_one(engine: SimulatedAccelerator, host: torch.Tensor, after: tuple) -> Copy:
     """A batch of one reload."""
-    (load,) = engine.loads(CPU, [(host, after)])
-    return load
+    (reload,) = engine.reloads(CPU, [(host, after)])
+    return reload
 
 
 UNPINNED = SimulatedAccelerator()
@@ -31,24 +31,24 @@ def test_copies_complete_lag_ticks_after_issue_in_order() -> None:
     host = torch.zeros(4096, dtype=torch.uint8)
     offload = engine.offload(src, host, ())
     engine.tick()
-    load = load_one(engine, host, (offload,))
+    reload = reload_one(engine, host, (offload,))
     assert not offload.done() and torch.count_nonzero(host) == 0
     engine.tick()
     assert offload.done()
-    assert not load.done(), "issued a tick later, it completes a tick later"
+    assert not reload.done(), "issued a tick later, it completes a tick later"
     engine.tick()
-    assert load.done()
-    load.fence()
-    assert torch.equal(load.result(), expected)
+    assert reload.done()
+    reload.fence()
+    assert torch.equal(reload.result(), expected)
 
 
 def test_a_fence_completes_the_copy_and_everything_it_waits_for() -> None:
     engine = SimulatedAccelerator(lag=5)
     src = torch.full((64,), 7, dtype=torch.uint8)
     host = torch.zeros(64, dtype=torch.uint8)
-    load = load_one(engine, host, (engine.offload(src, host, ()),))
-    load.fence()
-    assert torch.equal(load.result(), src)
+    reload = reload_one(engine, host, (engine.offload(src, host, ()),))
+    reload.fence()
+    assert torch.equal(reload.result(), src)
     assert engine._sim.pending() == 0
 
 
@@ -69,36 +69,38 @@ def test_source_released_before_its_copy_completed_is_a_hazard() -> None:
 def test_reading_a_reload_without_a_fence_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=0)
     host = torch.zeros(16, dtype=torch.uint8)
-    load = load_one(engine, host, (engine.offload(torch.ones(16, dtype=torch.uint8), host, ()),))
-    assert load.done()
+    reload = reload_one(
+        engine, host, (engine.offload(torch.ones(16, dtype=torch.uint8), host, ()),)
+    )
+    assert reload.done()
     with pytest.raises(HazardError, match="before compute waited"):
-        load.result()
+        reload.result()
 
 
 def test_rewriting_a_host_buffer_a_reload_still_reads_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=1)
     host = torch.zeros(16, dtype=torch.uint8)
     first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = load_one(engine, host, (first,))
+    reload = reload_one(engine, host, (first,))
     engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, ())
     with pytest.raises(HazardError, match="rewritten while a reload still reads it"):
         engine.tick()
     engine = SimulatedAccelerator(lag=1)
     first = engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = load_one(engine, host, (first,))
-    engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, (load,))
+    reload = reload_one(engine, host, (first,))
+    engine.offload(torch.full((16,), 2, dtype=torch.uint8), host, (reload,))
     engine.tick()
-    load.fence()
-    assert torch.equal(load.result(), torch.ones(16, dtype=torch.uint8))
+    reload.fence()
+    assert torch.equal(reload.result(), torch.ones(16, dtype=torch.uint8))
 
 
 def test_reading_a_host_buffer_before_its_offload_is_a_hazard() -> None:
     engine = SimulatedAccelerator(lag=3)
     host = torch.zeros(16, dtype=torch.uint8)
     engine.offload(torch.ones(16, dtype=torch.uint8), host, ())
-    load = load_one(engine, host, ())
+    reload = reload_one(engine, host, ())
     with pytest.raises(HazardError, match="before its offload filled it"):
-        load.fence()
+        reload.fence()
 
 
 def test_nothing_is_legal_while_capturing() -> None:
@@ -198,9 +200,29 @@ def test_the_no_op_device_copies_at_once_and_orders_nothing() -> None:
     del src
     assert offload.release_source() is None and ref.expired()
     engine.tick()
-    load = load_one(engine, host, (offload,))
-    assert load.done()
-    load.fence()
-    assert torch.equal(load.result(), host)
+    reload = reload_one(engine, host, (offload,))
+    assert reload.done()
+    reload.fence()
+    assert torch.equal(reload.result(), host)
     assert not engine.capturing() and not engine.pin
     assert type(pickle.loads(pickle.dumps(engine))) is NoOpAccelerator
+
+
+def test_an_engine_written_for_0_1_implements_loads_and_is_told_reloads() -> None:
+    """0.1.0's ``CopyEngine.loads`` is ``reloads`` (one word per concept), until 0.3: an
+    engine that implements ``loads`` serves reloads through it, with a warning."""
+    inner = NoOpAccelerator()
+    with pytest.warns(DeprecationWarning, match=r"Old\.loads: .*implement CopyEngine\.reloads"):
+
+        class Old(NoOpAccelerator):
+            def loads(self, device: torch.device, items: list) -> list[Copy]:  # type: ignore[override]
+                return inner.reloads(device, items)
+
+    host = torch.arange(16, dtype=torch.uint8)
+    reload = reload_one(Old(), host, (inner.offload(host.clone(), host, ()),))
+    reload.fence()
+    assert torch.equal(reload.result(), host)
+    with pytest.warns(DeprecationWarning, match=r"use CopyEngine\.reloads"):
+        (again,) = inner.loads(CPU, [(host, ())])
+    again.fence()
+    assert torch.equal(again.result(), host)

@@ -172,16 +172,16 @@ def test_reloads_are_issued_first_needed_first() -> None:
     for name, block in (("first", first), ("last", last)):
         swap_wrapper(block, manager=manager, name=name, policy=size_threshold_policy(0))
     manager.link(first, last)
-    loads: list[int] = []
-    issue = engine.loads
+    reloads: list[int] = []
+    issue = engine.reloads
 
-    def recording_loads(device: torch.device, items: list) -> object:
-        loads.extend(host.nbytes for host, _ in items)
+    def recording_reloads(device: torch.device, items: list) -> object:
+        reloads.extend(host.nbytes for host, _ in items)
         return issue(device, items)
 
-    engine.loads = recording_loads  # type: ignore[method-assign]
+    engine.reloads = recording_reloads  # type: ignore[method-assign]
     x = torch.randn(64, 32, requires_grad=True)
     last(first(x) @ torch.ones(8, 32)).sum().backward()
     narrow, wide = 64 * 8 * 4, 64 * 32 * 4
-    assert loads == [narrow, wide]
+    assert reloads == [narrow, wide]
     assert manager.stats.prefetch_misses == 0

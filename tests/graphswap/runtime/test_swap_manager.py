@@ -91,7 +91,7 @@ class Timeline:
             elif call == "boundary" and reached:
                 seen.append(("backward_begin", reached))
                 reached = ""
-            elif call == "load" and seen[-1][0] != "prefetch":  # one batch, one prefetch
+            elif call == "reload" and seen[-1][0] != "prefetch":  # one batch, one prefetch
                 assert isinstance(host, torch.Tensor)
                 seen.append(("prefetch", owner[host.data_ptr()]))
             elif call == "read":

@@ -19,10 +19,10 @@ from graphswap.runtime.sim._device import SimDevice
 CPU = torch.device("cpu")
 
 
-def load_one(engine: SimulatedAccelerator, host: torch.Tensor, after: tuple) -> Copy:
+def reload_one(engine: SimulatedAccelerator, host: torch.Tensor, after: tuple) -> Copy:
     """A batch of one reload."""
-    (load,) = engine.loads(CPU, [(host, after)])
-    return load
+    (reload,) = engine.reloads(CPU, [(host, after)])
+    return reload
 
 
 def produced_on(device: SimDevice) -> tuple[torch.Tensor, object]:
@@ -134,9 +134,9 @@ def test_a_swapped_tensor_produced_on_a_side_stream_is_fenced_on_that_stream() -
     assert not offload.done()
     offload.fence()
     offload.release_source()
-    load = load_one(engine, host, (offload,))
-    load.fence()
-    assert torch.equal(load.result(), src)
+    reload = reload_one(engine, host, (offload,))
+    reload.fence()
+    assert torch.equal(reload.result(), src)
 
 
 def test_a_copy_pickles_as_a_fresh_device_with_the_same_lag_and_profile() -> None:

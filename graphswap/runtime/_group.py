@@ -1,7 +1,7 @@
-"""Per wrapped-module state: the slot and the run-time refusals of its forward.
+"""Per wrapped-module state: the group and the run-time refusals of its forward.
 
 One of the runtime's objects (``_manager.py`` lists them). Here: what the manager keeps
-for each wrapped module (``_Slot``: module, name, index, policy; ``GroupInfo``, its
+for each wrapped module (``_Group``: module, name, index, policy; ``GroupInfo``, its
 public view), the refusals of transforms that activation swap excludes (torch.compile
 and torch.export, activation checkpointing, another activation offloader:
 ``SwapExclusionError``, I6), and a policy's bad answer. A backward captured apart from
@@ -122,10 +122,10 @@ class GroupInfo:
 
 
 @dataclass
-class _Slot:
+class _Group:
     """What the manager keeps for one wrapped module, from register to unregister."""
 
-    module: torch.nn.Module  # the wrapped module; the key of its slot in the registry
+    module: torch.nn.Module  # the wrapped module; the key of its group in the registry
     name: str  # unique within the manager: stats and errors name the module by it
     index: int  # registration order: links and schedules are sorted by it
     policy: SwapPolicy  # asked at each pack whether a tensor swaps or stays
@@ -139,9 +139,9 @@ class _Slot:
         self.decide = decide if callable(decide) else None
 
 
-def _bad_decision(slot: _Slot, decision: object) -> GraphswapTypeError:
+def _bad_decision(group: _Group, decision: object) -> GraphswapTypeError:
     return GraphswapTypeError(
-        f"the swap policy {policy_name(slot.policy)} of {slot.name!r} answered {decision!r};"
+        f"the swap policy {policy_name(group.policy)} of {group.name!r} answered {decision!r};"
         " a swap policy answers graphswap.CheckpointPolicy.MUST_SWAP or MUST_SAVE"
         " (torch.utils.checkpoint.CheckpointPolicy is another enum, for recomputation)"
     )
