@@ -342,9 +342,9 @@ def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.de
 def _link_model(args: argparse.Namespace) -> dict[str, float]:
     """The planned modes' link and compute, and how much of a window auto leaves free."""
     return {
-        "bandwidth_gbps": args.swap_bandwidth,
-        "tflops": args.swap_tflops,
-        "hide_margin": args.swap_hide_margin,
+        "swap_bandwidth_gbps": args.swap_bandwidth,
+        "swap_tflops": args.swap_tflops,
+        "swap_hide_margin": args.swap_hide_margin,
     }
 
 
