@@ -77,7 +77,7 @@ def apply_swap(
         )
     rule = auto.rule() if auto is not None else SWAP_RULES[activation_swap]
     if offload_lag is None:
-        offload_lag = 1 if auto is None else auto.plan.offload_lag
+        offload_lag = 1 if auto is None else auto.plan.swap_offload_lag
     manager = SwapManager(prefetch_depth=prefetch_depth, offload_lag=offload_lag, engine=engine)
     report = rewrite(model, [rule], manager=manager)
     verify_swap(model, report, prefetch_depth=prefetch_depth, activation_swap=activation_swap)

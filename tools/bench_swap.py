@@ -342,9 +342,9 @@ def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.de
 def _link_model(args: argparse.Namespace) -> dict[str, float]:
     """The planned modes' link and compute, and how much of a window auto leaves free."""
     return {
-        "bandwidth_gbps": args.swap_bandwidth,
-        "tflops": args.swap_tflops,
-        "hide_margin": args.swap_hide_margin,
+        "swap_bandwidth_gbps": args.swap_bandwidth,
+        "swap_tflops": args.swap_tflops,
+        "swap_hide_margin": args.swap_hide_margin,
     }
 
 
@@ -456,7 +456,7 @@ def _budget_record(budget: Any, how: dict[str, Any], run: dict[str, Any]) -> dic
         "budget_bytes": plan.activation_memory_budget,
         "recompute": list(plan.recompute),
         "swap": plan.budget_swap,
-        "offload_lag": plan.offload_lag,
+        "offload_lag": plan.swap_offload_lag,
         "predicted_peak_bytes": plan.timeline.peak_bytes,
         "predicted_step_ratio": plan.step_ratio,
         "recomputed_bytes": plan.recomputed_bytes,

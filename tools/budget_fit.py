@@ -45,8 +45,8 @@ def _mode_rows(name: str, max_ratio: float) -> tuple[list[dict[str, Any]], float
         for point in mode.points:
             if point.peak_bytes > MEMORY or point.step_ratio > max_ratio:
                 break
-            within = point.seq
-        at = next((p for p in mode.points if p.seq == AT), None)
+            within = point.seq_len
+        at = next((p for p in mode.points if p.seq_len == AT), None)
         rows.append(
             {
                 "strategy": mode.activation_swap,

@@ -49,7 +49,7 @@ def _replayed(trace: StepTrace, plan: MemoryPlan) -> float:
         [c for c in candidates[layer.name] if c.saves[0] in layer.swapped_saves]
         for layer in plan.layers
     ]
-    schedule = {"offload_lag": plan.offload_lag, "prefetch_depth": plan.prefetch_depth}
+    schedule = {"offload_lag": plan.swap_offload_lag, "prefetch_depth": plan.swap_prefetch_depth}
     run = replay(trace, swap_choice(trace, chosen), state_shards=SHARDS, **schedule)
     none = replay(trace, SwapChoice(None, frozenset()), state_shards=SHARDS, **schedule)
     return run.timeline.step_seconds / none.timeline.step_seconds
@@ -84,7 +84,7 @@ def row(name: str, seq: int) -> dict[str, Any]:
         "link_bound_gib": bound / GIB,
         "auto_lag1_gib": lag1.swapped_bytes / GIB,
         "auto_gib": chosen.swapped_bytes / GIB,
-        "auto_lag": chosen.offload_lag,
+        "auto_lag": chosen.swap_offload_lag,
         "auto_share_of_bound": chosen.swapped_bytes / bound,
         "lag1_share_of_bound": lag1.swapped_bytes / bound,
         "auto_ratio": chosen.step_ratio,
@@ -106,7 +106,7 @@ def fit_rows(name: str) -> list[dict[str, Any]]:
             "fits": [list(run) for run in mode.fits],
             "step_ratio": None if mode.plan is None else mode.plan.step_ratio,
             "host_peak_gib": None if mode.plan is None else mode.plan.host_peak_bytes / GIB,
-            "offload_lag": None if mode.plan is None else mode.plan.offload_lag,
+            "offload_lag": None if mode.plan is None else mode.plan.swap_offload_lag,
             "seconds": seconds,
             "traced": len(fit.traced),
             "planned": fit.planned,

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from graphswap._deprecated import warn
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._budget import BudgetError, BudgetOption, plan_budget
@@ -53,7 +54,7 @@ DEFAULT_SEQ_STEP = 512
 class LengthPoint:
     """One mode's step at one length of the fit's grid."""
 
-    seq: int
+    seq_len: int
     """Tokens per sequence."""
     peak_bytes: int
     """The step's device peak."""
@@ -61,6 +62,12 @@ class LengthPoint:
     """Its time against the step without swap."""
     host_peak_bytes: int
     """The most pinned host memory its swap holds at once."""
+
+    @property
+    def seq(self) -> int:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`seq_len`."""
+        warn("LengthPoint.seq is deprecated: use LengthPoint.seq_len", inside=__name__)
+        return self.seq_len
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class FitResult:
     """The device memory searched in."""
     profile: DeviceProfile
     """The device the steps were timed on."""
-    batch: int
+    batch_size: int
     """Sequences per batch."""
     seq_step: int
     """Answers are multiples of this many tokens."""
@@ -124,6 +131,12 @@ class FitResult:
     interpolated from them."""
     planned: int = 0
     """The lengths planned: every multiple of the step up to ``max_seq``."""
+
+    @property
+    def batch(self) -> int:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`batch_size`."""
+        warn("FitResult.batch is deprecated: use FitResult.batch_size", inside=__name__)
+        return self.batch_size
 
     @property
     def state_bytes(self) -> int:
@@ -153,7 +166,7 @@ class FitResult:
         return {
             "memory_bytes": self.memory_bytes,
             "profile": dataclasses.asdict(self.profile),
-            "batch": self.batch,
+            "batch_size": self.batch_size,
             "seq_step": self.seq_step,
             "max_seq": self.max_seq,
             "state_shards": self.state_shards,
@@ -227,7 +240,7 @@ def fit_sequence(
     empty = FitResult(
         memory_bytes=memory,
         profile=resolved,
-        batch=shape.batch_size,
+        batch_size=shape.batch_size,
         seq_step=seq_step,
         max_seq=max_seq,
         state_shards=state_shards,
@@ -357,15 +370,15 @@ class _Scan:
     def add(self, plan: MemoryPlan, memory: int) -> None:
         timeline = plan.timeline
         self.points.append(
-            LengthPoint(plan.seq, timeline.peak_bytes, plan.step_ratio, plan.host_peak_bytes)
+            LengthPoint(plan.seq_len, timeline.peak_bytes, plan.step_ratio, plan.host_peak_bytes)
         )
         fits = timeline.peak_bytes <= memory
         if fits and self._last_fits:
-            self.fits[-1][1] = plan.seq
+            self.fits[-1][1] = plan.seq_len
         elif fits:
-            self.fits.append([plan.seq, plan.seq])
+            self.fits.append([plan.seq_len, plan.seq_len])
         self._last_fits = fits
-        if fits and len(self.fits) == 1 and self.fits[0][0] == self.points[0].seq:
+        if fits and len(self.fits) == 1 and self.fits[0][0] == self.points[0].seq_len:
             self.answer = plan
 
     def miss(self, seq: int, closest: BudgetOption) -> None:
@@ -377,9 +390,9 @@ class _Scan:
         answer = self.answer
         return ModeFit(
             self.mode,
-            None if answer is None else answer.seq,
+            None if answer is None else answer.seq_len,
             answer,
-            answer is not None and answer.seq == self.points[-1].seq,
+            answer is not None and answer.seq_len == self.points[-1].seq_len,
             tuple((first, last) for first, last in self.fits),
             tuple(self.points),
         )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from graphswap._deprecated import warn
 from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
 from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
 from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap
@@ -110,9 +111,9 @@ class LayerPlan:
     """The reloads' time on the host-to-device link."""
     forward_window: float
     """From the start of the wrapped module's forward to the fence of its offloads
-    (``offload_lag`` modules later), compute only."""
+    (``swap_offload_lag`` modules later), compute only."""
     backward_window: float
-    """From its prefetch (``prefetch_depth`` modules later in backward) to the start of
+    """From its prefetch (``swap_prefetch_depth`` modules later in backward) to the start of
     its backward, compute only."""
     forward_stall: float
     """Compute waiting for its offloads in the replayed step."""
@@ -171,9 +172,9 @@ class MemoryPlan:
 
     config: dict[str, Any]
     """The model's shape (layers, widths, heads, experts, vocabulary)."""
-    seq: int
+    seq_len: int
     """Tokens per sequence."""
-    batch: int
+    batch_size: int
     """Sequences per batch."""
     dtype: str
     """The training dtype."""
@@ -183,7 +184,7 @@ class MemoryPlan:
     """The device training runs on (``cuda`` or ``cpu``): it chose kernel and optimizer."""
     attn_kernel: str | None
     """The sdpa kernel traced; ``None`` for eager attention."""
-    tp: int
+    tp_size: int
     """Tensor-parallel ranks: the bytes and FLOPs are one rank's."""
     activation_swap: SwapMode
     """What is swapped: ``none``, ``attention``, ``layer`` or ``auto``."""
@@ -191,9 +192,9 @@ class MemoryPlan:
     """The swap policy's name (``none`` for no swap)."""
     profile: DeviceProfile
     """The device the step was timed on."""
-    offload_lag: int
+    swap_offload_lag: int
     """The ``SwapManager``'s: offloads are fenced that many modules later."""
-    prefetch_depth: int
+    swap_prefetch_depth: int
     """The ``SwapManager``'s: reloads are issued that many modules ahead."""
     state_shards: int
     """Ranks the parameters, gradients and optimizer state are sharded over."""
@@ -218,7 +219,7 @@ class MemoryPlan:
     """The same step without swap."""
     assumptions: tuple[str, ...]
     """What the prediction takes for granted, in words."""
-    hide_margin: float | None = None
+    swap_hide_margin: float | None = None
     """``auto``: the share of each copy's window left free."""
     layer_swappable_bytes: int = 0
     """``auto``: what ``layer`` would swap (every layer's but the kept one)."""
@@ -227,8 +228,9 @@ class MemoryPlan:
     message when nothing is chosen."""
     auto_dropped: int = 0
     """``auto``: tensors the verifying replays took back from the simulated choice."""
-    offload_lag_chosen: bool = False
-    """``auto``: the plan chose ``offload_lag`` (of :data:`_AUTO_LAGS`), the user did not."""
+    swap_offload_lag_chosen: bool = False
+    """``auto``: the plan chose ``swap_offload_lag`` (of :data:`_AUTO_LAGS`), the user did
+    not."""
     activation_memory_budget: int | None = None
     """``budget``: the device peak the plan keeps within, in bytes."""
     recompute: tuple[str, ...] = ()
@@ -237,6 +239,60 @@ class MemoryPlan:
     """``budget``: the swap it pairs them with (``none``, ``auto`` or ``layer``)."""
     budget_options: tuple[Any, ...] = ()
     """``budget``: every option weighed (:class:`~graphswap.planning._budget.BudgetOption`)."""
+
+    # 0.1.0's names of the settings, now the trainer config's keys (one spelling per
+    # setting), readable until 0.3.
+    @property
+    def seq(self) -> int:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`seq_len`."""
+        warn("MemoryPlan.seq is deprecated: use MemoryPlan.seq_len", inside=__name__)
+        return self.seq_len
+
+    @property
+    def batch(self) -> int:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`batch_size`."""
+        warn("MemoryPlan.batch is deprecated: use MemoryPlan.batch_size", inside=__name__)
+        return self.batch_size
+
+    @property
+    def tp(self) -> int:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`tp_size`."""
+        warn("MemoryPlan.tp is deprecated: use MemoryPlan.tp_size", inside=__name__)
+        return self.tp_size
+
+    @property
+    def offload_lag(self) -> int:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_offload_lag`."""
+        warn(
+            "MemoryPlan.offload_lag is deprecated: use MemoryPlan.swap_offload_lag", inside=__name__
+        )
+        return self.swap_offload_lag
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_prefetch_depth`."""
+        warn(
+            "MemoryPlan.prefetch_depth is deprecated: use MemoryPlan.swap_prefetch_depth",
+            inside=__name__,
+        )
+        return self.swap_prefetch_depth
+
+    @property
+    def hide_margin(self) -> float | None:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_hide_margin`."""
+        warn(
+            "MemoryPlan.hide_margin is deprecated: use MemoryPlan.swap_hide_margin", inside=__name__
+        )
+        return self.swap_hide_margin
+
+    @property
+    def offload_lag_chosen(self) -> bool:
+        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_offload_lag_chosen`."""
+        warn(
+            "MemoryPlan.offload_lag_chosen is deprecated: use MemoryPlan.swap_offload_lag_chosen",
+            inside=__name__,
+        )
+        return self.swap_offload_lag_chosen
 
     @property
     def recomputed_bytes(self) -> int:
@@ -279,18 +335,18 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config,
-            "seq": self.seq,
-            "batch": self.batch,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
             "dtype": self.dtype,
             "attn_implementation": self.attn_implementation,
             "device": self.device,
             "attn_kernel": self.attn_kernel,
-            "tp": self.tp,
+            "tp_size": self.tp_size,
             "activation_swap": self.activation_swap,
             "policy": self.policy,
             "profile": dataclasses.asdict(self.profile),
-            "offload_lag": self.offload_lag,
-            "prefetch_depth": self.prefetch_depth,
+            "swap_offload_lag": self.swap_offload_lag,
+            "swap_prefetch_depth": self.swap_prefetch_depth,
             "state_shards": self.state_shards,
             "max_host_bytes": self.max_host_bytes,
             "host_peak_bytes": self.host_peak_bytes,
@@ -309,7 +365,7 @@ class MemoryPlan:
             "assumptions": list(self.assumptions),
             **(
                 {
-                    "hide_margin": self.hide_margin,
+                    "swap_hide_margin": self.swap_hide_margin,
                     "layer_swappable_bytes": self.layer_swappable_bytes,
                     "smallest_swappable": None
                     if self.smallest_swappable is None
@@ -318,7 +374,7 @@ class MemoryPlan:
                         "nbytes": self.smallest_swappable[1],
                     },
                     "auto_dropped": self.auto_dropped,
-                    "offload_lag_chosen": self.offload_lag_chosen,
+                    "swap_offload_lag_chosen": self.swap_offload_lag_chosen,
                 }
                 if self.activation_swap == "auto"
                 else {}
@@ -520,9 +576,9 @@ def plan_step(
         chosen: list[Sequence[SwapCandidate]] = list(auto.chosen)
         replayed = auto.replay
         auto_fields = {
-            "hide_margin": float(schedule.swap_hide_margin),
+            "swap_hide_margin": float(schedule.swap_hide_margin),
             "auto_dropped": auto.dropped,
-            "offload_lag_chosen": offload_lag is None,
+            "swap_offload_lag_chosen": offload_lag is None,
             **_auto_fields(per_layer, saved.layers),
         }
     elif scope is None:
@@ -578,18 +634,18 @@ def plan_step(
         )
     return MemoryPlan(
         config=_config_summary(config),
-        seq=trace.seq,
-        batch=trace.batch,
+        seq_len=trace.seq,
+        batch_size=trace.batch,
         dtype=str(trace.dtype).removeprefix("torch."),
         attn_implementation=trace.attn_implementation,
         device=trace.device,
         attn_kernel=None if saved.kernel is None else saved.kernel.name,
-        tp=saved.tp,
+        tp_size=saved.tp,
         activation_swap=activation_swap,
         policy="none" if scope is None else trace.policy,
         profile=profile,
-        offload_lag=lag,
-        prefetch_depth=prefetch_depth,
+        swap_offload_lag=lag,
+        swap_prefetch_depth=prefetch_depth,
         state_shards=schedule.state_shards,
         max_host_bytes=host_budget,
         host_peak_bytes=replayed.host_peak_bytes,
@@ -637,9 +693,9 @@ def _swap_assumptions(
     copies = (
         f"copies: a module's offloads run on one device-to-host queue after the compute that "
         f"made them and must be done when the forward {offload_lag} module(s) later begins "
-        f"(offload_lag {offload_lag}; compute waits there); its reloads are issued, "
+        f"(swap_offload_lag {offload_lag}; compute waits there); its reloads are issued, "
         f"first-needed first, when backward reaches the module {prefetch_depth} link(s) later "
-        f"(prefetch_depth {prefetch_depth}) and run on one host-to-device queue, both "
+        f"(swap_prefetch_depth {prefetch_depth}) and run on one host-to-device queue, both "
         "directions at once; the last module in forward order keeps its tensors",
     )
     if activation_swap == "attention":
@@ -660,7 +716,7 @@ def _swap_assumptions(
             "simulated at (1 - margin) of the link; then replayed at the full link, dropping a "
             "stalling layer's smallest until none stalls"
             + (
-                f"; planned at offload_lag {' and '.join(map(str, _AUTO_LAGS))}, keeping "
+                f"; planned at swap_offload_lag {' and '.join(map(str, _AUTO_LAGS))}, keeping "
                 f"{offload_lag}, whose peak is lower"
                 if lag_chosen
                 else ""

@@ -443,17 +443,23 @@ def _link(profile: Mapping[str, Any]) -> str:
 
 def settings_line(plan: Mapping[str, Any]) -> str:
     profile = plan["profile"]
-    margin = "" if plan.get("hide_margin") is None else f" margin={plan['hide_margin']:g}"
-    kernel = "" if plan["attn_kernel"] is None else f" kernel={plan['attn_kernel']}"
+    margin = (
+        ""
+        if plan.get("swap_hide_margin") is None
+        else f" swap_hide_margin={plan['swap_hide_margin']:g}"
+    )
+    kernel = "" if plan["attn_kernel"] is None else f" attn_kernel={plan['attn_kernel']}"
     shards = "" if plan["state_shards"] == 1 else f" state_shards={plan['state_shards']}"
-    chosen = " (chosen)" if plan.get("offload_lag_chosen") else ""
+    chosen = " (chosen)" if plan.get("swap_offload_lag_chosen") else ""
     return (
-        f"seq={plan['seq']} batch={plan['batch']} dtype={plan['dtype']} device={plan['device']} "
-        f"attn={plan['attn_implementation']}{kernel} tp={plan['tp']} "
+        f"seq_len={plan['seq_len']} batch_size={plan['batch_size']} dtype={plan['dtype']} "
+        f"device={plan['device']} attn_implementation={plan['attn_implementation']}{kernel} "
+        f"tp_size={plan['tp_size']} "
         f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
         f"compute={profile['tflops']:g} TFLOP/s hbm={profile['hbm_gbps']:g} GB/s "
-        f"offload_lag={plan['offload_lag']}{chosen} prefetch_depth={plan['prefetch_depth']}"
+        f"swap_offload_lag={plan['swap_offload_lag']}{chosen} "
+        f"swap_prefetch_depth={plan['swap_prefetch_depth']}"
         f"{shards}{margin} attention_timing={'+'.join(plan['attention_timing']) or 'every score'}"
     )
 
@@ -518,7 +524,7 @@ def budget_verdict(plan: Mapping[str, Any]) -> str:
 
 def auto_verdict(plan: Mapping[str, Any]) -> str:
     """One line on what ``auto`` chose; says so, and why, when it swaps nothing."""
-    margin = plan.get("hide_margin") or 0.0
+    margin = plan.get("swap_hide_margin") or 0.0
     profile = plan["profile"]
     if plan["swapped_bytes"] == 0:
         smallest = plan.get("smallest_swappable")
@@ -629,7 +635,8 @@ def format_fit(fit: Mapping[str, Any]) -> str:
     memory = fit["memory_bytes"]
     shards = fit["state_shards"]
     lines = [
-        f"fit in {format_bytes(memory)} ({fit['profile']['name']}), batch {fit['batch']}, "
+        f"fit in {format_bytes(memory)} ({fit['profile']['name']}), "
+        f"batch_size {fit['batch_size']}, "
         f"sequences in steps of {fit['seq_step']} up to {fit['max_seq']}, state_shards {shards}",
         f"per rank before activations: parameters {format_bytes(fit['parameter_bytes'])} + "
         f"gradients {format_bytes(fit['gradient_bytes'])} + AdamW state "
@@ -718,8 +725,8 @@ def plot_timeline(plan: MemoryPlan, path: Path) -> None:
     ax.set_ylabel("device memory [GiB]")
     kernel = "" if plan.attn_kernel is None else f" ({plan.device} {plan.attn_kernel})"
     ax.set_title(
-        f"seq={plan.seq} batch={plan.batch} {plan.dtype} {plan.attn_implementation}{kernel} "
-        f"tp={plan.tp} on {plan.profile.name}"
+        f"seq_len={plan.seq_len} batch_size={plan.batch_size} {plan.dtype} "
+        f"{plan.attn_implementation}{kernel} tp_size={plan.tp_size} on {plan.profile.name}"
     )
     ax.legend()
     fig.tight_layout()
@@ -739,7 +746,7 @@ def plot_fit(fit: Mapping[str, Any], path: Path) -> None:
     gib = float(1 << 30)
     fig, (peaks, ratios) = plt.subplots(2, 1, sharex=True, figsize=(10.0, 7.0))
     for mode in fit["modes"]:
-        seqs = [point["seq"] for point in mode["points"]]
+        seqs = [point["seq_len"] for point in mode["points"]]
         name = mode["activation_swap"]
         peaks.plot(seqs, [point["peak_bytes"] / gib for point in mode["points"]], label=name)
         ratios.plot(seqs, [point["step_ratio"] for point in mode["points"]], label=name)
@@ -748,7 +755,8 @@ def plot_fit(fit: Mapping[str, Any], path: Path) -> None:
     ratios.set_ylabel("step ratio (to none)")
     ratios.set_xlabel("sequence length [tokens]")
     peaks.set_title(
-        f"{fit['profile']['name']}, batch {fit['batch']}, state_shards {fit['state_shards']}, "
+        f"{fit['profile']['name']}, batch_size {fit['batch_size']}, "
+        f"state_shards {fit['state_shards']}, "
         f"host budget {format_bytes(fit['max_host_bytes'])} per rank"
     )
     peaks.legend()

@@ -298,7 +298,7 @@ def test_auto_under_tensor_parallel_plans_one_ranks_saves(
     built.model(input_ids=_ids(), labels=_ids(), use_cache=False).loss.backward()
     assert built.swap_manager is not None and built.auto_swap is not None
     planned = built.auto_swap.plan.layers[0]
-    assert planned.swappable_bytes > 0 and built.auto_swap.plan.tp == 2
+    assert planned.swappable_bytes > 0 and built.auto_swap.plan.tp_size == 2
     assert built.swap_manager.stats.offloaded_bytes == planned.swappable_bytes
     built.auto_swap.check()
 

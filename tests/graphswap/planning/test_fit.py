@@ -41,7 +41,7 @@ def test_every_length_up_to_an_answer_fits(
     assert all(mode.seq is not None for mode in fit.modes)
     for mode in fit.modes:
         assert mode.fits[0] == (fit.seq_step, mode.seq)
-        beyond = [p for p in mode.points if p.seq == mode.seq + fit.seq_step]
+        beyond = [p for p in mode.points if p.seq_len == mode.seq + fit.seq_step]
         assert mode.capped or beyond[0].peak_bytes > memory
     longest = max(mode.seq for mode in fit.modes if mode.seq is not None)
     for seq in sorted({longest // 4 // 512 * 512, longest // 2 // 512 * 512, longest}):
@@ -66,13 +66,13 @@ def test_every_length_up_to_an_answer_fits(
                     )
                 )
                 assert plan.timeline.peak_bytes <= memory, (mode, seq)
-                point = next(p for p in answer.points if p.seq == seq)
+                point = next(p for p in answer.points if p.seq_len == seq)
                 assert point.peak_bytes == plan.timeline.peak_bytes
 
 
 def _plan(seq: int, peak: int) -> SimpleNamespace:
     timeline = SimpleNamespace(peak_bytes=peak)
-    return SimpleNamespace(seq=seq, timeline=timeline, step_ratio=1.0, host_peak_bytes=0)
+    return SimpleNamespace(seq_len=seq, timeline=timeline, step_ratio=1.0, host_peak_bytes=0)
 
 
 def test_a_peak_that_comes_back_under_the_memory_is_a_second_run_not_the_answer() -> None:
@@ -82,7 +82,7 @@ def test_a_peak_that_comes_back_under_the_memory_is_a_second_run_not_the_answer(
     result = scan.result()
     assert result.seq == 1024 and result.fits == ((512, 1024), (2048, 2560))
     assert not result.contiguous and not result.capped
-    assert [p.seq for p in result.points] == [512, 1024, 1536, 2048, 2560, 3072]
+    assert [p.seq_len for p in result.points] == [512, 1024, 1536, 2048, 2560, 3072]
 
 
 def test_the_fit_table_names_the_runs_of_a_broken_fit() -> None:
@@ -141,11 +141,11 @@ def test_auto_plans_its_lag_and_keeps_the_lower_peak() -> None:
     }
     chosen = plan_step(config, trace, schedule=SwapSchedule(state_shards=8), activation_swap="auto")
     best = min((1, 2), key=lambda lag: fixed[lag].timeline.peak_bytes)
-    assert chosen.offload_lag == best and chosen.offload_lag_chosen
+    assert chosen.swap_offload_lag == best and chosen.swap_offload_lag_chosen
     assert chosen.timeline.peak_bytes == fixed[best].timeline.peak_bytes
-    assert not fixed[1].offload_lag_chosen
+    assert not fixed[1].swap_offload_lag_chosen
     assert chosen.timeline.stall_seconds == 0
-    assert any("planned at offload_lag 1 and 2" in a for a in chosen.assumptions)
+    assert any("planned at swap_offload_lag 1 and 2" in a for a in chosen.assumptions)
 
 
 def test_a_mode_whose_rule_refuses_the_model_is_refused_not_planned(

@@ -219,11 +219,12 @@ def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-d
     assert data["baseline"]["step_seconds"] == tiny_plan.baseline.step_seconds
     assert data["step_ratio"] == tiny_plan.step_ratio
     assert any("uniform routing" in text for text in data["assumptions"])
-    assert (data["device"], data["attn_kernel"], data["tp"]) == ("cpu", "flash", 1)
-    assert (data["offload_lag"], data["prefetch_depth"], data["profile"]["name"]) == (1, 1, "h200")
+    assert (data["device"], data["attn_kernel"], data["tp_size"]) == ("cpu", "flash", 1)
+    assert (data["swap_offload_lag"], data["swap_prefetch_depth"]) == (1, 1)
+    assert data["profile"]["name"] == "h200"
     table = format_plan(data)
     assert "model.layers.3" in table and "kept on device" in table
-    assert "device=cpu attn=sdpa kernel=flash tp=1" in table
+    assert "device=cpu attn_implementation=sdpa attn_kernel=flash tp_size=1" in table
 
 
 @pytest.mark.parametrize(
@@ -357,5 +358,5 @@ def test_auto_between_the_extremes(
     no_margin = auto(2.0, hide_margin=0.0)
     assert no_margin.swapped_bytes >= middle.swapped_bytes
     table = format_plan(middle.to_dict())
-    assert "swap=auto" in table and "margin=0.1" in table and "swapped saves (#)" in table
+    assert "swap=auto" in table and "swap_hide_margin=0.1" in table and "swapped saves (#)" in table
     assert auto_verdict(middle.to_dict()) in table

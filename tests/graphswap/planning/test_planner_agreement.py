@@ -108,7 +108,7 @@ def measure(
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(
-        0, config.vocab_size, (BATCH, plan.seq), generator=torch.Generator().manual_seed(0)
+        0, config.vocab_size, (BATCH, plan.seq_len), generator=torch.Generator().manual_seed(0)
     )
 
     def step() -> float:

@@ -155,7 +155,7 @@ def test_auto_on_qwen3_30b_hides_both_windows_and_swaps_as_much_as_fits(
     assert auto.timeline.peak_bytes < auto.baseline.peak_bytes
     # As much as fits: in a middle layer, any tensor more would stall with the link at
     # (1 - margin) of its bandwidth, which is what each copy may fill.
-    margin = auto.hide_margin
+    margin = auto.swap_hide_margin
     assert margin == 0.1
     narrower = dataclasses.replace(
         trace, profile=trace.profile.with_figures(link_gbps=(1 - margin) * 50)
@@ -165,7 +165,7 @@ def test_auto_on_qwen3_30b_hides_both_windows_and_swaps_as_much_as_fits(
         [c for c in candidates[layer.name] if c.saves[0] in layer.swapped_saves]
         for layer in auto.layers
     ]
-    lag = auto.offload_lag
+    lag = auto.swap_offload_lag
     assert (
         replay(
             narrower, swap_choice(trace, plan), offload_lag=lag, prefetch_depth=1
@@ -261,7 +261,7 @@ def test_with_the_state_sharded_auto_fits_longer_than_none_at_no_cost() -> None:
     assert auto.seq > none.seq and auto.plan is not None and auto.plan.step_ratio <= 1.01
     assert auto.plan.timeline.peak_bytes <= fit.memory_bytes
     assert not auto.capped and auto.seq % fit.seq_step == 0
-    assert none.plan is not None and none.plan.seq == none.seq
+    assert none.plan is not None and none.plan.seq_len == none.seq
     longer = plan_memory(
         config, seq_len=none.seq + fit.seq_step, activation_swap="none", state_shards=4
     )

@@ -1,16 +1,20 @@
 """The planner's settings as two values: each refused once, when made, by the name the
-trainer's config gives it; 0.1.0's keyword names warn and still work (issue 31)."""
+trainer's config gives it, and named so again in its results; 0.1.0's keyword and
+attribute names warn and still work (issue 31)."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning import PlanSettingError, plan_memory
-from graphswap.planning.trace import StepShape, SwapSchedule
+from graphswap.planning import PlanSettingError, fit_sequence, plan_memory
+from graphswap.planning._fit import LengthPoint
+from graphswap.planning.trace import StepShape, StepTrace, SwapSchedule, plan_step
 
 SMALL: dict[str, Any] = {"device": "cpu", "dtype": torch.float32, "activation_swap": "none"}
 
@@ -58,3 +62,47 @@ def test_the_old_keywords_warn_naming_the_new_one_and_plan_the_same() -> None:
     assert all(w.filename == __file__ for w in caught), "the warning points at the caller"
     new = plan_memory(config, seq_len=64, batch_size=2, tp_size=1, swap_offload_lag=1, **SMALL)
     assert old.to_dict() == new.to_dict()
+
+
+@pytest.fixture(scope="module")
+def results(tiny_trace: StepTrace) -> dict[str, Any]:
+    """One of each result that names a setting: an ``auto`` plan (it has the margin and
+    whether the lag was chosen), a fit (one whose state does not fit: no length is
+    planned) and a point of a fit's grid."""
+    config = qwen3_moe_config("tiny")
+    return {
+        "MemoryPlan": plan_step(config, tiny_trace, activation_swap="auto"),
+        "FitResult": fit_sequence(config, memory_bytes=1),
+        "LengthPoint": LengthPoint(512, 1 << 20, 1.0, 0),
+    }
+
+
+@pytest.mark.parametrize(
+    ("owner", "old", "new"),
+    [
+        ("MemoryPlan", "seq", "seq_len"),
+        ("MemoryPlan", "batch", "batch_size"),
+        ("MemoryPlan", "tp", "tp_size"),
+        ("MemoryPlan", "offload_lag", "swap_offload_lag"),
+        ("MemoryPlan", "prefetch_depth", "swap_prefetch_depth"),
+        ("MemoryPlan", "hide_margin", "swap_hide_margin"),
+        ("MemoryPlan", "offload_lag_chosen", "swap_offload_lag_chosen"),
+        ("FitResult", "batch", "batch_size"),
+        ("LengthPoint", "seq", "seq_len"),
+    ],
+)
+def test_a_results_old_attribute_warns_at_the_callers_line_and_reads_the_new_field(
+    results: dict[str, Any], owner: str, old: str, new: str
+) -> None:
+    result = results[owner]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = getattr(result, old)
+    assert value == getattr(result, new) is not None
+    assert [str(w.message) for w in caught] == [
+        f"{owner}.{old} is deprecated: use {owner}.{new} (removed in 0.3)"
+    ]
+    assert caught[0].category is DeprecationWarning and caught[0].filename == __file__
+    # Only the new name is a field and a key of the JSON: the old one cannot warn there.
+    keys = result.to_dict() if hasattr(result, "to_dict") else dataclasses.asdict(result)
+    assert new in keys and old not in keys

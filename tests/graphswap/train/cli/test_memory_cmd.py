@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from graphswap import rewrite
+from graphswap._deprecated import RENAMED_KEYWORDS
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import PRESETS
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
@@ -164,7 +165,7 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str, layers: int = 1) -> di
 def test_tp_predicts_one_rank_of_the_sharded_heads(capsys: pytest.CaptureFixture[str]) -> None:
     whole = _plan(capsys, "--dtype", "float32")
     rank = _plan(capsys, "--dtype", "float32", "--tp-size", "2")
-    assert rank["tp"] == 2 and rank["config"] == whole["config"]
+    assert rank["tp_size"] == 2 and rank["config"] == whole["config"]
     assert 0 < rank["total_saved_bytes"] < whole["total_saved_bytes"]
     assert rank["head_saved_bytes"] == whole["head_saved_bytes"]  # replicated
     assert any("2 of 4 query heads" in text for text in rank["assumptions"])
@@ -322,7 +323,7 @@ def test_policy_auto_json_lists_the_swapped_saves(capsys: pytest.CaptureFixture[
         "0.2",
         layers=2,
     )
-    assert (plan["activation_swap"], plan["hide_margin"]) == ("auto", 0.2)
+    assert (plan["activation_swap"], plan["swap_hide_margin"]) == ("auto", 0.2)
     first = plan["layers"][0]
     storages = {s["storage"]: s["nbytes"] for s in first["swapped_saves"]}
     assert len(storages) < len(first["swapped_saves"])  # q is saved twice, swapped once
@@ -440,7 +441,10 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
     fit = json.loads(capsys.readouterr().out)
     assert (fit["memory_bytes"], fit["seq_step"], fit["state_shards"]) == (41_500_000, 1024, 2)
     assert fit["state_fits"] and fit["traced"] == [1024, 2048]
+    assert fit["batch_size"] == 1 and "batch" not in fit
     modes = {mode["activation_swap"]: mode for mode in fit["modes"]}
+    assert [point["seq_len"] for point in modes["layer"]["points"]] == [1024, 2048]
+    assert modes["layer"]["plan"]["seq_len"] == modes["layer"]["seq"] == 2048
     assert list(modes) == ["none", "attention", "layer", "auto", "budget"]
     assert [(mode["seq"], mode["capped"]) for mode in modes.values()] == [
         (1024, False),
@@ -549,16 +553,20 @@ def test_json_output_parses_and_counts_every_layer(console: Any) -> None:
     done = console.done()
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
+    # The flags in are the keys out: one spelling per setting, none of 0.1.0's (seq, tp, ...).
+    assert (plan["seq_len"], plan["batch_size"]) == (1024, 2)
+    assert not set(RENAMED_KEYWORDS) & set(plan)
     assert [layer["name"] for layer in plan["layers"]] == ["model.layers.0", "model.layers.1"]
     assert plan["timeline"]["peak_bytes"] < plan["baseline"]["peak_bytes"]
     assert plan["profile"]["d2h_gbps"] == 50.0 and plan["dtype"] == "bfloat16"
-    assert (plan["offload_lag"], plan["prefetch_depth"], plan["state_shards"]) == (1, 1, 1)
+    schedule = ("swap_offload_lag", "swap_prefetch_depth", "state_shards")
+    assert [plan[key] for key in schedule] == [1, 1, 1]
     defaults = ("sdpa", "cuda", "flash", 1)
     assert (
         plan["attn_implementation"],
         plan["device"],
         plan["attn_kernel"],
-        plan["tp"],
+        plan["tp_size"],
     ) == defaults
     assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])
 
