@@ -60,7 +60,7 @@ def test_build_exposes_the_swap_manager() -> None:
 def test_a_build_plans_once_and_runs_that_plan(plans_built: list[object]) -> None:
     """From settings to a model, one pass plan: checked before the model is built, then run."""
     built = build(TrainerConfig(activation_swap="attention", num_layers=1))
-    assert plans_built == [built.infrastructure.plan]
+    assert plans_built == [built.infrastructure.pass_plan]
     from_config(qwen3_moe_config("tiny", num_hidden_layers=1), activation_swap="attention")
     assert len(plans_built) == 2
 
