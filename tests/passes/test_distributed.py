@@ -29,7 +29,9 @@ from torch import nn
 from graphswap.train.config import TrainerConfig
 
 WORLD = 2
-STEPS = 3
+STEPS = 2
+"""Two: the second step runs on weights the first updated through the sharded optimizer
+state, where a wrong gradient or a stale swapped tensor would show."""
 BATCH = 2
 SEQ = 256
 """Long enough that each layer's eager attention probabilities (>= 1 MiB per rank)

@@ -26,22 +26,24 @@ from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_re
 from graphswap.train.build import build, from_config
 from graphswap.train.config import TrainerConfig
 
-BATCH = 2
-SEQ_BY_TYPE = {"llama": 4096}
-"""Tokens a sequence, long enough that the tiny models' saves pass the 1 MiB swap
-threshold: the dense model's from 4096; the others' from 2048, where their eager
-attention costs a quarter of what it does at 4096."""
+SHAPES = {"llama": (4096, 2), "qwen3_next": (1024, 4)}
+"""Tokens a sequence and sequences a batch, enough that the tiny models' saves pass the
+1 MiB swap threshold: the dense model's from 4096 tokens; the others' from 2048 (at 2 a
+batch), where their eager attention costs a quarter of what it does at 4096; the
+hybrid's linear attention runs a chunk at a time, so it takes its tokens as more
+sequences, which it runs at once."""
 
 
-def _seq(config: Any) -> int:
-    return SEQ_BY_TYPE.get(config.model_type, 2048)
+def _shape(config: Any) -> tuple[int, int]:
+    """``(seq_len, batch_size)`` of ``config``'s model type."""
+    return SHAPES.get(config.model_type, (2048, 2))
 
 
 def _plan(config: Any, budget: int) -> Any:
     return plan_memory(
         config,
-        seq_len=_seq(config),
-        batch_size=BATCH,
+        seq_len=_shape(config)[0],
+        batch_size=_shape(config)[1],
         dtype=torch.float32,
         attn_implementation=config._attn_implementation,
         device="cpu",
@@ -54,7 +56,7 @@ def _step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     ids = torch.randint(
         0,
         model.config.vocab_size,
-        (BATCH, _seq(model.config)),
+        _shape(model.config)[::-1],
         generator=torch.Generator().manual_seed(1),
     )
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -89,8 +91,8 @@ def _trains_as_planned(config: Any, budget: int) -> Any:
     trainer = TrainerConfig(
         activation_swap="budget",
         activation_memory_budget=budget,
-        seq_len=_seq(config),
-        batch_size=BATCH,
+        seq_len=_shape(config)[0],
+        batch_size=_shape(config)[1],
         attn_implementation=config._attn_implementation,
     )
     torch.manual_seed(0)
