@@ -189,20 +189,28 @@ def _run_in_checkout(code: str) -> str:
 def test_the_top_level_passes_of_a_checkout_warns_and_is_graphswap_passes() -> None:
     """0.1.0 installed a top-level ``passes``; an installed graphswap no longer has one
     (``tests/test_packaging.py``), but a checkout's root still finds the folder. There it
-    warns and is the same package, so ``except passes.PassPlanError`` catches graphswap's."""
+    warns and is the same package, so ``except passes.PassPlanError`` catches graphswap's,
+    and its 0.1.0 names ``passes.Plan`` and ``passes.plan`` warn naming the new ones."""
     code = (
         "import warnings\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import passes\n"
         "    from passes.errors import PassPlanError\n"
+        "    from passes import Plan, plan\n"
         "import graphswap.passes, graphswap.passes.errors\n"
         "assert passes is graphswap.passes\n"
         "assert PassPlanError is graphswap.passes.errors.PassPlanError\n"
-        "print(*{str(w.message) for w in caught if w.category is DeprecationWarning})\n"
+        "assert Plan is graphswap.passes.PassPlan and plan is graphswap.passes.pass_plan\n"
+        "print(*sorted({str(w.message) for w in caught if w.category is DeprecationWarning}),"
+        " sep='\\n')\n"
     )
     stdout = _run_in_checkout(code)
-    assert stdout.strip() == ("passes is deprecated: import from graphswap.passes (removed in 0.3)")
+    assert stdout.splitlines() == [
+        "graphswap.passes.Plan is deprecated: use graphswap.passes.PassPlan (removed in 0.3)",
+        "graphswap.passes.plan is deprecated: use graphswap.passes.pass_plan (removed in 0.3)",
+        "passes is deprecated: import from graphswap.passes (removed in 0.3)",
+    ]
 
 
 @pytest.mark.parametrize(("old", "new"), [("Plan", "PassPlan"), ("plan", "pass_plan")])
@@ -240,24 +248,3 @@ def test_the_deprecated_plan_builds_the_pass_plan() -> None:
     with pytest.warns(DeprecationWarning, match=r"graphswap\.passes\.pass_plan"):
         built = passes.plan(config)
     assert isinstance(built, passes.PassPlan) and built.names == ("swap",)
-
-
-def test_the_top_level_passes_of_a_checkout_has_its_plan_names_with_the_warning() -> None:
-    """In a checkout, 0.1.0's ``passes.Plan`` and ``passes.plan`` warn naming the new names."""
-    code = (
-        "import warnings\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import passes\n"
-        "    from passes import Plan, plan\n"
-        "import graphswap.passes\n"
-        "assert Plan is graphswap.passes.PassPlan and plan is graphswap.passes.pass_plan\n"
-        "print(*sorted({str(w.message) for w in caught if w.category is DeprecationWarning}),"
-        " sep='\\n')\n"
-    )
-    stdout = _run_in_checkout(code)
-    assert stdout.splitlines() == [
-        "graphswap.passes.Plan is deprecated: use graphswap.passes.PassPlan (removed in 0.3)",
-        "graphswap.passes.plan is deprecated: use graphswap.passes.pass_plan (removed in 0.3)",
-        "passes is deprecated: import from graphswap.passes (removed in 0.3)",
-    ]
