@@ -231,6 +231,24 @@ def module_getattr(module: str) -> Callable[[str], Any]:
     return __getattr__
 
 
+class Renamed:
+    """A class attribute under its 0.1.0 name (``seq = Renamed("seq_len")``): reading it
+    warns, naming the new one, and reads that."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self.message = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.message = f"{owner.__name__}.{name} is deprecated: use {owner.__name__}.{self.new}"
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        warn(self.message)
+        return getattr(obj, self.new)
+
+
 def moved(old: str) -> Callable[[str], Any]:
     """Called by the shim at ``old``'s place: warn once, on import, and return the
     shim's ``__getattr__``, which finds each old name in its new module."""

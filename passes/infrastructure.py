@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from graphswap._deprecated import warn
+from graphswap._deprecated import Renamed
 from graphswap.errors import AlreadyTransformedError
 from graphswap.passes.activation_checkpointing import apply_activation_checkpointing
 from graphswap.passes.compile import apply_compile
@@ -50,14 +50,7 @@ class InfrastructureResult:
     auto_swap: AutoSwap | None = None
     """``activation_swap: auto`` or ``budget``: the plan and the policies carrying it out."""
 
-    @property
-    def plan(self) -> PassPlan:
-        """0.1.0's name of ``pass_plan``, until 0.3: "plan" alone also named the memory plan."""
-        warn(
-            "InfrastructureResult.plan is deprecated: use InfrastructureResult.pass_plan",
-            inside=__name__,
-        )
-        return self.pass_plan
+    plan = Renamed("pass_plan")  # 0.1.0's name: "plan" alone also named the memory plan
 
 
 @dataclass

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphswap._deprecated import warn
+from graphswap._deprecated import Renamed
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._budget import BudgetError, BudgetOption, plan_budget
@@ -63,11 +63,7 @@ class LengthPoint:
     host_peak_bytes: int
     """The most pinned host memory its swap holds at once."""
 
-    @property
-    def seq(self) -> int:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`seq_len`."""
-        warn("LengthPoint.seq is deprecated: use LengthPoint.seq_len", inside=__name__)
-        return self.seq_len
+    seq = Renamed("seq_len")
 
 
 @dataclass(frozen=True)
@@ -132,11 +128,7 @@ class FitResult:
     planned: int = 0
     """The lengths planned: every multiple of the step up to ``max_seq``."""
 
-    @property
-    def batch(self) -> int:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`batch_size`."""
-        warn("FitResult.batch is deprecated: use FitResult.batch_size", inside=__name__)
-        return self.batch_size
+    batch = Renamed("batch_size")
 
     @property
     def state_bytes(self) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from graphswap._deprecated import warn
+from graphswap._deprecated import Renamed
 from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
 from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
 from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap
@@ -242,57 +242,13 @@ class MemoryPlan:
 
     # 0.1.0's names of the settings, now the trainer config's keys (one spelling per
     # setting), readable until 0.3.
-    @property
-    def seq(self) -> int:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`seq_len`."""
-        warn("MemoryPlan.seq is deprecated: use MemoryPlan.seq_len", inside=__name__)
-        return self.seq_len
-
-    @property
-    def batch(self) -> int:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`batch_size`."""
-        warn("MemoryPlan.batch is deprecated: use MemoryPlan.batch_size", inside=__name__)
-        return self.batch_size
-
-    @property
-    def tp(self) -> int:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`tp_size`."""
-        warn("MemoryPlan.tp is deprecated: use MemoryPlan.tp_size", inside=__name__)
-        return self.tp_size
-
-    @property
-    def offload_lag(self) -> int:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_offload_lag`."""
-        warn(
-            "MemoryPlan.offload_lag is deprecated: use MemoryPlan.swap_offload_lag", inside=__name__
-        )
-        return self.swap_offload_lag
-
-    @property
-    def prefetch_depth(self) -> int:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_prefetch_depth`."""
-        warn(
-            "MemoryPlan.prefetch_depth is deprecated: use MemoryPlan.swap_prefetch_depth",
-            inside=__name__,
-        )
-        return self.swap_prefetch_depth
-
-    @property
-    def hide_margin(self) -> float | None:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_hide_margin`."""
-        warn(
-            "MemoryPlan.hide_margin is deprecated: use MemoryPlan.swap_hide_margin", inside=__name__
-        )
-        return self.swap_hide_margin
-
-    @property
-    def offload_lag_chosen(self) -> bool:
-        """Deprecated (0.1.0's name), removed in 0.3: :attr:`swap_offload_lag_chosen`."""
-        warn(
-            "MemoryPlan.offload_lag_chosen is deprecated: use MemoryPlan.swap_offload_lag_chosen",
-            inside=__name__,
-        )
-        return self.swap_offload_lag_chosen
+    seq = Renamed("seq_len")
+    batch = Renamed("batch_size")
+    tp = Renamed("tp_size")
+    offload_lag = Renamed("swap_offload_lag")
+    prefetch_depth = Renamed("swap_prefetch_depth")
+    hide_margin = Renamed("swap_hide_margin")
+    offload_lag_chosen = Renamed("swap_offload_lag_chosen")
 
     @property
     def recomputed_bytes(self) -> int:
