@@ -265,16 +265,25 @@ def test_a_plan_budgeted_against_backward_alone_stalls_the_simulated_forward(
 
 
 @pytest.fixture(scope="module")
+def level_traces(
+    config: PretrainedConfig, trace: StepTrace
+) -> Callable[[tuple[RecomputeKind, ...]], StepTrace]:
+    """The step traced at each recompute level, once for the module's budget tests."""
+    return functools.cache(lambda kinds: trace if not kinds else _trace(config, SEQ, kinds))
+
+
+@pytest.fixture(scope="module")
 def budget_clocked(
-    config: PretrainedConfig, trace: StepTrace, clocked: Clocked
+    config: PretrainedConfig,
+    level_traces: Callable[[tuple[RecomputeKind, ...]], StepTrace],
+    clocked: Clocked,
 ) -> tuple[MemoryPlan, StepTimeline, float, int]:
     """A budget plan made at 70% of the peak without swap, which takes recompute and swap
     both, and its clocked run."""
-    traces = functools.cache(lambda kinds: trace if not kinds else _trace(config, SEQ, kinds))
     none_plan = clocked("none", 1)[0]
     plan = plan_budget(
         config,
-        traces,
+        level_traces,
         schedule=SwapSchedule(
             swap_hide_margin=DEFAULT_HIDE_MARGIN,
             swap_offload_lag=1,
@@ -307,21 +316,20 @@ def test_the_budget_plan_agrees_with_the_clocked_runtime_with_recompute(
 def test_each_deeper_recompute_level_agrees_with_the_clocked_runtime(
     level: tuple[RecomputeKind, ...],
     config: PretrainedConfig,
-    trace: StepTrace,
+    level_traces: Callable[[tuple[RecomputeKind, ...]], StepTrace],
     clocked: Clocked,
     one_thread: None,
 ) -> None:
     """At the peak of ``level`` swapping what hides: the matmul outputs saved through the
     swap (level 2), but for the experts' down projections, which run again (level 3),
     the whole layer recomputed inside its swap (level 5)."""
-    traces = functools.cache(lambda kinds: trace if not kinds else _trace(config, SEQ, kinds))
     schedule = SwapSchedule(swap_offload_lag=1)
     with pytest.raises(BudgetError) as info:
-        plan_budget(config, traces, budget=1, schedule=schedule)
+        plan_budget(config, level_traces, budget=1, schedule=schedule)
     budget = next(
         o.peak_bytes for o in info.value.options if (o.recompute, o.swap) == (level, "auto")
     )
-    plan = plan_budget(config, traces, budget=budget, schedule=schedule)
+    plan = plan_budget(config, level_traces, budget=budget, schedule=schedule)
     assert plan.recompute == level and plan.recomputed_bytes > 0
     measured, loss, host_peak = measure(config, plan, "budget", 1)
     assert_agrees(plan.timeline, measured)
