@@ -71,3 +71,14 @@ class DeprecatedAlias(Once):
             file=sys.stderr,
         )
         super().__call__(parser, namespace, values, option_string)
+
+
+def renamed_option(parser: argparse.ArgumentParser, flag: str, old: str, **kwargs: Any) -> None:
+    """A setting's flag, given at most once, and its 0.1.0 name (``old``) as a hidden
+    alias that warns; unset, the setting's default applies."""
+    parser.add_argument(flag, action=Once, default=None, **kwargs)
+    kwargs = {key: value for key, value in kwargs.items() if key == "type"}
+    dest = flag.removeprefix("--").replace("-", "_")
+    parser.add_argument(
+        old, dest=dest, action=DeprecatedAlias, new=flag, help=argparse.SUPPRESS, **kwargs
+    )

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphswap.train.cli._args import DeprecatedAlias, Once, positive_int, user_error
+from graphswap.train.cli._args import positive_int, renamed_option, user_error
 
 DEFAULT_PRESET = "graph-default"
 DEFAULT_RULE = "attn_swap"
@@ -34,21 +34,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="local Hugging Face checkpoint folder; only its config.json is read",
     )
-    parser.add_argument(
+    renamed_option(
+        parser,
         "--num-layers",
+        "--layers",
         type=positive_int,
-        action=Once,
         metavar="N",
         help="number of decoder layers (overrides the preset or config.json), as the trainer"
         " config's num_layers",
-    )
-    parser.add_argument(
-        "--layers",
-        dest="num_layers",
-        type=positive_int,
-        action=DeprecatedAlias,
-        new="--num-layers",
-        help=argparse.SUPPRESS,
     )
     parser.add_argument(
         "--rule",

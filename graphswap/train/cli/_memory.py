@@ -18,6 +18,7 @@ from graphswap.train.cli._args import (
     Once,
     positive_float,
     positive_int,
+    renamed_option,
     user_error,
 )
 
@@ -71,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--preset", choices=preset_names(), help="embedded model shape")
     # Each planner setting's flag is its config key with dashes (--seq-len: seq_len), so
     # a refusal naming the setting names the flag; 0.1.0's flags stay as hidden aliases.
-    _setting(
+    renamed_option(
         parser,
         "--seq-len",
         "--seq",
@@ -79,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="tokens (required unless --fit)",
     )
-    _setting(
+    renamed_option(
         parser,
         "--batch-size",
         "--batch",
@@ -87,7 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="sequences per batch (default 1)",
     )
-    _setting(
+    renamed_option(
         parser,
         "--num-layers",
         "--layers",
@@ -119,7 +120,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="ranks (GPUs) per node sharing its host memory (default: the profile's, 8)",
     )
-    _setting(
+    renamed_option(
         parser,
         "--swap-bandwidth-gbps",
         "--bandwidth",
@@ -127,7 +128,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="GBPS",
         help="host link bandwidth per direction in GB/s (default: the profile's, 50)",
     )
-    _setting(
+    renamed_option(
         parser,
         "--swap-tflops",
         "--tflops",
@@ -158,7 +159,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default for float32, which flash and cudnn cannot run), cudnn, math; on cpu: flash "
         "(default) or math",
     )
-    _setting(
+    renamed_option(
         parser,
         "--tp-size",
         "--tp",
@@ -185,7 +186,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "budget (per layer what to keep, swap and recompute within --activation-memory-budget) "
         "or none",
     )
-    _setting(
+    renamed_option(
         parser,
         "--activation-memory-budget",
         "--budget",
@@ -194,7 +195,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="--activation-swap budget (implied): the device peak to plan within (120GiB, "
         "80GB, bytes); prints per layer the bytes kept, swapped and recomputed",
     )
-    _setting(
+    renamed_option(
         parser,
         "--swap-hide-margin",
         "--hide-margin",
@@ -202,7 +203,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="M",
         help="auto: share of each copy's window left free, in [0, 1) (default 0.1)",
     )
-    _setting(
+    renamed_option(
         parser,
         "--swap-offload-lag",
         "--offload-lag",
@@ -212,7 +213,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "forward N modules later begins (default: auto plans 1 and 2 and keeps the lower "
         "peak, the other modes 1)",
     )
-    _setting(
+    renamed_option(
         parser,
         "--swap-prefetch-depth",
         "--prefetch-depth",
@@ -254,17 +255,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "ratio over the sequence length, the memory as a line (needs matplotlib)",
     )
     parser.set_defaults(run=run)
-
-
-def _setting(parser: argparse.ArgumentParser, flag: str, old: str, **kwargs: Any) -> None:
-    """A planner setting's flag, given at most once, and its 0.1.0 name (``old``) as a
-    hidden alias that warns; unset, the planner's default applies."""
-    parser.add_argument(flag, action=Once, default=None, **kwargs)
-    kwargs = {key: value for key, value in kwargs.items() if key == "type"}
-    dest = flag.removeprefix("--").replace("-", "_")
-    parser.add_argument(
-        old, dest=dest, action=DeprecatedAlias, new=flag, help=argparse.SUPPRESS, **kwargs
-    )
 
 
 def _mode(args: argparse.Namespace) -> str:
