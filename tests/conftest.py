@@ -131,7 +131,14 @@ TOUR_FAMILIES: dict[str, dict[str, Any]] = {
         "num_local_experts": 2,
         "num_experts_per_tok": 1,
     },
-    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128},
+    "gpt2": {
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": 128,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
     "mamba": {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 4, "vocab_size": 128},
 }
 """Families graphswap has no preset for, as small as they build: hybrid stacks (Mamba or
