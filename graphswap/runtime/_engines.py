@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from graphswap._deprecated import warn
+from graphswap._deprecated import Renamed, warn
 from graphswap.errors import GraphswapTypeError
 from graphswap.runtime._device import (
     Device,
@@ -117,12 +117,7 @@ class CopyEngine(abc.ABC):
         """Per ``(host, after)`` of ``items``, copy ``host`` into a new tensor of its dtype
         and shape on ``device`` after ``after``: one batch, in the order given."""
 
-    def loads(
-        self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
-    ) -> list[Copy]:
-        """0.1.0's name of :meth:`reloads`, until 0.3."""
-        warn("CopyEngine.loads is deprecated: use CopyEngine.reloads", inside=__name__)
-        return self.reloads(device, items)
+    loads = Renamed("reloads")  # 0.1.0's name, until 0.3
 
     @abc.abstractmethod
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
