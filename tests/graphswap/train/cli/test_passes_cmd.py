@@ -27,6 +27,14 @@ def run_passes(argv: list[str], command: str = "passes") -> int:
     return int(args.run(args))
 
 
+def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``passes argv`` says on stderr when it refuses: exit 2, nothing on stdout."""
+    assert run_passes(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
 def test_text_pass_plan_of_the_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_passes(["--config", str(EXAMPLE)]) == 0
     assert capsys.readouterr().out == "pass plan: no passes (the config enables none)\n"
@@ -55,10 +63,7 @@ def test_a_rejected_pass_plan_exits_with_the_code_its_help_names(
     with pytest.raises(SystemExit):
         run_passes(["--help"])
     assert "Exits 2 with the reason on stderr" in " ".join(capsys.readouterr().out.split())
-    assert run_passes(["activation_swap=attention", "compile=true"]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err == (
+    assert refusal(["activation_swap=attention", "compile=true"], capsys) == (
         "graphswap passes: error: activation_swap: attention excludes compile: true; set"
         " activation_swap: none or compile: false (swap (position 1) and compile (position 2)"
         " cannot run together)\n"
@@ -79,10 +84,7 @@ def test_order_is_checked_as_given(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_passes(["--order", "swap,tensor_parallel,fsdp", "--format", "json", *settings]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in data["passes"]] == ["swap", "tensor_parallel", "fsdp"]
-    assert run_passes(["--order", "swap,fsdp,tensor_parallel", *settings]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err == (
+    assert refusal(["--order", "swap,fsdp,tensor_parallel", *settings], capsys) == (
         "graphswap passes: error: pass_order: tensor_parallel (position 3) must run before fsdp"
         " (position 2): move tensor_parallel ahead of fsdp (an order that runs: pass_order:"
         " [swap, tensor_parallel, fsdp]) or turn one off: set tp_size: 1 or fsdp: false\n"
