@@ -35,7 +35,8 @@ from graphswap.planning._plan import (
 )
 from graphswap.planning._replay import replay_without_swap
 from graphswap.planning._settings import StepShape, check_int, split_settings
-from graphswap.planning._trace import StepTrace, storage_bytes, trace_step
+from graphswap.planning._trace import StepTrace, storage_bytes
+from graphswap.planning._trace_cache import trace_once
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
 from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
@@ -261,7 +262,8 @@ def fit_sequence(
 
             def trace(seq: int, policy: SwapPolicy) -> StepTrace:
                 meta = first if seq == seq_step and not recompute else meta_model(seq, recompute)
-                return trace_step(meta, resolved, policy)
+                at = dataclasses.replace(shape, seq_len=seq)
+                return trace_once(meta, at, recompute, resolved, policy)
 
             found = levels[recompute] = TraceLengths(
                 trace,

@@ -20,7 +20,8 @@ from graphswap.planning._settings import (
     check_int,
     split_settings,
 )
-from graphswap.planning._trace import StepTrace, trace_step
+from graphswap.planning._trace import StepTrace
+from graphswap.planning._trace_cache import trace_once
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning._windows import StepTimes, group_of, step_times
 from graphswap.planning.saved_tensors import (
@@ -456,8 +457,9 @@ def plan_memory(
     chosen_policy = swap_large_activations if policy is None else policy
 
     def trace(recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
+        # Built every time (milliseconds), so that its checks run; the trace is made once.
         meta = build_meta_model(config, shape, activation_swap=activation_swap, recompute=recompute)
-        return trace_step(meta, resolved, chosen_policy, optimizer=optimizer)
+        return trace_once(meta, shape, recompute, resolved, chosen_policy, optimizer=optimizer)
 
     if activation_swap == "budget":
         from graphswap.planning._budget import plan_budget
