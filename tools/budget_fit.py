@@ -50,7 +50,7 @@ def _mode_rows(name: str, max_ratio: float) -> tuple[list[dict[str, Any]], float
         rows.append(
             {
                 "strategy": mode.activation_swap,
-                "longest": mode.seq,
+                "longest": mode.seq_len,
                 "capped": mode.capped,
                 "ratio_there": None if mode.plan is None else mode.plan.step_ratio,
                 "recompute": None if mode.plan is None else list(mode.plan.recompute),

@@ -102,7 +102,7 @@ def fit_rows(name: str) -> list[dict[str, Any]]:
         {
             "model": name,
             "mode": mode.activation_swap,
-            "seq": mode.seq,
+            "seq": mode.seq_len,
             "fits": [list(run) for run in mode.fits],
             "step_ratio": None if mode.plan is None else mode.plan.step_ratio,
             "host_peak_gib": None if mode.plan is None else mode.plan.host_peak_bytes / GIB,

@@ -73,7 +73,7 @@ class ModeFit:
 
     activation_swap: SwapMode
     """The mode: ``none``, ``attention``, ``layer`` or ``auto``."""
-    seq: int | None
+    seq_len: int | None
     """The longest multiple of the step at and below which every multiple fits; ``None``:
     not even one step."""
     plan: MemoryPlan | None
@@ -88,6 +88,8 @@ class ModeFit:
     refused: str | None = None
     """Why the mode's swap rule refuses this model (a hybrid stack's attention): nothing
     is planned for it."""
+
+    seq = Renamed("seq_len")  # 0.1.0's name, until 0.3
 
     @property
     def contiguous(self) -> bool:
@@ -174,7 +176,7 @@ class FitResult:
             "modes": [
                 {
                     "activation_swap": mode.activation_swap,
-                    "seq": mode.seq,
+                    "seq_len": mode.seq_len,
                     "capped": mode.capped,
                     "fits": [list(run) for run in mode.fits],
                     "refused": mode.refused,

@@ -51,7 +51,7 @@ def _structure(trace: StepTrace) -> tuple[Any, ...]:
         tuple((layer.name, layer.moe, len(layer.saves)) for layer in trace.saved.layers),
         (len(trace.saved.embed), len(trace.saved.head)),
         (trace.parameter_bytes, trace.buffer_bytes, trace.optimizer_state_bytes),
-        (trace.batch, trace.dtype, trace.attn_implementation, trace.device, trace.optimizer),
+        (trace.batch_size, trace.dtype, trace.attn_implementation, trace.device, trace.optimizer),
         trace.attention_timing,
         trace.recomputed,
     )
@@ -206,7 +206,7 @@ def _rebuild(
         )
 
     rebuilt = _with_saves(
-        template, fresh, seq=seq, events=tuple(events), costs=(), blocks=blocks, policy=name
+        template, fresh, seq_len=seq, events=tuple(events), costs=(), blocks=blocks, policy=name
     )
     return dataclasses.replace(rebuilt, recomputed_bytes=tuple(rest[at:]))
 
@@ -314,7 +314,7 @@ class TraceLengths:
             found = next((r for lo, hi, r in self._ranges if lo <= seq <= hi), None)
             if found is None:
                 raise PlanSettingError(
-                    "seq", seq, "not a length of this grid; ask for one it was made with"
+                    "seq_len", seq, "not a length of this grid; ask for one it was made with"
                 )
             values = _interpolate(found.points, found.values, seq)
             return _rebuild(found.template, found.layout, seq, values, self._min_bytes, self._name)

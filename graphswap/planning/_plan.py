@@ -592,8 +592,8 @@ def plan_step(
         )
     return MemoryPlan(
         config=_config_summary(config),
-        seq_len=trace.seq,
-        batch_size=trace.batch,
+        seq_len=trace.seq_len,
+        batch_size=trace.batch_size,
         dtype=str(trace.dtype).removeprefix("torch."),
         attn_implementation=trace.attn_implementation,
         device=trace.device,

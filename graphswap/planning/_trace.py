@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from graphswap._deprecated import Renamed
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning.saved_tensors import (
     MetaModel,
@@ -110,9 +111,9 @@ class TracedSave:
 class StepTrace:
     """One steady-state training step of one rank, traced on meta."""
 
-    seq: int
+    seq_len: int
     """Tokens per sequence traced."""
-    batch: int
+    batch_size: int
     """Sequences per batch traced."""
     dtype: torch.dtype
     """The parameters' and activations' dtype."""
@@ -156,6 +157,9 @@ class StepTrace:
     recomputed_bytes: tuple[int, ...] = ()
     """Per decoder layer, the storage bytes its recomputed submodules saved and dropped
     (what the runtime's ``stats.recomputed_bytes`` counts); empty: none anywhere."""
+
+    seq = Renamed("seq_len")  # 0.1.0's names, until 0.3
+    batch = Renamed("batch_size")
 
     @property
     def num_layers(self) -> int:
@@ -366,8 +370,8 @@ def trace_step(
         tape.close()
     batch, seq = meta.ids.shape
     return StepTrace(
-        seq=seq,
-        batch=batch,
+        seq_len=seq,
+        batch_size=batch,
         dtype=next(model.parameters()).dtype,
         attn_implementation=meta.rank_config._attn_implementation,
         device=meta.device,

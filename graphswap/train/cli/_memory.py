@@ -667,7 +667,7 @@ def format_fit(fit: Mapping[str, Any]) -> str:
             )
             continue
         timeline = plan["timeline"]
-        seq = f">= {mode['seq']}" if mode["capped"] else str(mode["seq"])
+        seq = f">= {mode['seq_len']}" if mode["capped"] else str(mode["seq_len"])
         lines.append(
             f"{mode['activation_swap']:<10} {seq:>12} {plan['step_ratio']:>10.4f} "
             f"{format_bytes(timeline['peak_bytes']):>11}  {timeline['peak_label']:<10}"

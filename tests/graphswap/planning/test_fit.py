@@ -39,16 +39,16 @@ def test_every_length_up_to_an_answer_fits(
     config = _short(preset_config(name), max_seq)
     fit = fit_sequence(config, memory_bytes=memory, state_shards=8, swap_offload_lag=offload_lag)
     answers = {mode.activation_swap: mode for mode in fit.modes}
-    assert all(mode.seq is not None for mode in fit.modes)
+    assert all(mode.seq_len is not None for mode in fit.modes)
     for mode in fit.modes:
-        assert mode.fits[0] == (fit.seq_step, mode.seq)
-        beyond = [p for p in mode.points if p.seq_len == mode.seq + fit.seq_step]
+        assert mode.fits[0] == (fit.seq_step, mode.seq_len)
+        beyond = [p for p in mode.points if p.seq_len == mode.seq_len + fit.seq_step]
         assert mode.capped or beyond[0].peak_bytes > memory
-    longest = max(mode.seq for mode in fit.modes if mode.seq is not None)
+    longest = max(mode.seq_len for mode in fit.modes if mode.seq_len is not None)
     for seq in sorted({longest // 4 // 512 * 512, longest // 2 // 512 * 512, longest}):
         trace = trace_step(build_meta_model(config, StepShape(seq_len=seq)), fit.profile)
         for mode, answer in answers.items():
-            if answer.seq is not None and seq <= answer.seq:
+            if answer.seq_len is not None and seq <= answer.seq_len:
                 plan = (
                     plan_memory(
                         config,
@@ -81,7 +81,7 @@ def test_a_peak_that_comes_back_under_the_memory_is_a_second_run_not_the_answer(
     for seq, peak in ((512, 10), (1024, 20), (1536, 31), (2048, 29), (2560, 30), (3072, 40)):
         scan.add(_plan(seq, peak), 30)  # type: ignore[arg-type]
     result = scan.result()
-    assert result.seq == 1024 and result.fits == ((512, 1024), (2048, 2560))
+    assert result.seq_len == 1024 and result.fits == ((512, 1024), (2048, 2560))
     assert not result.contiguous and not result.capped
     assert [p.seq_len for p in result.points] == [512, 1024, 1536, 2048, 2560, 3072]
 
@@ -118,9 +118,9 @@ def test_a_node_with_less_host_memory_answers_shorter_and_within_its_budget() ->
             config, memory_bytes=24 * GIB, state_shards=8, modes=("layer",), profile=profile
         )
         [layer] = fit.modes
-        assert layer.plan is not None and layer.seq is not None
+        assert layer.plan is not None and layer.seq_len is not None
         assert layer.plan.host_peak_bytes <= fit.max_host_bytes
-        return fit, layer.seq
+        return fit, layer.seq_len
 
     node, default = layer_fit("h200")
     small, shorter = layer_fit("h200,host_memory_bytes=64e9,ranks_per_node=8")
@@ -161,8 +161,8 @@ def test_a_mode_whose_rule_refuses_the_model_is_refused_not_planned(
     )
     attention, layer = fit.modes
     assert attention.refused is not None and "attn_swap" in attention.refused
-    assert (attention.seq, attention.plan, attention.points) == (None, None, ())
-    assert layer.refused is None and layer.seq == 256 and layer.capped
+    assert (attention.seq_len, attention.plan, attention.points) == (None, None, ())
+    assert layer.refused is None and layer.seq_len == 256 and layer.capped
     from graphswap.train.cli._memory import format_fit
 
     [row] = [line for line in format_fit(fit.to_dict()).splitlines() if line.startswith("atten")]

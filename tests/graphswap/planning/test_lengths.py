@@ -53,7 +53,7 @@ def _lengths(trace: Callable[[int, SwapPolicy], StepTrace]) -> TraceLengths:
 
 
 def _assert_same_step(made: StepTrace, traced: StepTrace) -> None:
-    assert made.seq == traced.seq and made.policy == traced.policy
+    assert made.seq_len == traced.seq_len and made.policy == traced.policy
     assert [(e, p) for e, p in made.events if e is not Event.COMPUTE] == [
         (e, p) for e, p in traced.events if e is not Event.COMPUTE
     ]

@@ -47,8 +47,8 @@ def _trace(
         for i in range(2)
     )
     return StepTrace(
-        seq=1,
-        batch=1,
+        seq_len=1,
+        batch_size=1,
         dtype=torch.float32,
         attn_implementation="eager",
         device="cpu",

@@ -257,13 +257,13 @@ def test_with_the_state_sharded_auto_fits_longer_than_none_at_no_cost() -> None:
     assert not tight.state_fits and tight.shards_needed == 2
     fit = fit_sequence(config, memory_bytes=24 * GIB, state_shards=4, modes=("none", "auto"))
     none, auto = fit.modes
-    assert fit.state_fits and none.seq is not None and auto.seq is not None
-    assert auto.seq > none.seq and auto.plan is not None and auto.plan.step_ratio <= 1.01
+    assert fit.state_fits and none.seq_len is not None and auto.seq_len is not None
+    assert auto.seq_len > none.seq_len and auto.plan is not None and auto.plan.step_ratio <= 1.01
     assert auto.plan.timeline.peak_bytes <= fit.memory_bytes
-    assert not auto.capped and auto.seq % fit.seq_step == 0
-    assert none.plan is not None and none.plan.seq_len == none.seq
+    assert not auto.capped and auto.seq_len % fit.seq_step == 0
+    assert none.plan is not None and none.plan.seq_len == none.seq_len
     longer = plan_memory(
-        config, seq_len=none.seq + fit.seq_step, activation_swap="none", state_shards=4
+        config, seq_len=none.seq_len + fit.seq_step, activation_swap="none", state_shards=4
     )
     assert longer.timeline.peak_bytes > fit.memory_bytes  # the next step does not fit
 
@@ -272,7 +272,7 @@ def test_a_model_that_fits_at_its_longest_sequence_says_so() -> None:
     config = qwen3_moe_config("tiny", num_hidden_layers=1)
     fit = fit_sequence(config, dtype=torch.float32, device="cpu", modes=("none",))
     (none,) = fit.modes
-    assert none.capped and none.seq == fit.max_seq == 2048
+    assert none.capped and none.seq_len == fit.max_seq == 2048
 
 
 def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only(

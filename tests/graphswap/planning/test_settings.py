@@ -13,7 +13,7 @@ import torch
 
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import PlanSettingError, fit_sequence, plan_memory
-from graphswap.planning._fit import LengthPoint
+from graphswap.planning._fit import LengthPoint, ModeFit
 from graphswap.planning.trace import StepShape, StepTrace, SwapSchedule, plan_step
 
 SMALL: dict[str, Any] = {"device": "cpu", "dtype": torch.float32, "activation_swap": "none"}
@@ -68,12 +68,14 @@ def test_the_old_keywords_warn_naming_the_new_one_and_plan_the_same() -> None:
 def results(tiny_trace: StepTrace) -> dict[str, Any]:
     """One of each result that names a setting: an ``auto`` plan (it has the margin and
     whether the lag was chosen), a fit (one whose state does not fit: no length is
-    planned) and a point of a fit's grid."""
+    planned), a point of a fit's grid, a mode's answer and a traced step."""
     config = qwen3_moe_config("tiny")
     return {
         "MemoryPlan": plan_step(config, tiny_trace, activation_swap="auto"),
         "FitResult": fit_sequence(config, memory_bytes=1),
         "LengthPoint": LengthPoint(512, 1 << 20, 1.0, 0),
+        "ModeFit": ModeFit("none", 512, None, capped=False),
+        "StepTrace": tiny_trace,
     }
 
 
@@ -89,6 +91,9 @@ def results(tiny_trace: StepTrace) -> dict[str, Any]:
         ("MemoryPlan", "offload_lag_chosen", "swap_offload_lag_chosen"),
         ("FitResult", "batch", "batch_size"),
         ("LengthPoint", "seq", "seq_len"),
+        ("ModeFit", "seq", "seq_len"),
+        ("StepTrace", "seq", "seq_len"),
+        ("StepTrace", "batch", "batch_size"),
     ],
 )
 def test_a_results_old_attribute_warns_at_the_callers_line_and_reads_the_new_field(
@@ -104,5 +109,6 @@ def test_a_results_old_attribute_warns_at_the_callers_line_and_reads_the_new_fie
     ]
     assert caught[0].category is DeprecationWarning and caught[0].filename == __file__
     # Only the new name is a field and a key of the JSON: the old one cannot warn there.
-    keys = result.to_dict() if hasattr(result, "to_dict") else dataclasses.asdict(result)
-    assert new in keys and old not in keys
+    keys = result.to_dict() if hasattr(result, "to_dict") else dataclasses.fields(result)
+    names = keys if isinstance(keys, dict) else {f.name for f in keys}
+    assert new in names and old not in names

@@ -94,4 +94,4 @@ def test_a_fit_in_less_memory_traces_nothing(traces: list[StepTrace]) -> None:
     peak = roomy.modes[0].points[1].peak_bytes
     tight = fit_sequence(config, memory_bytes=peak, **settings)  # type: ignore[arg-type]
     assert len(traces) == len(roomy.traced)
-    assert tight.modes[0].seq == 1024 < roomy.modes[0].seq  # type: ignore[operator]
+    assert tight.modes[0].seq_len == 1024 < roomy.modes[0].seq_len  # type: ignore[operator]

@@ -444,9 +444,9 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
     assert fit["batch_size"] == 1 and "batch" not in fit
     modes = {mode["activation_swap"]: mode for mode in fit["modes"]}
     assert [point["seq_len"] for point in modes["layer"]["points"]] == [1024, 2048]
-    assert modes["layer"]["plan"]["seq_len"] == modes["layer"]["seq"] == 2048
+    assert modes["layer"]["plan"]["seq_len"] == modes["layer"]["seq_len"] == 2048
     assert list(modes) == ["none", "attention", "layer", "auto", "budget"]
-    assert [(mode["seq"], mode["capped"]) for mode in modes.values()] == [
+    assert [(mode["seq_len"], mode["capped"]) for mode in modes.values()] == [
         (1024, False),
         (1024, False),
         (2048, True),
@@ -463,7 +463,7 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
         plan = mode["plan"]
         seq = [">=", "2048"] if mode["capped"] else ["1024"]
         assert rows[name][: len(seq) + 1] == [*seq, f"{plan['step_ratio']:.4f}"]
-        assert mode["fits"] == [[1024, mode["seq"]]]
+        assert mode["fits"] == [[1024, mode["seq_len"]]]
     assert lines[11] == (
         "every multiple of 1024 up to 2048 planned (2 lengths), 2 traced: 1024, 2048; "
         ">= N: fits even at the model's max_position_embeddings"
