@@ -4,6 +4,7 @@ by hand after the rewrite, which the plan cannot see."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import itertools
 import pickle
@@ -15,6 +16,7 @@ import torch
 
 import graphswap
 from graphswap.errors import SwapExclusionError
+from graphswap.rewriting.rules import _HierarchyValidator, get_rule
 from graphswap.runtime import SwapManager, is_swap_wrapped, swap_manager_of, swap_wrapper
 from graphswap.runtime.policy import size_threshold_policy
 
@@ -140,6 +142,33 @@ def test_a_model_pickled_by_0_1_0_loads_with_a_warning_and_trains_as_one_wrapped
         warnings.simplefilter("error")
         again = torch.load(buffer, weights_only=False)
     assert swap_manager_of(again[0]).links == manager.links
+
+
+def test_a_report_pickled_by_0_1_0_holds_the_rule_registered_now(tiny_model) -> None:
+    """0.1.0 (commit 7c4d51b) pickled a rewritten model's report with its rules whole, and
+    the validator of ``qwen3_attn_swap`` was a ``graphswap.rules._HierarchyValidator``.
+    Loaded, the report holds the rule registered under that name today, so the model
+    saved again holds no class of 0.1.0's and can be undone."""
+    model, _ = rewritten(tiny_model)
+    validator = _HierarchyValidator()
+    validator.rule_name, validator.class_name, validator.attr = (
+        "qwen3_attn_swap",
+        "Qwen3MoeAttention",
+        "self_attn",
+    )
+    rule = get_rule("qwen3_attn_swap")
+    report = graphswap.rewrite_report(model)
+    assert report is not None
+    report._applied = tuple(
+        dataclasses.replace(applied, rule=dataclasses.replace(rule, validate=validator))
+        for applied in report._applied
+    )
+    loaded = pickle.loads(pickle.dumps(model))
+    loaded_report = graphswap.rewrite_report(loaded)
+    assert loaded_report is not None
+    assert [applied.rule is rule for applied in loaded_report._applied] == [True, True]
+    graphswap.unrewrite(loaded)
+    assert not any(is_swap_wrapped(layer.self_attn) for layer in loaded.model.layers)
 
 
 def test_compile_by_hand_after_the_rewrite_is_refused(tiny_model) -> None:
