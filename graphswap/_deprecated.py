@@ -167,10 +167,11 @@ def resolve(target: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def warn(message: str, inside: str | None = None) -> None:
+def warn(message: str, inside: str | tuple[str, ...] | None = None) -> None:
     """A ``DeprecationWarning`` that points at the user's line: past this module, the
-    shims, the import machinery and the package ``inside`` (the one whose function was
-    called), so Python's default filter shows it in scripts."""
+    shims, the import machinery and the packages ``inside`` (the one whose function was
+    called; for an unpickled object, also torch and pickle, which called it), so
+    Python's default filter shows it in scripts."""
     level, frame = 2, sys._getframe(1)
     while frame is not None and (
         frame.f_globals.get("__name__") in (__name__, "importlib", *MODULES, *PACKAGES)

@@ -11,6 +11,7 @@ can be undone exactly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import fnmatch
 import itertools
@@ -37,7 +38,14 @@ from graphswap.errors import (
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import is_hybrid
 from graphswap.rewriting.graph import PrefetchGraphError, build_prefetch_graph, graph_to_dict
-from graphswap.rewriting.rules import Rule, RuleContext, available_rules, get_rule, qualified_name
+from graphswap.rewriting.rules import (
+    Rule,
+    RuleContext,
+    _HierarchyValidator,
+    available_rules,
+    get_rule,
+    qualified_name,
+)
 from graphswap.rewriting.transforms import Transform, find_transforms
 from graphswap.runtime import SwapManager
 
@@ -118,6 +126,15 @@ class _Applied:
 
 def _dead() -> None:
     """A model reference that is gone."""
+
+
+def _rule_of_today(applied: _Applied) -> _Applied:
+    """A replacement made by a built-in rule of 0.1.0, read from a pickle that version
+    wrote, with the rule registered under its name today: saved again, the report holds
+    no class of 0.1.0's, and loads after 0.3."""
+    if isinstance(applied.rule.validate, _HierarchyValidator):
+        return dataclasses.replace(applied, rule=get_rule(applied.rule.name))
+    return applied
 
 
 class _NoCacheInTraining:
@@ -240,6 +257,7 @@ class RewriteReport:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("_model")
+        state["_applied"] = tuple(_rule_of_today(applied) for applied in state["_applied"])
         self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _dead)
 
     def check(self) -> None:
