@@ -315,11 +315,8 @@ class _Offload(Copy):
 
     __slots__ = ("_batch", "_hold", "_producer")
 
-    _batch: _Batch | None
-    """The module boundary's batch: its mark ends this copy. None once the source was
-    released after the host saw the batch complete: nothing waits for it any more, and
-    the batch (one object per module boundary) dies with its last offload's release
-    instead of living until backward."""
+    _batch: _Batch
+    """The module boundary's batch: its mark ends this copy."""
     _producer: Stream
     """The stream current when the source was saved: the one that produced it, and the
     allocation stream whose pool its memory returns to."""
@@ -332,21 +329,16 @@ class _Offload(Copy):
 
     def done(self) -> bool:
         batch = self._batch
-        if batch is None:
-            return True
         seq = batch.seq
         if seq and batch.lane.offloads.done >= seq:
             return True  # the host saw its batch, or a later one, completed
         return batch.done()
 
     def synchronize(self) -> None:
-        if self._batch is not None:
-            self._batch.synchronize()
+        self._batch.synchronize()
 
     def fence(self) -> None:
         batch = self._batch
-        if batch is None:
-            return
         mark = batch if batch.seq else batch.sealed()
         lane = batch.lane
         producer = self._producer
@@ -360,12 +352,7 @@ class _Offload(Copy):
             return None
         self._hold = None
         batch = self._batch
-        assert batch is not None  # set with ``_hold``, dropped after it
-        mark = batch if batch.seq else batch.sealed()
-        lane = batch.lane
-        lane.device.drop(hold, mark.event)
-        if lane.offloads.done >= mark.seq:
-            self._batch = None  # seen complete: no reload or fence waits for it
+        batch.lane.device.drop(hold, (batch if batch.seq else batch.sealed()).event)
         # This reference and another: the bytes stay on device whatever the swap does.
         if _use_count(hold._cdata) > 1:
             return weakref.ref(hold)
@@ -522,8 +509,6 @@ class AcceleratorCopyEngine(CopyEngine):
             for copy in after:
                 if type(copy) in _RECORDS:  # its own record, or an entry it filled
                     batch = copy._batch  # type: ignore[attr-defined]
-                    if batch is None:  # released once seen complete: nothing to wait for
-                        continue
                     mark = batch if batch.seq else batch.sealed()
                     if mark.seq > lane.h2d_after_d2h:
                         h2d.wait_event(mark.event)
