@@ -223,12 +223,7 @@ def fit_sequence(
     shape = StepShape(seq_len=seq_step, **shape_settings)
     state_shards = schedule.state_shards
 
-    def meta_model(seq: int, recompute: tuple[RecomputeKind, ...] = ()) -> MetaModel:
-        return build_meta_model(
-            config, dataclasses.replace(shape, seq_len=seq), recompute=recompute
-        )
-
-    first = meta_model(seq_step)
+    first = build_meta_model(config, shape)
     params = [p for p in first.model.parameters() if p.requires_grad]
     share = -(-storage_bytes(params) // state_shards)
     max_seq = max(seq_step, first.rank_config.max_position_embeddings)
@@ -263,8 +258,12 @@ def fit_sequence(
         if found is None:
 
             def trace(seq: int, policy: SwapPolicy) -> StepTrace:
-                meta = first if seq == seq_step and not recompute else meta_model(seq, recompute)
                 at = dataclasses.replace(shape, seq_len=seq)
+                meta = (
+                    first
+                    if seq == seq_step and not recompute
+                    else build_meta_model(config, at, recompute=recompute)
+                )
                 return trace_once(meta, at, recompute, resolved, policy)
 
             found = levels[recompute] = TraceLengths(
