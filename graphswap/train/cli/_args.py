@@ -82,3 +82,16 @@ def renamed_option(parser: argparse.ArgumentParser, flag: str, old: str, **kwarg
     parser.add_argument(
         old, dest=dest, action=DeprecatedAlias, new=flag, help=argparse.SUPPRESS, **kwargs
     )
+
+
+def num_layers_option(parser: argparse.ArgumentParser) -> None:
+    """``--num-layers`` (0.1.0's ``--layers``), for the commands that build a model."""
+    renamed_option(
+        parser,
+        "--num-layers",
+        "--layers",
+        type=positive_int,
+        metavar="N",
+        help="number of decoder layers (overrides the preset or config.json), as the trainer"
+        " config's num_layers",
+    )

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphswap.train.cli._args import positive_int, renamed_option, user_error
+from graphswap.train.cli._args import num_layers_option, user_error
 
 DEFAULT_PRESET = "graph-default"
 DEFAULT_RULE = "attn_swap"
@@ -34,15 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="local Hugging Face checkpoint folder; only its config.json is read",
     )
-    renamed_option(
-        parser,
-        "--num-layers",
-        "--layers",
-        type=positive_int,
-        metavar="N",
-        help="number of decoder layers (overrides the preset or config.json), as the trainer"
-        " config's num_layers",
-    )
+    num_layers_option(parser)
     parser.add_argument(
         "--rule",
         dest="rules",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from graphswap.train.cli._args import (
     DeprecatedAlias,
     Once,
+    num_layers_option,
     positive_float,
     positive_int,
     renamed_option,
@@ -88,14 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="sequences per batch (default 1)",
     )
-    renamed_option(
-        parser,
-        "--num-layers",
-        "--layers",
-        type=positive_int,
-        metavar="N",
-        help="override the number of decoder layers",
-    )
+    num_layers_option(parser)
     parser.add_argument(
         "--profile",
         default=None,
