@@ -17,8 +17,13 @@ not anything moves.
 graphswap runs over each engine of the device (:data:`ENGINES`): on CPU the no-op
 device (copies are plain ``copy_``, streams, events and waits cost a call: the
 runtime's own host time, the figure judged) and the simulated device (its hazard
-tracking on top); on an accelerator torch's own (``TorchDevice``). Steps of every
-mode are interleaved in one process, since a machine's speed drifts.
+tracking on top); on an accelerator torch's own (``TorchDevice``). The modes take
+turns in one process, since a machine's speed drifts: each runs a few steps in a row
+per turn and only the last of them are timed, so every mode is measured in the state a
+training run is in, one step after another of its own. The first step of a turn runs
+after the other modes' steps, with the caches they left; it is reported apart, since
+what it adds grows with how many other modes run (and how much code they run), not
+with the mode itself.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -74,11 +80,34 @@ ENGINES: dict[str, dict[str, Callable[[], CopyEngine]]] = {
 @dataclass(frozen=True)
 class OverheadConfig:
     blocks: int = 64
+    """Wrapped ``Linear + ReLU`` blocks: two swapped tensors each."""
     width: int = 128
+    """Features of each block's ``Linear``."""
     rows: int = 4
-    steps: int = 200
-    warmup: int = 20
+    """Rows of the input: with ``width``, the size of every swapped tensor."""
+    steps: int = 150
+    """Timed steps per mode, rounded up to whole turns."""
+    warmup: int = 4
+    """Untimed turns of every mode first: host buffers, events, allocator caches."""
     seed: int = 0
+    """Seed of the blocks' weights and the input."""
+    in_a_row: int = 5
+    """Steps each mode runs per turn."""
+    settle: int = 2
+    """Of those, untimed first: a step after the other modes' runs cold, and the one
+    after it not yet warm (measured: the third and later are within noise)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.settle < self.in_a_row:
+            raise ValueError(
+                f"settle must be in [0, in_a_row), got settle={self.settle},"
+                f" in_a_row={self.in_a_row}"
+            )
+
+    @property
+    def turns(self) -> int:
+        """Turns of every mode, timed and untimed, that give ``steps`` timed steps each."""
+        return self.warmup + math.ceil(self.steps / (self.in_a_row - self.settle))
 
 
 def build_blocks(config: OverheadConfig, device: torch.device) -> torch.nn.Sequential:
@@ -183,9 +212,9 @@ def measure_overhead(
     on_round: Callable[[dict[str, Any]], None] = lambda result: None,
 ) -> dict[str, Any]:
     """Median step time of every mode, and what each adds per swapped tensor and per
-    wrapped module.
+    wrapped module; the median first step of a turn apart.
 
-    ``on_round`` gets the result so far after every timed round (to save it as it comes).
+    ``on_round`` gets the result so far after every timed turn (to save it as it comes).
     """
     model = build_blocks(config, device)
     x = torch.randn(config.rows, config.width, device=device)
@@ -201,28 +230,37 @@ def measure_overhead(
         "keep": lambda: swapped(model, keeper, keep_every_tensor),
     }
     times: dict[str, list[float]] = {mode: [] for mode in modes}
+    first: dict[str, list[float]] = {mode: [] for mode in modes}
     result: dict[str, Any] = {}
     calls = count_calls(config)
     stats: dict[str, Any] = {}
-    for rep in range(config.warmup + config.steps):
+    for turn in range(config.turns):
         for mode, installed in modes.items():
             with installed():
-                seconds = _step(model, x, device)
+                steps = [_step(model, x, device)]
                 if mode in managers:
-                    # Wrapping starts each block's counters at zero; unwrapping drops them.
+                    # One step's: wrapping starts each block's counters at zero, and
+                    # unwrapping drops them.
                     stats[mode] = managers[mode].stats
-            if rep >= config.warmup:
-                times[mode].append(seconds)
-        if rep >= config.warmup:
-            result = {**_result(config, times, stats, judged), "accelerator_calls": calls}
+                steps += [_step(model, x, device) for _ in range(config.in_a_row - 1)]
+            if turn >= config.warmup:
+                times[mode].extend(steps[config.settle :])
+                first[mode].append(steps[0])
+        if turn >= config.warmup:
+            result = {**_result(config, times, first, stats, judged), "accelerator_calls": calls}
             on_round(result)
     return result
 
 
 def _result(
-    config: OverheadConfig, times: dict[str, list[float]], stats: dict[str, Any], judged: str
+    config: OverheadConfig,
+    times: dict[str, list[float]],
+    first: dict[str, list[float]],
+    stats: dict[str, Any],
+    judged: str,
 ) -> dict[str, Any]:
     medians = {mode: statistics.median(steps) for mode, steps in times.items()}
+    first_medians = {mode: statistics.median(steps) for mode, steps in first.items()}
     tensors = stats[judged].offloaded_tensors
 
     def per_tensor(mode: str, base: str = "none") -> float | None:
@@ -238,6 +276,11 @@ def _result(
         "engine": judged,
         "median_step_s": medians,
         "step_times_s": times,
+        "median_first_step_s": first_medians,
+        "us_per_swapped_tensor_on_first_step_by_mode": {
+            mode: (first_medians[mode] - medians[mode]) / tensors * 1e6 if tensors else None
+            for mode in medians
+        },
         "per_step": {
             "offloaded_tensors": tensors,
             "offloaded_bytes": stats[judged].offloaded_bytes,
@@ -267,26 +310,33 @@ def _result(
 
 def overhead_table(result: dict[str, Any]) -> str:
     """The modes side by side: median step, and what each adds per swapped tensor and per
-    wrapped module; graphswap's bookkeeping above ``bare_copy`` below them."""
+    wrapped module; graphswap's bookkeeping above ``bare_copy`` below them; the first
+    step of a turn beside."""
     medians = result["median_step_s"]
+    first = result["median_first_step_s"]
     per_tensor = result["us_per_swapped_tensor_by_mode"]
     per_module = result["us_per_module_by_mode"]
     step = result["per_step"]
     lines = [
         f"{step['offloaded_tensors']} swapped tensors and {step['wrapped_modules']} wrapped"
-        " modules per step; us added to the step of `none`",
+        " modules per step; us added to the step of `none`; the first step of a turn, after"
+        " the other modes' steps, apart",
         "",
-        "| mode | median step ms | us per swapped tensor | us per wrapped module |",
-        "|---|---|---|---|",
-        f"| none | {medians['none'] * 1e3:.2f} | - | - |",
+        "| mode | median step ms | us per swapped tensor | us per wrapped module"
+        " | first step of a turn ms |",
+        "|---|---|---|---|---|",
+        f"| none | {medians['none'] * 1e3:.2f} | - | - | {first['none'] * 1e3:.2f} |",
     ]
     for mode, value in per_tensor.items():
         shown = "-" if value is None else f"{value:.1f}"
-        lines.append(f"| {mode} | {medians[mode] * 1e3:.2f} | {shown} | {per_module[mode]:.1f} |")
+        lines.append(
+            f"| {mode} | {medians[mode] * 1e3:.2f} | {shown} | {per_module[mode]:.1f}"
+            f" | {first[mode] * 1e3:.2f} |"
+        )
     for engine, value in result["bookkeeping_us_per_swapped_tensor_by_engine"].items():
         shown = "-" if value is None else f"{value:.1f}"
         module = result["bookkeeping_us_per_module_by_engine"][engine]
-        lines.append(f"| {engine} above bare_copy | - | {shown} | {module:.1f} |")
+        lines.append(f"| {engine} above bare_copy | - | {shown} | {module:.1f} | - |")
     return "\n".join(lines)
 
 

@@ -158,13 +158,17 @@ def test_overhead_reports_microseconds_per_swapped_tensor(
     [result_file] = tmp_path.glob("cpu-*-overhead.json")
     result = json.loads(result_file.read_text())
     per_step = result["per_step"]
-    # Every block's ReLU output at least; parameters are never swapped.
-    assert per_step["offloaded_tensors"] >= 4
+    # One step's: every block's input and ReLU output; parameters are never swapped.
+    assert per_step["offloaded_tensors"] == 2 * 4
     assert per_step["reloaded_bytes"] == per_step["offloaded_bytes"]
     assert {len(steps) for steps in result["step_times_s"].values()} == {3}
     # graphswap over the no-op device (judged) and over the simulated one, beside the rest.
     modes = ["none", "bare_copy", "save_on_cpu", "noop", "sim", "keep"]
     assert list(result["step_times_s"]) == modes
+    # The first step of each timed turn, after the other modes' steps, apart.
+    assert list(result["median_first_step_s"]) == modes
+    assert list(result["us_per_swapped_tensor_on_first_step_by_mode"]) == modes
+    assert "first step of a turn ms |" in done.stdout
     assert result["engine"] == "noop"
     for mode in ("", "bare_copy_", "save_on_cpu_", "bookkeeping_"):
         assert isinstance(result[f"{mode}us_per_swapped_tensor"], float)
