@@ -91,6 +91,10 @@ class CopyEngine(abc.ABC):
     pin: bool
     """Whether host buffers for this engine are pinned (page-locked)."""
 
+    fills_records = False
+    """Whether the runtime may call ``offload_into`` (the built-in engine's, internal)
+    instead of ``offload``: a user's engine is asked through ``offload`` only."""
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """An engine written for 0.1.0 implements ``loads``: it serves as ``reloads``,
         with a warning, until 0.3."""
@@ -297,19 +301,31 @@ class _Batch(_Mark):
         self.lane.offloads.synchronize(self.sealed())
 
 
+_RECORDS: set[type[Copy]] = set()
+"""``_Offload`` and its subclasses: a reload's ``after`` is checked against them by type,
+not by ``isinstance`` (an ABC's is a Python call)."""
+
+
 class _Offload(Copy):
-    """A copy to host: its batch, the stream that produced the source, and the source."""
+    """A copy to host: its batch, the stream that produced the source, and the source.
+
+    The engine fills these fields (``AcceleratorCopyEngine.offload_into``): of a record
+    ``offload`` makes, or of the runtime's own per-storage record (``_handles._Entry``,
+    a subclass), so that a swapped storage costs one object, not two."""
 
     __slots__ = ("_batch", "_hold", "_producer")
 
-    def __init__(self, batch: _Batch, producer: Stream, hold: torch.UntypedStorage) -> None:
-        self._batch = batch
-        """The module boundary's batch: its mark ends this copy."""
-        self._producer = producer
-        """The stream current when the source was saved: the one that produced it, and
-        the allocation stream whose pool its memory returns to."""
-        self._hold: torch.UntypedStorage | None = hold
-        """The source's device memory, held until ``release_source``."""
+    _batch: _Batch
+    """The module boundary's batch: its mark ends this copy."""
+    _producer: Stream
+    """The stream current when the source was saved: the one that produced it, and the
+    allocation stream whose pool its memory returns to."""
+    _hold: torch.UntypedStorage | None
+    """The source's device memory, held until ``release_source``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _RECORDS.add(cls)
 
     def done(self) -> bool:
         batch = self._batch
@@ -344,6 +360,9 @@ class _Offload(Copy):
 
     def result(self) -> torch.Tensor:
         raise GraphswapTypeError("result() of an offload: an offload fills a host buffer")
+
+
+_RECORDS.add(_Offload)
 
 
 class _Reload(_Mark, Copy):
@@ -428,7 +447,24 @@ class AcceleratorCopyEngine(CopyEngine):
             lane = self._lanes[device] = _Lane(self._open(device))
         return lane
 
+    fills_records = True
+    """``offload_into`` serves for ``offload``: false in a subclass that overrides
+    ``offload``, whose offloads the runtime then asks for through it."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.fills_records = cls.offload is AcceleratorCopyEngine.offload
+
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
+        record = _Offload()
+        self.offload_into(record, src, host, after)
+        return record
+
+    def offload_into(
+        self, record: _Offload, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]
+    ) -> None:
+        """``offload``, its fields written into ``record`` (the runtime's entry for the
+        storage) rather than into a record of its own."""
         where = src.device
         lane = self._lanes.get(where) or self._lane(where)
         device = lane.device
@@ -450,7 +486,9 @@ class AcceleratorCopyEngine(CopyEngine):
         batch = lane.batch
         if batch is None:
             batch = lane.batch = _Batch(lane)
-        return _Offload(batch, producer, src.untyped_storage())
+        record._batch = batch
+        record._producer = producer
+        record._hold = src.untyped_storage()
 
     def reloads(
         self, device: torch.device, items: Sequence[tuple[torch.Tensor, Sequence[Copy]]]
@@ -469,8 +507,8 @@ class AcceleratorCopyEngine(CopyEngine):
         copies: list[Copy] = []
         for (host, after), dst in zip(items, dsts, strict=True):
             for copy in after:
-                if type(copy) is _Offload:
-                    batch = copy._batch
+                if type(copy) in _RECORDS:  # its own record, or an entry it filled
+                    batch = copy._batch  # type: ignore[attr-defined]
                     mark = batch if batch.seq else batch.sealed()
                     if mark.seq > lane.h2d_after_d2h:
                         h2d.wait_event(mark.event)

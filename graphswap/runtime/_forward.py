@@ -184,10 +184,16 @@ class _Forward:
                 src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
                 host = buf.view(torch.uint8, src.size(), nbytes)
                 first = layout_in(local, host)
-            copy = engine.offload(src, host, buf.last_use)
-            entry = _Entry(
-                ctx, self.group.name, stats, device, engine, nbytes, buf, host, copy, first
-            )  # ``device``: the one object of its device (``_Context.first_engine``)
+            if engine.fills_records:  # the built-in engine: the entry is the offload's record
+                entry = _Entry(
+                    ctx, self.group.name, stats, device, engine, nbytes, buf, host, None, first
+                )  # ``device``: the one object of its device (``_Context.first_engine``)
+                engine.offload_into(entry, src, host, buf.last_use)  # type: ignore[attr-defined]
+            else:
+                copy = engine.offload(src, host, buf.last_use)
+                entry = _Entry(
+                    ctx, self.group.name, stats, device, engine, nbytes, buf, host, copy, first
+                )
             self.entries[storage._cdata] = entry
             if not self.queued:
                 self.queued = True
@@ -211,7 +217,7 @@ class _Forward:
     def fence_newest(self) -> None:
         """Order the producing stream after this forward's newest offload, which ends
         every earlier one of its copy stream: one wait for the whole lag fence."""
-        next(reversed(self.entries.values())).offload.fence()
+        next(reversed(self.entries.values())).copy().fence()
 
     def release(self, due: bool) -> bool:
         """Drop the device sources of this forward's offloads, in saving order: fenced
@@ -221,6 +227,8 @@ class _Forward:
         for entry in self.entries.values():
             if not entry.released:
                 offload = entry.offload
+                if offload is None:
+                    offload = entry  # the entry is its own offload record
                 if due:
                     offload.fence()  # ordered already, unless another producer
                 elif not offload.done():
@@ -234,9 +242,10 @@ class _Forward:
         """Block until this forward's offloads completed, and drop their sources."""
         for entry in self.entries.values():
             if not entry.released:
-                entry.offload.synchronize()
+                offload = entry.copy()
+                offload.synchronize()
                 entry.released = True
-                entry.held = entry.offload.release_source()
+                entry.held = offload.release_source()
         self.queued = False
 
     def prefetch(self) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from graphswap.errors import SwapIntegrityError
 from graphswap.runtime._context import _Context
-from graphswap.runtime._engines import Copy, CopyEngine
+from graphswap.runtime._engines import Copy, CopyEngine, _Offload
 from graphswap.runtime._pool import HostBuffer
 from graphswap.runtime._stats import GroupStats
 
@@ -85,8 +85,13 @@ compares), and the forward that saved it (backward detection and error names). A
 built without a Python call: most tensors a decoder layer saves are kept."""
 
 
-class _Entry:
+class _Entry(_Offload):
     """One storage copied to host: shared by every handle that aliases it.
+
+    With the built-in engine (``CopyEngine.fills_records``) the entry is its own offload
+    record: the engine writes the copy's fields into it (``offload_into``), and
+    ``offload`` is None; with another engine ``offload`` is the ``Copy`` it returned.
+    ``copy()`` is the offload either way.
 
     ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
     that tensor covers its storage contiguously (the usual case: its reload is then
@@ -132,7 +137,7 @@ class _Entry:
         nbytes: int,
         buf: HostBuffer,
         host: torch.Tensor,
-        offload: Copy,
+        offload: Copy | None,
         first: Layout | None,
     ) -> None:
         self.ctx = ctx  # its lock, pool and capture flag: reloads and a handle's death settle there
@@ -143,7 +148,9 @@ class _Entry:
         self.nbytes = nbytes  # the storage's size, copied whole
         self.buf: HostBuffer | None = buf  # the pool buffer; None: released, bytes gone
         self.host: torch.Tensor | None = host  # ``buf``'s view holding it; None: released
-        self.offload = offload  # the device-to-host copy; its source is held until fenced
+        self.offload = offload
+        """The device-to-host copy, when the engine returned one; None: the entry is it (its
+        fields filled by the engine). Its source is held until fenced."""
         self.first = first  # the layout of the save that made it (``layout_in``), found then
         self.released = False  # the offload's source was dropped (``_Forward.release``)
         self.held: weakref.ref[torch.UntypedStorage] | None = None
@@ -157,6 +164,11 @@ class _Entry:
         self.version = -1
         """The saved tensor's version when its copy was issued (set by the pack): every
         handle of the entry was saved at it (a save at another version is kept)."""
+
+    def copy(self) -> Copy:
+        """The offload: the engine's record, or the entry itself."""
+        offload = self.offload
+        return self if offload is None else offload
 
 
 class _Swapped:
@@ -242,6 +254,8 @@ class _Swapped:
                 return
             entry.buf = entry.host = None
             offload = entry.offload
+            if offload is None:
+                offload = entry  # the entry is its own offload record
             if not ctx.capturing:
                 if not entry.released:
                     if not offload.done():
@@ -255,10 +269,13 @@ class _Swapped:
                 entry.held = None
                 if held() is not None:
                     ctx.not_freed(entry.stats, entry.nbytes, entry.name)
-            if reload is None:
+            if reload is not None:
+                entry.reload = None
+            if entry.offload is None:  # its offloads ran in order on one stream
+                ctx.pool.release(buf, () if reload is None else (reload,))
+            elif reload is None:
                 ctx.pool.release(buf, (offload,))
             else:
-                entry.reload = None
                 ctx.pool.release(buf, (offload, reload))
         finally:
             ctx.lock.release()
@@ -280,7 +297,7 @@ def reload(entries: list[_Entry], *, prefetched: bool) -> None:
                 reload([e for e in entries if e not in batch], prefetched=prefetched)
                 break
     # ``host`` is None once the last handle died; a due entry has live handles (``refs``).
-    items = [(entry.host, (entry.offload,)) for entry in batch]
+    items = [(entry.host, (entry if entry.offload is None else entry.offload,)) for entry in batch]
     reloads = engine.reloads(device, items)  # type: ignore[arg-type]
     nbytes = 0
     for entry, copy in zip(batch, reloads, strict=True):
@@ -338,7 +355,7 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
             else:
                 host = entry.host
                 assert host is not None  # a live handle's entry holds its host copy
-                (copy,) = entry.engine.reloads(entry.device, [(host, (entry.offload,))])
+                (copy,) = entry.engine.reloads(entry.device, [(host, (entry.copy(),))])
                 entry.stats.reloaded_tensors += 1
                 entry.stats.reloaded_bytes += entry.nbytes
         elif entry.prefetched:

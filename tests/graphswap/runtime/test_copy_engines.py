@@ -226,3 +226,37 @@ def test_an_engine_written_for_0_1_implements_loads_and_is_told_reloads() -> Non
         (again,) = inner.loads(CPU, [(host, ())])
     again.fence()
     assert torch.equal(again.result(), host)
+
+
+def test_a_subclass_that_overrides_offload_is_asked_through_it(toy_model) -> None:
+    """The built-in engine writes its offloads into the runtime's entries
+    (``fills_records``); a subclass that overrides ``offload`` is asked through it, and
+    its reloads are ordered after the records it returned, under every hazard check."""
+    from graphswap import SwapManager
+    from graphswap.runtime._engines import AcceleratorCopyEngine
+
+    class Counting(SimulatedAccelerator):
+        def __init__(self) -> None:
+            super().__init__(lag=2)
+            self.offloads: list[Copy] = []
+
+        def offload(self, src: torch.Tensor, host: torch.Tensor, after: tuple) -> Copy:
+            copy = super().offload(src, host, after)
+            self.offloads.append(copy)
+            return copy
+
+    assert SimulatedAccelerator.fills_records and NoOpAccelerator.fills_records
+    assert AcceleratorCopyEngine.fills_records and not Counting.fills_records
+    ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(0))
+    expected = toy_model(0)
+    expected(input_ids=ids, labels=ids).loss.backward()
+    engine = Counting()
+    manager = SwapManager(engine=engine, keep_last=False)
+    model = toy_model(0, manager=manager)
+    for _ in range(2):
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert len(engine.offloads) == manager.stats.offloaded_tensors > 0
+    assert manager.stats.reloaded_tensors == manager.stats.offloaded_tensors
+    for got, want in zip(model.parameters(), expected.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad)
