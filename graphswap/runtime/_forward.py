@@ -38,19 +38,25 @@ _MUST_SAVE = CheckpointPolicy.MUST_SAVE
 """Read once here, not looked up through their module at every pack."""
 
 
-class _Forward:
+class _Forward(dict[int, _Entry]):
     """The saved tensors of one forward call of one wrapped module, and its pack hook.
 
     The object itself is the pack hook autograd calls (``__call__``): no bound method or
     partial is made per forward, and nothing but the forward is kept from it to backward.
-    It owns its offloads (``entries``) from the pack to their release; the handles own
-    their unpack.
+    It owns its offloads from the pack to their release; the handles own their unpack.
+
+    It is also the mapping of its offloads (a ``dict``: host copies by storage key, in
+    saving order), so that a forward costs one object, not two. Compared and hashed by
+    identity; its truth is the dict's (whether it offloaded anything): test ``is None``.
     """
+
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
     __slots__ = (
         "__weakref__",
         "ctx",
-        "entries",
         "group",
         "keep",
         "prev",
@@ -86,7 +92,6 @@ class _Forward:
         step's activations, the usual case, and a forward that saves only them pays
         nothing; one that a module also holds (a buffer assigned an activation) swaps as
         any activation another reference keeps: counted as copied but not freed."""
-        self.entries: dict[int, _Entry] = {}  # host copies, by storage key, in saving order
         self.queued = False  # in the context's in-flight queue (``_Context.in_flight``)
         self.saves = 0
         """Pack calls so far in this forward (parameters and aliases too)."""
@@ -120,7 +125,7 @@ class _Forward:
         storage = local.untyped_storage()
         key = storage._cdata
         version = t._version
-        entry = self.entries.get(key)
+        entry = self.get(key)
         if entry is None or entry.buf is None:  # none, or every handle of its copy died
             group = self.group
             decide = group.decide
@@ -194,7 +199,7 @@ class _Forward:
                 entry = _Entry(
                     ctx, self.group.name, stats, device, engine, nbytes, buf, host, copy, first
                 )
-            self.entries[storage._cdata] = entry
+            self[storage._cdata] = entry
             if not self.queued:
                 self.queued = True
                 ctx.in_flight.append(weakref.ref(self))  # ``_latest``'s: no new object
@@ -217,14 +222,14 @@ class _Forward:
     def fence_newest(self) -> None:
         """Order the producing stream after this forward's newest offload, which ends
         every earlier one of its copy stream: one wait for the whole lag fence."""
-        next(reversed(self.entries.values())).copy().fence()
+        next(reversed(self.values())).copy().fence()
 
     def release(self, due: bool) -> bool:
         """Drop the device sources of this forward's offloads, in saving order: fenced
         first when ``due`` (``offload_lag`` forwards later), else those done only; False
         at the first still in flight, which waits for a later boundary. A source another
         reference keeps is watched until its reload (``_Entry.held``, I12)."""
-        for entry in self.entries.values():
+        for entry in self.values():
             if not entry.released:
                 offload = entry.offload
                 if offload is None:
@@ -240,7 +245,7 @@ class _Forward:
 
     def synchronize(self) -> None:
         """Block until this forward's offloads completed, and drop their sources."""
-        for entry in self.entries.values():
+        for entry in self.values():
             if not entry.released:
                 offload = entry.copy()
                 offload.synchronize()
@@ -252,14 +257,14 @@ class _Forward:
         """Reload this forward's swapped storages as one batch, first needed first:
         backward consumes them in reverse saving order, and each waits only for its
         own copy."""
-        if not self.entries:
+        if not self:
             return
         lock = self.ctx.lock
         lock.acquire()  # not ``with``: it makes two bound methods a call
         try:
             due = [
                 entry
-                for entry in reversed(self.entries.values())
+                for entry in reversed(self.values())
                 if entry.reload is None and entry.buf is not None and entry.refs
             ]
             if due:
@@ -300,7 +305,7 @@ class _Forward:
         issued, for this forward and the forwards its backward prefetches."""
         target = self
         for _ in range(self.ctx.prefetch_depth + 1):
-            if any(entry.buf is not None for entry in target.entries.values()):
+            if any(entry.buf is not None for entry in target.values()):
                 raise SwapExclusionError(
                     f"activation swap excludes capturing a backward whose forward ran outside"
                     f" the capture: the backward of {self.name!r} began while the current"
