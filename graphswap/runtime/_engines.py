@@ -91,8 +91,8 @@ class CopyEngine(abc.ABC):
     pin: bool
     """Whether host buffers for this engine are pinned (page-locked)."""
 
-    fills_records = False
-    """Whether the runtime may call ``offload_into`` (the built-in engine's, internal)
+    _fills_records = False
+    """Whether the runtime may call ``_offload_into`` (the built-in engine's, internal)
     instead of ``offload``: a user's engine is asked through ``offload`` only."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -309,7 +309,7 @@ not by ``isinstance`` (an ABC's is a Python call)."""
 class _Offload(Copy):
     """A copy to host: its batch, the stream that produced the source, and the source.
 
-    The engine fills these fields (``AcceleratorCopyEngine.offload_into``): of a record
+    The engine fills these fields (``AcceleratorCopyEngine._offload_into``): of a record
     ``offload`` makes, or of the runtime's own per-storage record (``_handles._Entry``,
     a subclass), so that a swapped storage costs one object, not two."""
 
@@ -447,20 +447,20 @@ class AcceleratorCopyEngine(CopyEngine):
             lane = self._lanes[device] = _Lane(self._open(device))
         return lane
 
-    fills_records = True
-    """``offload_into`` serves for ``offload``: false in a subclass that overrides
+    _fills_records = True
+    """``_offload_into`` serves for ``offload``: false in a subclass that overrides
     ``offload``, whose offloads the runtime then asks for through it."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.fills_records = cls.offload is AcceleratorCopyEngine.offload
+        cls._fills_records = cls.offload is AcceleratorCopyEngine.offload
 
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
         record = _Offload()
-        self.offload_into(record, src, host, after)
+        self._offload_into(record, src, host, after)
         return record
 
-    def offload_into(
+    def _offload_into(
         self, record: _Offload, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]
     ) -> None:
         """``offload``, its fields written into ``record`` (the runtime's entry for the

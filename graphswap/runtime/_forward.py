@@ -189,11 +189,11 @@ class _Forward(dict[int, _Entry]):
                 src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
                 host = buf.view(torch.uint8, src.size(), nbytes)
                 first = layout_in(local, host)
-            if engine.fills_records:  # the built-in engine: the entry is the offload's record
+            if engine._fills_records:  # the built-in engine: the entry is the offload's record
                 entry = _Entry(
                     ctx, self.group.name, stats, device, engine, nbytes, buf, host, None, first
                 )  # ``device``: the one object of its device (``_Context.first_engine``)
-                engine.offload_into(entry, src, host, buf.last_use)  # type: ignore[attr-defined]
+                engine._offload_into(entry, src, host, buf.last_use)  # type: ignore[attr-defined]
             else:
                 copy = engine.offload(src, host, buf.last_use)
                 entry = _Entry(

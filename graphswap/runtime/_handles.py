@@ -88,8 +88,8 @@ built without a Python call: most tensors a decoder layer saves are kept."""
 class _Entry(_Offload):
     """One storage copied to host: shared by every handle that aliases it.
 
-    With the built-in engine (``CopyEngine.fills_records``) the entry is its own offload
-    record: the engine writes the copy's fields into it (``offload_into``), and
+    With the built-in engine (``CopyEngine._fills_records``) the entry is its own offload
+    record: the engine writes the copy's fields into it (``_offload_into``), and
     ``offload`` is None; with another engine ``offload`` is the ``Copy`` it returned.
     ``copy()`` is the offload either way.
 
