@@ -10,7 +10,8 @@ imports included):
 - ``_context.py``: ``_Context``, what every forward of one manager shares (copy engines,
   host pool, offloads in flight, lock, capture flag) and the module boundary.
 - ``_forward.py``: ``_Forward``, one forward call of a wrapped module, which is its pack
-  hook and owns its offloads, their release, its prefetch and its backward begin.
+  hook and the dict of its offloads, and owns their release, its prefetch and its
+  backward begin.
 - ``_handles.py``: per-tensor handles (a kept tensor's tuple, ``_Swapped``, ``_Entry``),
   the in-place check (``SwapIntegrityError``), reloads, unpack (``unpack_hook``) and
   lifetimes.
