@@ -277,10 +277,6 @@ def _result(
         "median_step_s": medians,
         "step_times_s": times,
         "median_first_step_s": first_medians,
-        "us_per_swapped_tensor_on_first_step_by_mode": {
-            mode: (first_medians[mode] - medians[mode]) / tensors * 1e6 if tensors else None
-            for mode in medians
-        },
         "per_step": {
             "offloaded_tensors": tensors,
             "offloaded_bytes": stats[judged].offloaded_bytes,
