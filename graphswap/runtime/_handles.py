@@ -271,7 +271,7 @@ class _Swapped:
                     ctx.not_freed(entry.stats, entry.nbytes, entry.name)
             if reload is not None:
                 entry.reload = None
-            if entry.offload is None:  # its offloads ran in order on one stream
+            if offload is entry:  # its offloads ran in order on one stream
                 ctx.pool.release(buf, () if reload is None else (reload,))
             elif reload is None:
                 ctx.pool.release(buf, (offload,))
