@@ -38,7 +38,7 @@ _task_id = torch._C._current_graph_task_id
 """The autograd graph task running now (-1: none): read at every unpack."""
 
 
-def _integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
+def integrity_error(name: str, size: torch.Size, saved: int, now: int) -> SwapIntegrityError:
     return SwapIntegrityError(
         f"a tensor of shape {tuple(size)} saved for backward by {name!r} was modified by an"
         f" in-place operation (version {saved} when saved, {now} now); clone it before"
@@ -62,6 +62,18 @@ def layout_in(local: torch.Tensor, host: torch.Tensor) -> Layout | None:
 _NO_BYTES: dict[torch.device, torch.Tensor] = {}
 """One empty tensor per device: what a swapped tensor's version alias holds instead of
 its bytes."""
+
+
+def version_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` (a plain tensor, above autograd) that shares its version counter,
+    and so every view's and detached alias's, and holds none of its bytes: what an
+    in-place check keeps when the tensor itself is not kept."""
+    alias = t.detach()
+    empty = _NO_BYTES.get(t.device)
+    if empty is None:
+        empty = _NO_BYTES[t.device] = torch.empty(0, device=t.device)
+    alias.data = empty
+    return alias
 
 
 class Saver(Protocol):
@@ -328,7 +340,7 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
             fwd.backward_begins()
         now = alias._version
         if now != version:
-            raise _integrity_error(fwd.name, alias.size(), version, now)
+            raise integrity_error(fwd.name, alias.size(), version, now)
         return alias
     fwd = packed.forward
     task = _task_id()
@@ -341,7 +353,7 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
         host = entry.host
         assert host is not None  # a live handle's entry holds its host copy
         size = packed.layout[2] if packed.layout is not None else host.size()
-        raise _integrity_error(fwd.name, size, entry.version, now)
+        raise integrity_error(fwd.name, size, entry.version, now)
     lock = entry.ctx.lock
     lock.acquire()  # not ``with``: it makes two bound methods a call
     try:

@@ -14,6 +14,12 @@ decided per submodule rather than per tensor:
   inputs by autograd's version counter (the in-place error), and the RNG state is
   restored before the region runs again, so the result is bitwise the forward's.
 
+What the region saves is dropped, so autograd never unpacks it and never checks it:
+a tensor the region saved and a caller then changed in place (an output kept by a
+forward hook) would be regenerated from the inputs, where plain PyTorch raises. The
+region's forward keeps each dropped save's version counter (an alias holding none of
+its bytes), and its recompute raises the same in-place error first when one moved.
+
 With ``save_matmuls`` only what lies between the region's matrix multiplications runs
 again (activations, products, gathers, the router's softmax: memory-bound work), the
 way a selective checkpoint policy that saves matmuls does. Torch's own selective
@@ -48,10 +54,10 @@ from torch.utils.checkpoint import checkpoint
 
 from graphswap.errors import (
     GraphswapTypeError,
-    SwapIntegrityError,
     SwapSetupError,
     SwapStateError,
 )
+from graphswap.runtime._handles import integrity_error, version_alias
 from graphswap.runtime.policy import is_parameter_like
 
 _STATE_ATTR = "_graphswap_recompute_state"
@@ -94,26 +100,32 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 class _Packed:
     """One matmul output as the outer hooks packed it."""
 
-    __slots__ = ("handle", "output", "version")
+    __slots__ = ("handle", "outputs")
 
-    def __init__(self, handle: Any, output: weakref.ref[torch.Tensor], version: int) -> None:
+    def __init__(self, handle: Any, output: torch.Tensor) -> None:
         self.handle = handle
         """What the outer pack hook returned."""
-        self.output = output
-        """The output itself, weakly: what an in-place change would change. Below
-        autograd, a detached alias does not share its version counter."""
-        self.version = version
-        """Its version when packed."""
+        self.outputs: list[tuple[weakref.ref[torch.Tensor], int]] = [
+            (weakref.ref(output), output._version)
+        ]
+        """The output and every tensor the region made of its storage since (a linear
+        layer's ``_unsafe_view`` of it, which autograd gives a version counter of its
+        own: the tensor a caller holds), each weakly with its version then: what an
+        in-place change would change. Below autograd, a detached alias does not share
+        its version counter."""
+
+    def watch(self, alias: torch.Tensor) -> None:
+        """Check ``alias``, a tensor of the output's storage, too."""
+        self.outputs.append((weakref.ref(alias), alias._version))
 
     def check(self) -> None:
         """Autograd's in-place error, when the output was changed since it was packed."""
-        output = self.output()
-        if output is not None and output._version != self.version:
-            raise SwapIntegrityError(
-                "one of the variables needed for gradient computation has been modified by "
-                "an inplace operation: a matmul output that a recomputed region saved is at "
-                f"version {output._version}; expected version {self.version} instead"
-            )
+        for ref, version in self.outputs:
+            output = ref()
+            if output is not None and output._version != version:
+                raise integrity_error(
+                    "a recomputed region (a matmul output)", output.size(), version, output._version
+                )
 
 
 _RERUN = object()
@@ -139,6 +151,9 @@ class _SavedMatmuls:
         self.storages: dict[int, StorageWeakRef] = {}
         """Storages of the packed outputs, by address: saves of them are not dropped by
         recompute (the weak reference tells a later storage at a reused address apart)."""
+        self.by_storage: dict[int, _Packed] = {}
+        """The packed output of each of those storages, by address: a tensor the region
+        makes of one is checked with it."""
 
     def contexts(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         """The checkpoint's ``context_fn``: one mode for the forward, one for the recompute."""
@@ -155,6 +170,11 @@ class _SaveMatmuls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if func not in _MATMULS:
+            if self.saved.by_storage and isinstance(out, torch.Tensor):
+                key = out.untyped_storage()._cdata
+                packed = self.saved.by_storage.get(key)
+                if packed is not None and not self.saved.storages[key].expired():
+                    packed.watch(out)
             return out
         calls = self.saved.packed.setdefault(func, [])
         if out.shape[-1] == self.saved.rerun_width:
@@ -170,9 +190,11 @@ class _SaveMatmuls(TorchDispatchMode):
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args
             ):
                 alias.requires_grad_(True)
-            calls.append(_Packed(self.saved.pack(alias), weakref.ref(out), out._version))
+            packed = _Packed(self.saved.pack(alias), out)
+            calls.append(packed)
             storage = out.untyped_storage()
             self.saved.storages[storage._cdata] = StorageWeakRef(storage)
+            self.saved.by_storage[storage._cdata] = packed
         return out
 
 
@@ -222,49 +244,76 @@ def _reduce_recompute_class(cls: _RecomputeClassMeta) -> tuple[Any, tuple[type]]
 copyreg.pickle(_RecomputeClassMeta, _reduce_recompute_class)
 
 
-def _counted(
-    original: Callable[..., Any], counter: RecomputeCounter, kept: dict[int, StorageWeakRef]
-) -> Callable[..., Any]:
-    """``original``, counting on its first call (the forward, not the recompute) what
-    the checkpoint's hooks drop: non-parameter storages other than those in ``kept``
-    (the inputs', and the saved matmul outputs' as they are made)."""
-    done = False
+class _Region:
+    """What a recomputed region's checkpoint runs: ``original``, whose first call is the
+    forward and every later one a recompute.
 
-    def run(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        nonlocal done
-        if done:
-            return original(module, *args, **kwargs)
-        done = True
+    The forward runs under hooks between the checkpoint's and its saves: they keep each
+    dropped save's version counter and count the dropped storages for ``counter``. A
+    recompute first raises autograd's in-place error when one of those saves was changed
+    since (plain PyTorch raises there at unpack, and the recompute would otherwise
+    regenerate it as it was).
+    """
+
+    __slots__ = ("counter", "kept", "original", "ran", "saves")
+
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        counter: RecomputeCounter | None,
+        kept: dict[int, StorageWeakRef],
+    ) -> None:
+        self.original = original  # the module's own forward
+        self.counter = counter  # told the forward's dropped tensors and bytes; None: not counted
+        self.kept = kept
+        """Storages the checkpoint does not drop, by address (the inputs', and the saved
+        matmul outputs' as they are made): not counted."""
+        self.ran = False  # the forward ran: a call now is a recompute
+        self.saves: list[tuple[torch.Tensor, torch.Size, int]] = []
+        """Each dropped save as a version alias (its counter, none of its bytes) with its
+        size and its version when saved. Parameters are not watched: torch's checkpoint recomputes
+        with them as they are, and FSDP2 refills them between forward and backward."""
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.ran:
+            for alias, size, version in self.saves:
+                if alias._version != version:
+                    cls = getattr(type(module), "_graphswap_original", type(module))
+                    name = f"{cls.__name__} (recomputed)"
+                    raise integrity_error(name, size, version, alias._version)
+            return self.original(module, *args, **kwargs)
+        self.ran = True
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         assert top is not None, "the checkpoint's hooks are on top inside its region"
         pack, unpack = top
-        # Storages counted, by address: a dropped save may die inside the region and
-        # its address be reused, so a weak reference tells a new storage from it.
+        saves, kept = self.saves, self.kept
+        # Storages counted, by address: a dropped save may die inside the region and its
+        # address be reused, so a weak reference tells a new storage from it.
         seen: dict[int, StorageWeakRef] = {}
         totals = [0, 0]  # tensors, bytes
 
-        def count(t: torch.Tensor) -> Any:
-            storage = t.untyped_storage()
-            key = storage._cdata
-            held = kept.get(key)
-            if (held is None or held.expired()) and not is_parameter_like(t):
-                known = seen.get(key)
-                if known is None or known.expired():
+        def save(t: torch.Tensor) -> Any:
+            if not is_parameter_like(t):
+                if type(t) is torch.Tensor:
+                    saves.append((version_alias(t), t.size(), t._version))
+                storage = t.untyped_storage()
+                key = storage._cdata
+                held, known = kept.get(key), seen.get(key)
+                if (held is None or held.expired()) and (known is None or known.expired()):
                     seen[key] = StorageWeakRef(storage)
                     totals[0] += 1
                     totals[1] += storage.nbytes()
             return pack(t)
 
-        with torch.autograd.graph.saved_tensors_hooks(count, unpack):
-            out = original(module, *args, **kwargs)
-        # Autograd may keep ``count`` with each save (torch 2.9 does): the weak
-        # references go now, not with the saves, so no storage outlives its region's
-        # forward for them (a storage's Python object is what reports its death).
+        with torch.autograd.graph.saved_tensors_hooks(save, unpack):
+            out = self.original(module, *args, **kwargs)
+        # Autograd may keep ``save`` with each save (torch 2.9 does): the weak references
+        # go now, not with the saves, so no storage outlives its region's forward for them
+        # (a storage's Python object is what reports its death).
         seen.clear()
-        counter(totals[0], totals[1])
+        if self.counter is not None:
+            self.counter(totals[0], totals[1])
         return out
-
-    return run
 
 
 def run_recomputed(
@@ -278,13 +327,14 @@ def run_recomputed(
     rerun_to_input_width: bool = False,
 ) -> Any:
     """``forward(module, *args, **kwargs)`` under a non-reentrant checkpoint: what it
-    saves is dropped and made again in backward (``counter`` told what was dropped);
-    ``save_matmuls``: its matmul outputs are saved through the hooks around it instead,
-    but for those as wide as its first input with ``rerun_to_input_width``. What a
-    recompute-wrapped module runs, and a swap-wrapped layer recomputed whole."""
-    run = forward
+    saves is dropped and made again in backward (``counter`` told what was dropped), and
+    a dropped save changed in place since is autograd's error there; ``save_matmuls``:
+    its matmul outputs are saved through the hooks around it instead, but for those as
+    wide as its first input with ``rerun_to_input_width``. What a recompute-wrapped
+    module runs, and a swap-wrapped layer recomputed whole."""
     options: dict[str, Any] = {}
     kept: dict[int, StorageWeakRef] = {}
+    saved: _SavedMatmuls | None = None
     if save_matmuls:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         width = first.shape[-1] if rerun_to_input_width and first is not None else None
@@ -296,11 +346,14 @@ def run_recomputed(
             if isinstance(arg, torch.Tensor):
                 storage = arg.untyped_storage()
                 kept[storage._cdata] = StorageWeakRef(storage)
-        run = _counted(forward, counter, kept)
+    region = _Region(forward, counter, kept)
     try:
-        return checkpoint(run, module, *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(region, module, *args, use_reentrant=False, **options, **kwargs)
     finally:
-        kept.clear()  # needed while the forward counts; the recompute reads none of it
+        # Needed while the forward runs; the recompute reads none of it.
+        kept.clear()
+        if saved is not None:
+            saved.by_storage.clear()
 
 
 def _recompute_class(cls: type[torch.nn.Module]) -> type:

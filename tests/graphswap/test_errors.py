@@ -187,7 +187,7 @@ def test_every_raise_raises_a_graphswap_error() -> None:
         ("raise ValueError('x')", "ValueError"),
         ("raise RewriteError", "RewriteError"),
         ("raise errors.SwapSetupError('x')", "SwapSetupError"),
-        ("error = _integrity_error\nraise error('m', (1,), 0, 1)", "SwapIntegrityError"),
+        ("error = integrity_error\nraise error('m', (1,), 0, 1)", "SwapIntegrityError"),
         ("raise _traced_exclusion_error()('x')", "SwapExclusionError"),
     ],
 )
@@ -197,7 +197,7 @@ def test_the_walk_tells_what_a_raise_raises(source: str, raised: str) -> None:
     vars(module).update(
         errors=errors,
         RewriteError=errors.RewriteError,
-        _integrity_error=_handles._integrity_error,
+        integrity_error=_handles.integrity_error,
         _traced_exclusion_error=_group._traced_exclusion_error,
     )
     body = "".join(f"    {line}\n" for line in source.split("\n"))

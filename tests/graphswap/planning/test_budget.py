@@ -310,8 +310,50 @@ def test_save_matmuls_raises_when_a_saved_matmul_output_was_changed_in_place() -
     h, squared = module(torch.randn(4, 8, requires_grad=True))
     with torch.no_grad():
         h.add_(1)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
         squared.sum().backward()
+
+
+def test_save_matmuls_never_recomputes_from_a_matmul_output_changed_in_place() -> None:
+    """A linear layer over a 3-d input hands its caller an ``_unsafe_view`` of the matmul
+    output, with a version counter of its own. Changed in place, it changes the bytes
+    the recompute reads back, even where no operator saved it (and plain PyTorch, which
+    never reads it again, does not raise): an error, never a gradient from the changed
+    bytes."""
+
+    class Shifted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.proj(x)
+            y = h + 1  # saves nothing: only ``y`` is saved, by the product
+            return h, y * y
+
+    module = recompute_wrapper(Shifted(), save_matmuls=True)
+    h, out = module(torch.randn(2, 4, 8, requires_grad=True))
+    with torch.no_grad():
+        h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        out.sum().backward()
+
+
+def test_recompute_raises_where_a_dropped_save_was_changed_in_place() -> None:
+    """A whole region recomputed (no save kept) still raises where plain PyTorch
+    raises: the recompute would otherwise regenerate the changed tensor as it was."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 8))
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    kept: list[torch.Tensor] = []
+    mlp[0].register_forward_hook(lambda _m, _a, out: kept.append(out))
+    for wrap in (False, True):
+        if wrap:
+            recompute_wrapper(mlp)
+        out = mlp(x).sum()
+        with torch.no_grad():
+            kept.pop().mul_(2)
+        with pytest.raises(RuntimeError, match=r"modified by an in-?place operation"):
+            out.backward()
 
 
 def test_save_matmuls_leaves_nothing_behind_when_backward_never_runs() -> None:
