@@ -1,16 +1,22 @@
 """``activation_swap: auto`` at run time: a plan's per-layer choice, carried out.
 
-The plan (:func:`graphswap.planning.plan_memory` with ``activation_swap="auto"``) names, per
-decoder layer, the saves to swap by their index in the layer's forward, with their
-shape and dtype. The swap runtime counts the pack calls of each forward the way the
-trace numbers saves (every call, parameters and repeated saves of one storage too)
-and tells the policy the index (``decide(t, index)``). A planned index whose tensor
-has the planned shape and dtype is swapped; one that differs stays on device, is
-counted (the policy's ``mismatched_tensors``, the manager's ``stats.plan_mismatches``),
-and warned about once per model; :meth:`AutoSwap.check`, which the rewrite report's
-``check()`` calls, turns the count into an error naming the settings the plan was made
-for. A model built by ``graphswap.train.build.from_config`` at one shape and run at another
-is thus never silently unswapped.
+The plan (:func:`graphswap.planning.plan_memory` with ``activation_swap="auto"`` or
+``"budget"``) lists, per decoder layer, every save of its forward with its shape and
+dtype, and names the saves to swap by their index. The swap runtime counts the pack
+calls of each forward the way the trace numbers saves (every call, parameters and
+repeated saves of one storage too) and tells the policy the index (``decide(t,
+index)``). A planned index whose tensor has the planned shape and dtype is swapped.
+
+Every step is checked against the plan it runs under: a save the policy is asked
+about with another shape or dtype than the plan's (another sequence length or batch,
+autocast's dtype around weights of another) stays on device; and each layer's
+recomputed and offloaded bytes per forward are compared with the plan's at the start
+of the next step (and by :meth:`AutoSwap.check`), since a plan that swaps nothing asks
+the policy about few saves. Either is counted (the manager's ``stats.plan_mismatches``)
+and warned about once per model, naming what differs and the settings the plan was
+made for; :meth:`AutoSwap.check`, which the rewrite report's ``check()`` calls, turns
+the count into an error. A model built at one shape and run at another is thus never
+silently unswapped, nor a budget silently exceeded.
 """
 
 from __future__ import annotations
@@ -61,12 +67,43 @@ class AutoSwapMismatchWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Mismatch:
-    """A planned save that the model made with another shape or dtype."""
+    """A save that the model made with another shape or dtype than planned."""
 
     layer: str
     index: int
-    planned: tuple[tuple[int, ...], torch.dtype]
+    planned: tuple[tuple[int, ...], torch.dtype] | None
+    """``None``: the plan's forward made fewer saves."""
     found: tuple[tuple[int, ...], torch.dtype]
+
+    def describe(self) -> str:
+        """What differs, in the words of the settings a user changes."""
+        said = f"{self.layer} save #{self.index} is {_describe(*self.found)}"
+        if self.planned is None:
+            return f"{said}, a save the plan's forward does not make"
+        said = f"{said}, but the plan expects {_describe(*self.planned)}"
+        found, planned = self.found[1], self.planned[1]
+        if found != planned and found.is_floating_point and found.itemsize < planned.itemsize:
+            # Autocast is off inside saved-tensor hooks, where this is found: it cannot be
+            # asked, only named as what computes in a narrower dtype than the weights.
+            said += f" (the step computes in {_dtype_name(found)}: autocast's dtype, under it)"
+        return said
+
+
+@dataclass(frozen=True)
+class BytesMismatch:
+    """A layer's forward recomputed or offloaded other bytes than planned."""
+
+    layer: str
+    what: str
+    """``recomputed`` or ``offloaded``."""
+    planned: int
+    found: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.layer} {self.what} {self.found} bytes in one forward where the plan"
+            f" {self.what} {self.planned}"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,15 +119,16 @@ class CopyBandwidth:
         return min(self.device_to_host_gbps, self.host_to_device_gbps)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    return f"{shape} {str(dtype).removeprefix('torch.')}"
+    return f"{shape} {_dtype_name(dtype)}"
 
 
-def _met_and_planned(mismatch: Mismatch, made_for: str) -> str:
-    return (
-        f"{mismatch.layer} save #{mismatch.index} is {_describe(*mismatch.found)}, but the"
-        f" plan made for {made_for} expects {_describe(*mismatch.planned)}"
-    )
+def _met_and_planned(mismatch: Mismatch | BytesMismatch, made_for: str) -> str:
+    return f"{mismatch.describe()} (plan made for {made_for})"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -99,8 +137,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+_NEVER = 1 << 62
+"""The index a policy asked about nothing yet is taken to have been asked about last."""
+
+
 class AutoSwapPolicy:
-    """Swaps exactly the saves one layer's plan chose, each checked by shape and dtype."""
+    """Swaps exactly the saves one layer's plan chose; every save it is asked about is
+    checked by shape and dtype against the plan's save at that index."""
 
     def __init__(
         self, layer: LayerPlan, on_mismatch: Callable[[Mismatch], None] | None = None
@@ -110,31 +153,54 @@ class AutoSwapPolicy:
         self.planned: dict[int, tuple[tuple[int, ...], torch.dtype]] = {
             save.index: (save.shape, save.dtype) for save in layer.swapped_saves
         }
+        """The saves to swap, by index: their shape and dtype."""
+        self.expected: tuple[tuple[tuple[int, ...], torch.dtype], ...] = tuple(
+            (save.shape, save.dtype) for save in layer.saved_tensors
+        )
+        """Every save of the planned forward, by index: its shape and dtype."""
         self.mismatched_tensors = 0
         self.first_mismatch: Mismatch | None = None
         self.on_mismatch = on_mismatch
         """Told of every mismatch (:class:`AutoSwap`: the warning and the stats)."""
+        self.on_forward: Callable[[], None] | None = None
+        """Told when a forward of the layer begins (its first save asked about):
+        :class:`AutoSwap` checks the step before it there."""
+        self._last = _NEVER  # the index asked about last: one no greater begins a forward
 
     def decide(self, t: torch.Tensor, index: int) -> CheckpointPolicy:
-        planned = self.planned.get(index)
-        if planned is None:
-            return CheckpointPolicy.MUST_SAVE
+        if index <= self._last and self.on_forward is not None:
+            self.on_forward()
+        self._last = index
         shape = t.shape if type(t) is torch.Tensor else _local(t).shape
-        if shape == planned[0] and t.dtype == planned[1]:
-            return CheckpointPolicy.MUST_SWAP
+        expected = self.expected
+        if index < len(expected):
+            planned = expected[index]
+            if shape == planned[0] and t.dtype == planned[1]:
+                return _MUST_SWAP if index in self.planned else _MUST_SAVE
+        else:
+            planned = None
         self.mismatched_tensors += 1
         mismatch = Mismatch(self.layer, index, planned, (tuple(shape), t.dtype))
         if self.first_mismatch is None:
             self.first_mismatch = mismatch
         if self.on_mismatch is not None:
             self.on_mismatch(mismatch)
-        return CheckpointPolicy.MUST_SAVE
+        return _MUST_SAVE
 
     def __call__(self, t: torch.Tensor) -> CheckpointPolicy:
         raise GraphswapTypeError(
             "auto_swap_policy decides by the save's index in the layer's forward: run it "
             "under a graphswap SwapManager, which calls decide(t, index)"
         )
+
+
+_MUST_SWAP = CheckpointPolicy.MUST_SWAP
+_MUST_SAVE = CheckpointPolicy.MUST_SAVE
+
+_REPLAN = (
+    "run the model at the settings the plan was made for, or plan the step it runs (its"
+    " seq_len, batch_size, and dtype: autocast's when the step runs under autocast)"
+)
 
 
 class AutoSwap:
@@ -159,6 +225,14 @@ class AutoSwap:
         self.made_for = made_for
         self.measured = measured
         self.policies = [AutoSwapPolicy(layer) for layer in plan.layers]
+        self.mismatched_forwards = 0
+        """Layer forwards whose recomputed or offloaded bytes differed from the plan's."""
+        self._first_bytes_mismatch: BytesMismatch | None = None
+        self._manager: SwapManager | None = None  # the rewrite's, once the rule wrapped a layer
+        self._names: list[str] = [layer.name for layer in plan.layers]
+        """Each layer's group name with the manager (its path in the rewritten model)."""
+        self._counted: dict[str, tuple[int, ...]] | None = None
+        """Each group's counters when the current step began (:meth:`_counters`)."""
         self._warned = False
 
     def rule(self) -> Rule:
@@ -191,6 +265,10 @@ class AutoSwap:
     def _wrap(self, module: nn.Module, ctx: RuleContext) -> nn.Module:
         policy = self.policies[ctx.index]
         policy.on_mismatch = functools.partial(self._mismatched, ctx.manager, ctx.fqn)
+        self._manager = ctx.manager
+        self._names[ctx.index] = ctx.fqn
+        if ctx.index == 0:
+            policy.on_forward = self._step_begins
         recomputed = self.plan.layers[ctx.index].recomputed
         if recomputed == ("",):  # the whole layer: recomputed inside its own swap
             return swap_wrapper(
@@ -220,21 +298,68 @@ class AutoSwap:
                     unwrap_recompute(unit)
             raise
 
-    def _mismatched(self, manager: SwapManager, group: str, mismatch: Mismatch) -> None:
-        """A planned save met with another shape or dtype: counted in the stats of the
-        group that made it, and warned about once, since a model built at one shape and
-        run at another would otherwise swap nothing without a word."""
+    def _counters(self) -> dict[str, tuple[int, ...]]:
+        """Per group: recomputed bytes, offloaded bytes, and the saves the swap kept for
+        a counted reason (which make offloaded bytes differ from the plan's anyway)."""
+        assert self._manager is not None
+        return {
+            name: (
+                group.recomputed_bytes,
+                group.offloaded_bytes,
+                group.kept_tensors + group.plan_mismatches,
+            )
+            for name, group in self._manager.stats.per_group.items()
+        }
+
+    def _step_begins(self) -> None:
+        """The first layer's forward begins: check the step before it, layer by layer."""
+        counted = self._counters()
+        if self._counted is not None:
+            self._check_bytes(self._counted, counted)
+        self._counted = counted
+
+    def _check_bytes(
+        self, before: dict[str, tuple[int, ...]], after: dict[str, tuple[int, ...]]
+    ) -> None:
+        """Each layer's recomputed and offloaded bytes between ``before`` and ``after``
+        (one step) against the plan's; a step the stats were reset in is not checked."""
+        if any(after[name][i] < before[name][i] for name in after for i in range(3)):
+            return
+        assert self._manager is not None
+        for layer, name in zip(self.plan.layers, self._names, strict=True):
+            now, then = after[name], before[name]
+            recomputed, offloaded, kept = (a - b for a, b in zip(now, then, strict=True))
+            if not (recomputed or offloaded or kept):
+                continue  # the layer did not run (a forward under no_grad): nothing to check
+            found: BytesMismatch | None = None
+            if recomputed != layer.recomputed_bytes:
+                found = BytesMismatch(name, "recomputed", layer.recomputed_bytes, recomputed)
+            elif not kept and offloaded != layer.offloaded_bytes:
+                found = BytesMismatch(name, "offloaded", layer.offloaded_bytes, offloaded)
+            if found is not None:
+                self.mismatched_forwards += 1
+                if self._first_bytes_mismatch is None:
+                    self._first_bytes_mismatch = found
+                self._mismatched(self._manager, name, found)
+
+    def _mismatched(
+        self, manager: SwapManager, group: str, mismatch: Mismatch | BytesMismatch
+    ) -> None:
+        """A save met with another shape or dtype than planned, or a forward that
+        recomputed or offloaded other bytes: counted in the stats of the group that made
+        it, and warned about once, since a model built for one step and run at another
+        would otherwise swap nothing, or exceed its budget, without a word."""
         manager.count_plan_mismatch(group)
         if self._warned:
             return
         self._warned = True
         warnings.warn(
             AutoSwapMismatchWarning(
-                f"activation_swap: auto: {_met_and_planned(mismatch, self.made_for)}; every"
-                " save that differs from the plan stays on device (counted in the swap"
-                " manager's stats.plan_mismatches; the rewrite report's check() raises):"
-                " run the model at the settings the plan was made for, or build it for the"
-                " shape it runs"
+                f"activation_swap: {self.plan.activation_swap}:"
+                f" {_met_and_planned(mismatch, self.made_for)}; this step is not the one"
+                " planned: a save that differs stays on device, and what a budget bounds may"
+                " not hold (counted in the swap manager's stats.plan_mismatches; the rewrite"
+                f" report's check() raises): {_REPLAN}"
             ),
             stacklevel=2,
         )
@@ -264,16 +389,24 @@ class AutoSwap:
         return sum(policy.mismatched_tensors for policy in self.policies)
 
     def check(self) -> None:
-        """Raise :class:`AutoSwapMismatchError` if any planned save did not match."""
+        """Raise :class:`AutoSwapMismatchError` if any save or layer forward so far (the
+        last step's included) did not match the plan."""
+        if self._counted is not None:
+            self._step_begins()
+        mode = self.plan.activation_swap
         count = self.mismatched_tensors
-        if not count:
-            return
-        first = next(p.first_mismatch for p in self.policies if p.first_mismatch is not None)
-        raise AutoSwapMismatchError(
-            f"activation_swap: auto: {count} saved tensor(s) did not match the plan and stayed "
-            f"on device; first: {_met_and_planned(first, self.made_for)}; run the model at "
-            "the settings the plan was made for, or set them to what the model runs"
-        )
+        if count:
+            first = next(p.first_mismatch for p in self.policies if p.first_mismatch is not None)
+            raise AutoSwapMismatchError(
+                f"activation_swap: {mode}: {count} saved tensor(s) did not match the plan and"
+                f" stayed on device; first: {_met_and_planned(first, self.made_for)}; {_REPLAN}"
+            )
+        if self._first_bytes_mismatch is not None:
+            raise AutoSwapMismatchError(
+                f"activation_swap: {mode}: {self.mismatched_forwards} layer forward(s) did not"
+                " match the plan; first:"
+                f" {_met_and_planned(self._first_bytes_mismatch, self.made_for)}; {_REPLAN}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's data (``plan``), what it was made for and what run time found;
@@ -285,6 +418,7 @@ class AutoSwap:
             else dataclasses.asdict(self.measured),
             "swapped_bytes": self.plan.swapped_bytes,
             "mismatched_tensors": self.mismatched_tensors,
+            "mismatched_forwards": self.mismatched_forwards,
             "plan": self.plan.to_dict(),
         }
 

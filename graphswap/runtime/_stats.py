@@ -16,9 +16,10 @@ class GroupStats:
     host pool (``pool_exhausted``), a failed host allocation (``alloc_failures``), a
     stream capturing a graph (``kept_capturing``), or a storage saved again after an
     in-place change, whose copy may hold either version (``kept_changed``).
-    ``plan_mismatches`` counts saves that a planned policy (``activation_swap: auto``)
-    chose to swap but that came with another shape or dtype than planned: they stay on
-    device, and the rewrite report's ``check()`` raises. ``recomputed_tensors`` and
+    ``plan_mismatches`` counts saves that a planned policy (``activation_swap: auto`` or
+    ``budget``) met with another shape or dtype than planned (they stay on device), and
+    forwards that recomputed or offloaded other bytes than planned: the rewrite report's
+    ``check()`` raises. ``recomputed_tensors`` and
     ``recomputed_bytes`` count the storages that submodules recomputed in backward
     saved in forward and dropped (``activation_swap: budget``): never copied, never
     kept. ``offloaded_not_freed_bytes``

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,7 @@ import graphswap
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
 from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.planning.auto_swap import AutoSwapMismatchError, AutoSwapMismatchWarning
 from graphswap.planning.trace import StepShape
 from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
 from graphswap.train.build import build, from_config
@@ -407,3 +410,116 @@ def test_the_planner_traces_whole_layer_checkpointing_with_attention_on_its_kern
     assert all(w * 4 < p for w, p in zip(activations(whole), activations(plain), strict=True))
     assert compute(whole) > compute(plain)
     assert whole.attention_timing == plain.attention_timing == ("causal",)
+
+
+def _options_at(config: Any, seq_len: int, batch_size: int) -> tuple[Any, ...]:
+    """Every option a budget plan weighs at that shape, in fp32."""
+    with pytest.raises(PlanSettingError) as info:
+        plan_memory(
+            config,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            dtype=torch.float32,
+            attn_implementation=config._attn_implementation,
+            device="cpu",
+            activation_swap="budget",
+            activation_memory_budget=1,
+        )
+    return info.value.options  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture(scope="module")
+def recomputing_norms() -> Callable[[], Any]:
+    """Factory: a tiny dense model in budget mode whose plan (512 tokens, fp32)
+    recomputes the norms and swaps nothing: a plan checked through no swapped save."""
+    config = preset_config("tiny-llama", attn_implementation="sdpa")
+    config.num_hidden_layers = 2
+    norms = min(o.peak_bytes for o in _options_at(config, 512, 2) if o.recompute == ("norms",))
+
+    def make() -> Any:
+        trainer = TrainerConfig(
+            activation_swap="budget",
+            activation_memory_budget=norms,
+            seq_len=512,
+            batch_size=2,
+            attn_implementation="sdpa",
+        )
+        torch.manual_seed(0)
+        built = build(trainer, hf_config=copy.deepcopy(config))
+        assert built.auto_swap is not None
+        plan = built.auto_swap.plan
+        assert plan.recompute == ("norms",) and plan.swapped_bytes == 0
+        return built
+
+    return make
+
+
+def _steps(model: torch.nn.Module, seq_len: int, autocast: bool = False) -> list[str]:
+    """Two steps at ``seq_len`` (under bf16 autocast with ``autocast``), then the rewrite
+    report's check: the plan-mismatch warnings they raised, and check()'s error."""
+    ids = torch.randint(0, model.config.vocab_size, (2, seq_len))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        try:
+            graphswap.rewrite_report(model).check()
+            error = ""
+        except AutoSwapMismatchError as raised:
+            error = str(raised)
+    said = [str(w.message) for w in caught if issubclass(w.category, AutoSwapMismatchWarning)]
+    return [*said, error]
+
+
+def test_a_step_as_planned_matches_its_plan_layer_by_layer(
+    recomputing_norms: Callable[[], Any],
+) -> None:
+    built = recomputing_norms()
+    assert _steps(built.model, 512) == [""], "no warning, and check() passes"
+    stats = built.swap_manager.stats
+    assert stats.recomputed_bytes == 2 * built.auto_swap.plan.recomputed_bytes
+    assert stats.plan_mismatches == 0
+
+
+def test_a_step_under_autocast_warns_once_naming_the_dtype(
+    recomputing_norms: Callable[[], Any],
+) -> None:
+    """HF Trainer's and TRL's ``bf16=True`` around fp32 weights: a plan that swaps
+    nothing still finds the step is not the one planned."""
+    *warned, error = _steps(recomputing_norms().model, 512, autocast=True)
+    assert len(warned) == 1, "warned once per model"
+    assert "activation_swap: budget:" in warned[0] and "dtype: float32" in warned[0]
+    assert "the step computes in bfloat16: autocast's dtype" in warned[0]
+    assert error.startswith("activation_swap: budget:") and "did not match the plan" in error
+
+
+def test_whole_layer_recompute_under_autocast_warns_naming_the_bytes() -> None:
+    """The whole layer recomputed saves only its inputs, which autocast leaves in fp32:
+    the step differs from the plan only in what the recompute drops, and that warns at
+    the next step's start."""
+    config = preset_config("tiny-llama", attn_implementation="sdpa")
+    config.num_hidden_layers = 2
+    smallest = min(o.peak_bytes for o in _options_at(config, 512, 2))
+    trainer = TrainerConfig(
+        activation_swap="budget",
+        activation_memory_budget=smallest,
+        seq_len=512,
+        batch_size=2,
+        attn_implementation="sdpa",
+    )
+    built = build(trainer, hf_config=config)
+    assert built.auto_swap is not None and built.auto_swap.plan.recompute == ("layer",)
+    *warned, error = _steps(built.model, 512, autocast=True)
+    assert len(warned) == 1 and re.search(r"recomputed \d+ bytes in one forward", warned[0])
+    assert "layer forward(s) did not match the plan" in error
+
+
+def test_a_longer_step_than_planned_warns_naming_both_lengths(
+    recomputing_norms: Callable[[], Any],
+) -> None:
+    *warned, error = _steps(recomputing_norms().model, 1024)
+    assert len(warned) == 1 and "seq_len: 512" in warned[0]
+    assert re.search(r"is \(2, 1024(, \d+)*\)", warned[0])
+    assert "did not match the plan" in error

@@ -126,7 +126,7 @@ def test_sft_trainer_trains_a_rewritten_model_like_the_plain_one(
     made for float32 meets bfloat16 saves there: each stays on device, warned about."""
     net = model(preset, mode)
     if mode == "auto":
-        with pytest.warns(AutoSwapMismatchWarning, match="bfloat16, but the plan made for"):
+        with pytest.warns(AutoSwapMismatchWarning, match="bfloat16, but the plan expects"):
             losses = sft(net, tmp_path)
     else:
         losses = sft(net, tmp_path)
