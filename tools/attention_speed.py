@@ -6,6 +6,7 @@ device at hand: the achieved rate of ``F.scaled_dot_product_attention(is_causal=
 over the causal FLOPs the planner counts (``graphswap.runtime.profile.causal_share``),
 and the rate of a plain matmul beside it, then prints the profile spec that carries the
 measured figure (``h200,attention_efficiency=...``) for ``plan-memory --profile``.
+With ``--out-dir`` it writes ``attention-speed.json`` there, the date and device inside.
 
     python tools/attention_speed.py --device cuda --out-dir OUT
     python tools/attention_speed.py --device cpu --seq 256 --repeats 1   (a rehearsal)
@@ -14,6 +15,7 @@ measured figure (``h200,attention_efficiency=...``) for ``plan-memory --profile`
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import time
 from collections.abc import Callable
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir is not None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         record = {
+            "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."),
             "profile": profile.name,
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             "attention_efficiency": efficiency,
             "profile_spec": spec,
         }
-        (args.out_dir / "attention.json").write_text(json.dumps(record, indent=2) + "\n")
+        (args.out_dir / "attention-speed.json").write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

@@ -249,8 +249,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"Model: preset `{cfg['preset']}`, {cfg['layers']} layers, {cfg['dtype']}, "
         f"attention `{cfg['attn']}`; {cfg['steps']} timed steps per mode after "
         f"{cfg['warmup']} warm-up, interleaved; a step is forward + backward, no update. "
-        f"torch {env['torch']}, transformers {env['transformers']}, {env['cpu_count']} CPUs; "
-        "deterministic algorithms on, `fill_uninitialized_memory` off.",
+        f"torch {env['torch']}, transformers {env['transformers']}, {env['cpu_count']} CPUs"
+        f"{when_and_load(env)}; deterministic algorithms on, `fill_uninitialized_memory` off.",
         "Peak allocated / reserved: `torch.cuda.max_memory_allocated` / `max_memory_reserved` "
         "around the timed steps (max over them); reserved after `empty_cache` is from one "
         "untimed step per mode. Resident: bytes of activations still on the compute device at "
@@ -262,6 +262,15 @@ def to_markdown(result: dict[str, Any]) -> str:
     if result.get("kernel_shares"):
         lines += _shares_markdown(result["kernel_shares"])
     return "\n".join(lines) + "\n"
+
+
+def when_and_load(env: dict[str, Any]) -> str:
+    """When the run started and the machine's load then, where the result records them."""
+    text = f"; started {env['started_utc']}" if env.get("started_utc") else ""
+    load = env.get("load_average")
+    if load:
+        text += f", load {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
+    return text
 
 
 def _run_markdown(run: dict[str, Any]) -> list[str]:

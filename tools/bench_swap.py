@@ -10,7 +10,9 @@ the independent resident-bytes tracker runs only in separate, untimed steps.
 Deterministic algorithms stay on (identical gradients are checked) with
 ``fill_uninitialized_memory`` off, which would otherwise memset every ``empty``.
 The JSON and Markdown results are rewritten after every step, so a run cut short
-keeps what it measured.
+keeps what it measured. Their names carry the benchmark and the device, not the date
+(``bench-swap-cpu.json``, ``swap-overhead-cuda-h200.json``): ``bench/results/`` holds one
+current result per benchmark, and the date, machine and load are inside each file.
 
     python tools/bench_swap.py                  # CPU: tiny fp32 model, seq 512
     python tools/bench_swap.py --device cuda    # CUDA: Qwen3-30B-A3B widths, bf16, sdpa, seq 8192
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_report import targets, to_markdown
+from bench_report import targets, to_markdown, when_and_load
 from swap_modes import ATTENTION, AUTO, BUDGET, LAYER, MODES, NONE, Mode
 from swap_overhead import (
     OverheadConfig,
@@ -615,6 +617,10 @@ def environment(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # The machine's load when the run starts (1, 5, 15 minutes): other jobs on a shared
+        # machine move every figure in microseconds.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -655,7 +661,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         + "; ".join(f"{d}: {' '.join(k)}" for d, k in KERNELS.items())
         + ")",
     )
-    parser.add_argument("--tag", help="appended to the file names: <device>-<date>-<tag>.json")
+    parser.add_argument("--tag", help="appended to the file names: bench-swap-<device>-<tag>.json")
     auto = parser.add_argument_group("the auto and budget modes: their plans' link model")
     auto.add_argument("--swap-bandwidth", type=float, default=50.0, help="host link GB/s")
     auto.add_argument("--swap-tflops", type=float, default=400.0, help="compute TFLOP/s")
@@ -717,9 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     date = datetime.date.today().isoformat()
-    stem = args.out_dir / "-".join(
-        filter(None, (device_tag(device), date, "overhead" if args.overhead else None, args.tag))
-    )
+    benchmark = "swap-overhead" if args.overhead else "bench-swap"
+    stem = args.out_dir / "-".join(filter(None, (benchmark, device_tag(device), args.tag)))
     if args.overhead:
         return _main_overhead(args, device, stem, date)
     _prepare(device)
@@ -767,19 +772,44 @@ def _main_overhead(args: argparse.Namespace, device: torch.device, stem: Path, d
         blocks=args.blocks, steps=args.steps, warmup=args.warmup, seed=args.seed
     )
     head = {"date": date, "environment": environment(device)}
-    path = stem.with_suffix(".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    stem.parent.mkdir(parents=True, exist_ok=True)
 
     def save(result: dict[str, Any]) -> None:
-        write_whole(path, json.dumps(head | result, indent=2) + "\n")
+        write_whole(stem.with_suffix(".json"), json.dumps(head | result, indent=2) + "\n")
+        write_whole(stem.with_suffix(".md"), overhead_markdown(head | result))
 
     result = measure_overhead(config, device, on_round=save)
     print(overhead_table(result))
     print(target_line(result))
     print(bookkeeping_line(result))
     print(calls_line(result))
-    print(f"wrote {stem}.json")
+    print(f"wrote {stem}.json and {stem}.md")
     return 0
+
+
+def overhead_markdown(result: dict[str, Any]) -> str:
+    """The ``--overhead`` report: when and where it ran, its table and its targets."""
+    env, cfg = result["environment"], result["config"]
+    turn = (
+        f", each mode {cfg['in_a_row']} steps a turn, the last {cfg['in_a_row'] - cfg['settle']}"
+        " timed"
+        if "in_a_row" in cfg
+        else ""
+    )
+    targets = (target_line(result), bookkeeping_line(result), calls_line(result))
+    lines = [
+        f"# Host time per swapped tensor: {env['device_name']}, {result['date']}",
+        "",
+        f"`tools/bench_swap.py --overhead`: {cfg['blocks']} wrapped `Linear({cfg['width']}) +"
+        f" ReLU` blocks; {cfg['steps']} timed steps per mode after {cfg['warmup']} warm-up"
+        f" turns{turn}. torch {env['torch']}, Python {env['python']}, {env['cpu_count']} CPUs,"
+        f" {env['torch_threads']} torch thread(s){when_and_load(env)}.",
+        "",
+        overhead_table(result),
+        "",
+        *(f"- {line.removeprefix('TARGET ')}" for line in targets),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ longest sequence at a step ratio of at most ``--max-ratio`` (every shorter lengt
 fitting at that ratio too), and the ratio and peak at 32768 tokens; beside them the
 trainers' whole-layer activation checkpointing with nothing swapped, traced by the
 planner with the recompute running in backward (its peak grows with the length, so a
-bisection finds its longest). Writes Markdown and JSON to ``bench/results/``.
+bisection finds its longest). Writes ``bench/results/budget-fit.md`` (dated in its title)
+and ``.json``, replacing the last answers: git keeps the earlier ones.
 
     python tools/budget_fit.py [--models qwen3-30b-a3b llama-3.1-8b] [--max-ratio 1.03]
 """
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         f"sharded over {SHARDS}, h200, causal attention timing (tools/budget_fit.py)\n"
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"cpu-{date.today()}-budget-fit"
+    stem = args.out_dir / "budget-fit"
     stem.with_suffix(".md").write_text("\n".join([header, *sections]))
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     return 0

@@ -14,6 +14,11 @@
 # Exit status: 0 every step ran to its end; 1 a step failed or timed out; 2 bad usage, a
 # missing package, or no CUDA without --dry-run. A missed target is a summary line, not an
 # exit status.
+#
+# The result files carry stable names, the date, GPU and load inside them:
+# bench-swap-cuda-<gpu>.json/.md, swap-overhead-cuda-<gpu>.json/.md, attention-speed.json.
+# To record a GPU run, copy those into bench/results/ as they are, replacing the earlier
+# ones (git keeps them), and update the tables of docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -97,7 +102,7 @@ run_step "CUDA tests" "$TEST_LIMIT" "$OUT/cuda-tests.log" \
     "$PY" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/cuda-tests.xml" \
     tests/graphswap/runtime/test_swap_cuda.py
 run_step "benchmark" "$BENCH_LIMIT" "$OUT/bench.log" \
-    "$PY" tools/bench_swap.py "${BENCH_ARGS[@]}" --out-dir "$OUT" --tag bench
+    "$PY" tools/bench_swap.py "${BENCH_ARGS[@]}" --out-dir "$OUT"
 run_step "host overhead" "$OVERHEAD_LIMIT" "$OUT/overhead.log" \
     "$PY" tools/bench_swap.py --overhead "${OVERHEAD_ARGS[@]}" --out-dir "$OUT"
 # The planner's attention_efficiency: causal sdpa's rate against the profile's TFLOP/s.

@@ -6,7 +6,8 @@ forward), at ``offload_lag`` 1 and at the lag the plan chooses; and the step rat
 ``auto``'s choice when it was planned with every attention score timed (the old timing,
 here the causal kernel at half its rate) and replayed with the scores a causal kernel
 computes, beside the choice planned on causal timing. Then ``--fit`` per model. Writes
-a Markdown table (and the rows as JSON) to ``bench/results/``.
+``bench/results/plan-long-sequences.md`` (a dated table) and ``.json`` (the rows),
+replacing the last answers: git keeps the earlier ones.
 
     python tools/plan_long_sequences.py [--seqs 8192 16384 32768] [--no-fit]
 """
@@ -117,7 +118,8 @@ def fit_rows(name: str) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> str:
     lines = [
-        "# The planner at long sequences: causal attention timing (h200, state_shards 8)",
+        f"# The planner at long sequences, {date.today()}: causal attention timing (h200, "
+        "state_shards 8)",
         "",
         "`auto`'s bytes against the link's bound (50 GB/s x the forward time of the 47 layers "
         "that may swap), at offload_lag 1 and at the lag the plan chose; and the step ratio "
@@ -168,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows, fits)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"cpu-{date.today().isoformat()}-plan-long-sequences"
+    stem = args.out_dir / "plan-long-sequences"
     stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".json").write_text(json.dumps({"rows": rows, "fits": fits}, indent=2))
+    answers = {"date": date.today().isoformat(), "rows": rows, "fits": fits}
+    stem.with_suffix(".json").write_text(json.dumps(answers, indent=2))
     return 0
 
 

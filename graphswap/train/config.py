@@ -189,7 +189,8 @@ class TrainerConfig(
                 raise ConfigError(
                     key,
                     f"is {value} but activation_swap: none, so it would change nothing; set"
-                    f" activation_swap: attention, layer or auto, or leave {key} at {default}",
+                    " activation_swap: attention, layer, auto or budget, or leave"
+                    f" {key} at {default}",
                 )
         _check_device(self.device)
         self._check_auto_settings()

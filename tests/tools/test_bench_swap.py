@@ -64,10 +64,13 @@ def test_bench_writes_every_mode_with_identical_numbers(
         "--steps", "1", "--warmup", "0", "--share-seq", "256", "--share-kernels", "eager", "math",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    [result_file] = tmp_path.glob("cpu-*.json")
+    # One current result per benchmark and device: no date in the name, the date inside.
+    [result_file] = tmp_path.glob("*.json")
+    assert result_file.name == "bench-swap-cpu.json"
     assert result_file.with_suffix(".md").is_file()
     assert not list(tmp_path.glob("*.partial"))
     result = json.loads(result_file.read_text())
+    assert {"started_utc", "load_average"} <= set(result["environment"])
     [run] = result["runs"]
     modes = run["modes"]
     assert list(modes) == ["none", "attention", "layer", "auto", "budget", "save_on_cpu"]
@@ -137,7 +140,7 @@ def test_budget_no_plan_meets_runs_within_the_smallest_peak(
         "--budget-fraction", "0.05",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    [result_file] = tmp_path.glob("cpu-*.json")
+    result_file = tmp_path / "bench-swap-cpu.json"
     [run] = json.loads(result_file.read_text())["runs"]
     budget = run["budget_plan"]
     assert budget["asked_budget_bytes"] < budget["budget_bytes"]
@@ -155,8 +158,10 @@ def test_overhead_reports_microseconds_per_swapped_tensor(
         "--overhead", "--out-dir", str(tmp_path), "--blocks", "4", "--steps", "3", "--warmup", "1"
     )
     assert done.returncode == 0, done.stderr
-    [result_file] = tmp_path.glob("cpu-*-overhead.json")
+    [result_file] = tmp_path.glob("*.json")
+    assert result_file.name == "swap-overhead-cpu.json"
     result = json.loads(result_file.read_text())
+    assert result["date"] in result_file.with_suffix(".md").read_text()
     per_step = result["per_step"]
     # One step's: every block's input and ReLU output; parameters are never swapped.
     assert per_step["offloaded_tensors"] == 2 * 4

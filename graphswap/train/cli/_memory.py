@@ -232,7 +232,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="MEMORY",
         help="instead of one plan: the longest sequence each mode (none, attention, layer, "
-        "auto) fits in MEMORY (141GiB, 80GB; alone: the profile's memory), and its step ratio",
+        "auto, budget) fits in MEMORY (141GiB, 80GB; alone: the profile's memory), and its step "
+        "ratio",
     )
     parser.add_argument(
         "--seq-step",
