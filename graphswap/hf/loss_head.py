@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,9 @@ class LogitsTransform:
 def logits_transform(model: nn.Module) -> LogitsTransform | None:
     """The transform ``model``'s config (or, for Cohere, the model) asks for; ``None``
     where the logits go to the loss as ``lm_head`` returns them."""
-    config = model.config.get_text_config() if hasattr(model, "config") else None
+    config: Any = getattr(model, "config", None)
+    if config is not None:
+        config = config.get_text_config()
     scale = getattr(model, "logit_scale", None)
     if scale is None:
         scale = getattr(config, "logit_scale", None)

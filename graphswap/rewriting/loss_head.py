@@ -119,10 +119,11 @@ class _Call:
     ) -> torch.Tensor:
         """``ForCausalLMLoss``'s signature and result, over chunks."""
         hidden = self.hidden
-        if hidden is None or self.done:
+        if hidden is None:
+            when = "a second time in one forward" if self.done else f"before {HEAD} ran"
             raise LossHeadError(
-                f"{_name(self.model)} asked for its loss {'twice' if self.done else 'before'}"
-                f" {HEAD} ran; the chunked head computes one loss from {HEAD}'s input: {FIX}"
+                f"{_name(self.model)} asked for its loss {when}; the chunked head computes"
+                f" one loss per forward from {HEAD}'s input: {FIX}"
             )
         transform = self._transform_of(logits)
         head = getattr(self.model, HEAD)
@@ -189,8 +190,9 @@ def _refuse_sharded(model: nn.Module, weight: torch.Tensor) -> None:
     forward): each chunk's softmax needs the whole row of logits on one rank."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if isinstance(dtensor, type) and isinstance(weight, dtensor):
+        placements = getattr(weight, "placements", ())
         raise LossHeadError(
-            f"{_name(model)}.{HEAD}.weight is a DTensor sharded as {weight.placements}"
+            f"{_name(model)}.{HEAD}.weight is a DTensor sharded as {placements}"
             f" where the chunked head reads it (tensor parallelism splits the vocabulary or"
             f" the hidden width across ranks, or {HEAD} is fully_shard-ed apart from the"
             f" root), and the head computes each chunk's softmax on one rank; keep {HEAD}"
@@ -268,7 +270,7 @@ def _chunked_forward(
     ]
     state.call = call
     try:
-        output = original(model, *args, **kwargs)
+        output: Any = original(model, *args, **kwargs)
     finally:
         state.call = None
         for hook in hooks:

@@ -2,7 +2,7 @@
 
 Against the same model's own forward with labels: every gradient below the head
 bitwise equal, the loss within 1e-6 relative and ``lm_head``'s weight gradient within
-the bound of ``tests/graphswap/runtime/test_loss_head.py``, in fp32 and bf16, with
+the bound of ``tests/graphswap/runtime/test_chunked_cross_entropy.py``, in fp32 and bf16, with
 ignored labels, ``num_items_in_batch``, the MoE auxiliary loss, Gemma's softcapping and
 tied embeddings, Cohere's and Granite's logit scales. Without labels the forward is the
 model's own. The model stays the model (class name, ``isinstance``, FQNs, ``state_dict``),
