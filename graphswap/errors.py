@@ -69,3 +69,12 @@ class SwapExclusionError(GraphswapError, RuntimeError):
 class SwapIntegrityError(GraphswapError, RuntimeError):
     """A tensor saved for backward, swapped, kept or saved by a recompute region, changed
     after it was saved: its gradient would be wrong."""
+
+
+class LossHeadError(GraphswapError, ValueError):
+    """The chunked loss head cannot be installed on, or run for, this model: no
+    ``lm_head``, a forward that computes its loss otherwise than Hugging Face's
+    ``ForCausalLMLoss``, logits changed in a way the head does not reproduce, a head
+    sharded across ranks, a chunk size below 1, or a head installed twice. The message
+    names the setting (``loss_head``, ``loss_head_chunk_size``) and the fix; a refused
+    install leaves the model as it was."""

@@ -20,6 +20,7 @@ from graphswap.errors import AlreadyTransformedError
 from graphswap.passes.activation_checkpointing import apply_activation_checkpointing
 from graphswap.passes.compile import apply_compile
 from graphswap.passes.fsdp import apply_fsdp
+from graphswap.passes.loss_head import apply_loss_head
 from graphswap.passes.mesh import Meshes, resolve_meshes
 from graphswap.passes.pass_plan import PassPlan, pass_plan_of
 from graphswap.passes.specs import pass_specs
@@ -49,6 +50,9 @@ class InfrastructureResult:
     """The device mesh the distributed passes used; ``None`` when none ran."""
     auto_swap: AutoSwap | None = None
     """``activation_swap: auto`` or ``budget``: the plan and the policies carrying it out."""
+    loss_head_chunk_size: int | None = None
+    """``loss_head: chunked``: the tokens per chunk of the head installed before the first
+    pass; ``None``: the model computes its own loss."""
 
     plan = Renamed("pass_plan")  # 0.1.0's name: "plan" alone also named the memory plan
 
@@ -107,6 +111,10 @@ def apply_model_infrastructure(
 ) -> InfrastructureResult:
     """Apply the passes ``config`` asks for, in pass plan order, to ``model`` in place.
 
+    ``loss_head: chunked`` installs the chunked loss head first, before every pass:
+    it swaps the model's class, which FSDP2 and compile would have replaced, and it
+    changes no module a pass rewrites.
+
     ``mesh``: a device mesh with a ``"tp"`` and/or ``"dp_shard"`` dimension; by default
     one is built from the initialized process group when a distributed pass runs.
     ``pass_plan``: ``config``'s pass plan when the caller built it already (``graphswap train``
@@ -117,13 +125,14 @@ def apply_model_infrastructure(
         check_heads_divisible(getattr(model, "config", None), config.tp_size)
     _refuse_traces(checked, model, config)
     meshes = resolve_meshes(checked, _device_type(model), mesh)
+    chunk_size = apply_loss_head(model, config)
     run = _Run(model, config, meshes)
     applied: list[str] = []
     for spec in checked.passes:
         _APPLY[spec.name](run)
         applied.append(spec.name)
     return InfrastructureResult(
-        model, checked, run.report, tuple(applied), meshes.world, run.auto_swap
+        model, checked, run.report, tuple(applied), meshes.world, run.auto_swap, chunk_size
     )
 
 

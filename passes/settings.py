@@ -14,6 +14,8 @@ class PassSettings(Protocol):
     """The settings that turn passes on (each ``PassSpec.setting``) and configure them."""
 
     activation_swap: str
+    loss_head: str
+    loss_head_chunk_size: int
     swap_prefetch_depth: int
     swap_offload_lag: int | None
     activation_memory_budget: int | float | str | None

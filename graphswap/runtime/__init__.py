@@ -1,6 +1,7 @@
-"""The swap runtime: the manager, the wrappers (swap and recompute), the copy engines and
-the host pool. The simulated accelerator is :mod:`graphswap.runtime.sim`, which this
-package does not import."""
+"""The swap runtime: the manager, the wrappers (swap and recompute), the copy engines,
+the host pool, and the chunked projection and cross-entropy of the loss head. The
+simulated accelerator is :mod:`graphswap.runtime.sim`, which this package does not
+import."""
 
 from graphswap._deprecated import module_getattr
 from graphswap.runtime._engines import (
@@ -10,6 +11,7 @@ from graphswap.runtime._engines import (
     NoOpAccelerator,
 )
 from graphswap.runtime._group import GroupInfo
+from graphswap.runtime._loss_head import chunked_linear_cross_entropy
 from graphswap.runtime._manager import SwapManager
 from graphswap.runtime._pool import host_budget
 from graphswap.runtime._recompute import (
@@ -35,6 +37,7 @@ __all__ = [
     "NoOpAccelerator",
     "SwapManager",
     "SwapStats",
+    "chunked_linear_cross_entropy",
     "host_budget",
     "is_recompute_wrapped",
     "is_swap_wrapped",

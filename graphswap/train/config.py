@@ -28,10 +28,12 @@ from graphswap.hf.presets import preset_names
 from graphswap.planning import PlanSettingError, SwapMode
 from graphswap.planning._budget import resolve_memory_budget
 from graphswap.planning._settings import DEFAULT_HIDE_MARGIN
+from graphswap.rewriting.loss_head import DEFAULT_CHUNK_SIZE
 from graphswap.runtime.profile import PRESETS, SIM_PREFIX, ProfileError, simulated_profile
 
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
 AttnImplementation = Literal["eager", "sdpa"]
+LossHead = Literal["full", "chunked"]
 DType = Literal["float32", "bfloat16"]
 
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -93,6 +95,21 @@ class AutoSwapSettings:
     """Sustained TFLOP/s the copies hide behind; None: the device profile's."""
     swap_hide_margin: float = DEFAULT_HIDE_MARGIN
     """The share of each copy's window (forward and backward) left free, in [0, 1)."""
+
+
+@dataclass(frozen=True)
+class LossHeadSettings:
+    """The loss head: how a step turns the last hidden states into the loss."""
+
+    loss_head: LossHead = "full"
+    """``full``: the model's own head (logits of every token, kept for backward);
+    ``chunked``: the loss over ``loss_head_chunk_size`` tokens at a time, each chunk's
+    projection and cross-entropy made again in backward, so no (tokens x vocabulary)
+    tensor outlives a chunk. Same loss up to the order of its sum (hidden-state
+    gradients bitwise equal, the head's weight gradient summed in fp32); the forward
+    without labels is the model's own."""
+    loss_head_chunk_size: int = DEFAULT_CHUNK_SIZE
+    """``chunked`` only: tokens per chunk, >= 1."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +179,12 @@ class InfrastructureSettings:
 
 @dataclass(frozen=True)
 class TrainerConfig(
-    InfrastructureSettings, TrainingSettings, ModelSettings, AutoSwapSettings, SwapSettings
+    InfrastructureSettings,
+    TrainingSettings,
+    ModelSettings,
+    LossHeadSettings,
+    AutoSwapSettings,
+    SwapSettings,
 ):
     """Everything ``graphswap train`` reads, in groups, one flat key per field (the groups'
     order is ``examples/train.yaml``'s, which lists every key)."""
@@ -194,6 +216,7 @@ class TrainerConfig(
                 )
         _check_device(self.device)
         self._check_auto_settings()
+        self._check_loss_head()
         _check_at_least("seed", self.seed, 0)
         if self.num_layers is not None:
             _check_at_least("num_layers", self.num_layers, 1)
@@ -239,6 +262,20 @@ class TrainerConfig(
                     f" nothing (only auto and budget read it); set activation_swap: auto or"
                     f" budget, or leave {key} at {default}",
                 )
+
+    def _check_loss_head(self) -> None:
+        size = self.loss_head_chunk_size
+        if size < 1:
+            raise ConfigError(
+                "loss_head_chunk_size",
+                f"must be >= 1 (tokens per chunk of the loss head), got {size}",
+            )
+        if self.loss_head == "full" and size != DEFAULT_CHUNK_SIZE:
+            raise ConfigError(
+                "loss_head_chunk_size",
+                f"is {size} but loss_head: full, so it would change nothing; set loss_head:"
+                f" chunked, or leave loss_head_chunk_size at {DEFAULT_CHUNK_SIZE}",
+            )
 
     def _check_budget(self) -> None:
         budget = self.activation_memory_budget

@@ -178,6 +178,40 @@ def test_swap_hide_margin_decides_what_auto_swaps(swap_base: TrainerConfig) -> N
     assert info.value.key == "swap_hide_margin", "only activation_swap: auto reads it"
 
 
+# The loss head.
+
+
+@case("loss_head")
+def test_loss_head_chunked_computes_the_loss_over_chunks(
+    base: TrainerConfig, base_run: TrainResult
+) -> None:
+    chunked = dataclasses.replace(base, loss_head="chunked", loss_head_chunk_size=8)
+    built = build(chunked)
+    assert built.infrastructure.loss_head_chunk_size == 8
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    assert built.model(input_ids=ids, labels=ids).logits is None
+    assert build(base).model(input_ids=ids, labels=ids).logits is not None
+    losses = run(chunked).losses
+    assert losses == pytest.approx(base_run.losses, rel=1e-6) and losses != []
+
+
+@case("loss_head_chunk_size")
+def test_loss_head_chunk_size_reaches_the_head(base: TrainerConfig) -> None:
+    chunked = dataclasses.replace(base, loss_head="chunked")
+    sizes = [
+        build(
+            dataclasses.replace(chunked, loss_head_chunk_size=size)
+        ).infrastructure.loss_head_chunk_size
+        for size in (1, 4096)
+    ]
+    assert sizes == [1, 4096]
+    assert build(chunked).infrastructure.loss_head_chunk_size == 1024, "the default"
+    for bad in ({"loss_head_chunk_size": 0}, {"loss_head": "full", "loss_head_chunk_size": 8}):
+        with pytest.raises(ConfigError) as info:
+            dataclasses.replace(chunked, **bad)
+        assert info.value.key == "loss_head_chunk_size"
+
+
 # The model.
 
 

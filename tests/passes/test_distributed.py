@@ -1,6 +1,7 @@
 """A two-process gloo world on CPU: swap composed with tensor parallel, with FSDP2, and
-with both on another family, trains like one process; so does the budget mode, keeping,
-swapping and recomputing, under tensor parallel and under FSDP2.
+with both on another family, trains like one process; so do the chunked loss head under
+both, and the budget mode, keeping, swapping and recomputing, under tensor parallel and
+under FSDP2.
 
 Tolerances: the distributed runs reduce partial sums across ranks (the row-parallel
 o_proj all-reduce, FSDP's gradient reduce-scatter, the loss average), which changes
@@ -111,6 +112,21 @@ COMPOSITIONS = {
         TrainerConfig(activation_swap="attention", tp_size=2, fsdp=True),
         ("swap", "tensor_parallel", "fsdp"),
     ),
+    # The chunked loss head under both: tensor parallelism leaves lm_head whole, FSDP2's
+    # root gathers it for the root's forward (where the head reads it) and reduce-scatters
+    # the gradient the head returns; against the full head of one process, within the
+    # tolerances (the head changes the order of two sums, ~4e-7 relative).
+    "chunked:swap+tp+fsdp": Composition(
+        "tiny",
+        TrainerConfig(
+            activation_swap="attention",
+            tp_size=2,
+            fsdp=True,
+            loss_head="chunked",
+            loss_head_chunk_size=96,
+        ),
+        ("swap", "tensor_parallel", "fsdp"),
+    ),
     # The budget mode plans on each rank for its share: the heads and experts tensor
     # parallel leaves it, or the state FSDP shards over the two ranks (one row each).
     # Under FSDP the whole layer is recomputed inside its swap, so the recompute runs
@@ -195,6 +211,7 @@ def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
                     stats.reloaded_bytes,
                     stats.recomputed_bytes,
                     (planned.recompute, planned.state_shards) if planned is not None else None,
+                    result.loss_head_chunk_size,
                 )
             )
     finally:
@@ -251,8 +268,10 @@ def test_two_ranks_train_like_one(
     reference_losses, reference_params = reference(ran_as)
     results, params = world[composition]
     assert [rank for rank, *_ in results] == [0, 1]
-    for _, ran, losses, offloaded, reloaded, recomputed, planned in results:
+    for _, ran, losses, offloaded, reloaded, recomputed, planned, chunk in results:
         assert ran == ran_as.applied
+        chunked = ran_as.config.loss_head == "chunked"
+        assert chunk == (ran_as.config.loss_head_chunk_size if chunked else None)
         assert offloaded > 0 and reloaded == offloaded, "the swap moved nothing"
         if ran_as.config.activation_swap == "budget":
             shards = WORLD // ran_as.config.tp_size if ran_as.config.fsdp else 1

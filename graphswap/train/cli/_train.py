@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
     import torch.distributed as dist
 
+    from graphswap.errors import LossHeadError
     from graphswap.hf.checkpoints import CheckpointError
     from graphswap.passes import PassPlanError, pass_plan
     from graphswap.planning.auto_swap import AutoSwapMismatchError
@@ -107,7 +108,13 @@ def run(args: argparse.Namespace) -> int:
         results = train_side_by_side(
             configs, mesh=mesh, progress=not args.no_progress, pass_plans=pass_plans
         )
-    except (PassPlanError, ConfigError, CheckpointError, AutoSwapMismatchError) as err:
+    except (
+        PassPlanError,
+        ConfigError,
+        CheckpointError,
+        AutoSwapMismatchError,
+        LossHeadError,
+    ) as err:
         return user_error("train", str(err))
     finally:
         if dist.is_available() and dist.is_initialized():

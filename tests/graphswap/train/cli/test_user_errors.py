@@ -114,6 +114,11 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ),
     ("train-data-dir", lambda p: ["train", f"data={p}"], "data: "),
     (
+        "train-loss-head-chunk-size-zero",
+        lambda p: ["train", "loss_head=chunked", "loss_head_chunk_size=0"],
+        "loss_head_chunk_size: must be >= 1 (tokens per chunk of the loss head), got 0",
+    ),
+    (
         "train-model-path-missing",
         lambda p: ["train", f"model_path={p / 'nope'}"],
         "model_path: ",
