@@ -28,6 +28,7 @@ from torch import nn
 from graphswap import _deprecated
 from graphswap.errors import GraphswapError, GraphswapTypeError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.hf.cache import cache_as_before
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning._units import reruns_down_projections, saves_matmuls
 from graphswap.rewriting.rules import Rule, RuleContext, get_rule
@@ -194,7 +195,12 @@ class AutoSwap:
         recomputed = self.plan.layers[ctx.index].recomputed
         if recomputed == ("",):  # the whole layer: recomputed inside its own swap
             return swap_wrapper(
-                module, policy=policy, manager=ctx.manager, name=ctx.fqn, recompute=True
+                module,
+                policy=policy,
+                manager=ctx.manager,
+                name=ctx.fqn,
+                recompute=True,
+                recompute_kwargs=cache_as_before,
             )
         counter = functools.partial(ctx.manager.count_recompute, ctx.fqn)
         units = []

@@ -64,6 +64,19 @@ def _step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _eval_step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Loss, gradients and the returned cache's length of one step in eval mode, with
+    ``use_cache`` at its default (on there)."""
+    model.eval().zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, _shape(model.config)[::-1], generator=generator)
+    output = model(input_ids=ids, labels=ids)
+    output.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    cache = output.cache if "cache" in output else output.past_key_values
+    return output.loss.detach(), grads, cache.get_seq_length()
+
+
 FAMILIES = {
     "dense": lambda: preset_config("tiny-llama", attn_implementation="sdpa"),
     "moe": lambda: preset_config("tiny", attn_implementation="eager"),
@@ -85,9 +98,10 @@ def _options(config: Any) -> tuple[Any, ...]:
     return info.value.options  # type: ignore[attr-defined,no-any-return]
 
 
-def _trains_as_planned(config: Any, budget: int) -> Any:
+def _trains_as_planned(config: Any, budget: int, *, eval_too: bool = False) -> Any:
     """The budget mode at ``budget`` trains bitwise equal to no swap, and its stats
-    count what its plan recomputes and swaps; returns that plan."""
+    count what its plan recomputes and swaps; returns that plan. ``eval_too``: so does
+    a step in eval mode, where the cache is on (and holds each token once)."""
     trainer = TrainerConfig(
         activation_swap="budget",
         activation_memory_budget=budget,
@@ -113,6 +127,12 @@ def _trains_as_planned(config: Any, budget: int) -> Any:
     layer = decoder_layers(budgeted)[1][0]
     # The whole layer is recomputed inside its swap; anything less, in wrapped submodules.
     assert plan.recompute == ("layer",) or any(is_recompute_wrapped(m) for m in layer.modules())
+    if eval_too:
+        loss, grads, length = _eval_step(plain)
+        budget_loss, budget_grads, budget_length = _eval_step(budgeted)
+        assert torch.equal(loss, budget_loss) and length == budget_length == _shape(config)[0]
+        assert grads.keys() == budget_grads.keys()
+        assert all(torch.equal(grads[k], budget_grads[k]) for k in grads)
     graphswap.unrewrite(budgeted)
     assert not any(is_recompute_wrapped(m) for m in budgeted.modules())
     return plan
@@ -126,7 +146,8 @@ def test_the_smallest_budget_recomputes_whole_layers_and_changes_no_number(name:
     config = FAMILIES[name]()
     config.num_hidden_layers = 2  # the first swaps, the last is kept
     smallest = min(o.peak_bytes for o in _options(config))
-    plan = _trains_as_planned(config, smallest)
+    # In eval mode too, once: tests/graphswap/hf/test_cache.py runs the families there.
+    plan = _trains_as_planned(config, smallest, eval_too=name == "dense")
     assert plan.recompute == ("layer",) and plan.swapped_bytes > 0
     assert plan.timeline.peak_bytes <= smallest
 
