@@ -169,8 +169,8 @@ class AutoSwap:
         return dataclasses.replace(
             base,
             name=AUTO_RULE,
-            description=f"swap, per decoder layer, the saved tensors an {self.plan.activation_swap}"
-            " plan chose",
+            description=f"swap, per decoder layer, the saved tensors the"
+            f" {self.plan.activation_swap} plan chose",
             factory=self._wrap,
             restore=_unwrap,
             validate=self._validate,
@@ -185,8 +185,9 @@ class AutoSwap:
         found = len(decoder_layers(root)[1])
         if found != len(self.plan.layers):
             raise HierarchyError(
-                f"{AUTO_RULE}: the model has {found} decoder layers but the auto plan was made "
-                f"for {len(self.plan.layers)}; plan the model that is rewritten"
+                f"{AUTO_RULE}: the model has {found} decoder layers but the"
+                f" {self.plan.activation_swap} plan was made for {len(self.plan.layers)}; plan"
+                " the model that is rewritten"
             )
 
     def _wrap(self, module: nn.Module, ctx: RuleContext) -> nn.Module:
@@ -236,7 +237,8 @@ class AutoSwap:
         self._warned = True
         warnings.warn(
             AutoSwapMismatchWarning(
-                f"activation_swap: auto: {_met_and_planned(mismatch, self.made_for)}; every"
+                f"activation_swap: {self.plan.activation_swap}:"
+                f" {_met_and_planned(mismatch, self.made_for)}; every"
                 " save that differs from the plan stays on device (counted in the swap"
                 " manager's stats.plan_mismatches; the rewrite report's check() raises):"
                 " run the model at the settings the plan was made for, or build it for the"
@@ -276,7 +278,8 @@ class AutoSwap:
             return
         first = next(p.first_mismatch for p in self.policies if p.first_mismatch is not None)
         raise AutoSwapMismatchError(
-            f"activation_swap: auto: {count} saved tensor(s) did not match the plan and stayed "
+            f"activation_swap: {self.plan.activation_swap}: {count} saved tensor(s) did not"
+            " match the plan and stayed "
             f"on device; first: {_met_and_planned(first, self.made_for)}; run the model at "
             "the settings the plan was made for, or set them to what the model runs"
         )

@@ -387,6 +387,7 @@ def _clock_rows(base: TrainResult, results: list[TrainResult]) -> list[tuple[str
 def format_summary(results: list[TrainResult]) -> str:
     """One column per run, side by side; ratios against the first run."""
     base = results[0]
+    planned = [r.activation_swap for r in results if r.auto_swap is not None]
     rows: list[tuple[str, list[str]]] = [
         ("activation_swap", [r.activation_swap for r in results]),
         ("attn_implementation", [r.attn_implementation for r in results]),
@@ -405,8 +406,8 @@ def format_summary(results: list[TrainResult]) -> str:
             [_per_step(r, "offloaded_not_freed_bytes") for r in results],
         ),
         *(
-            [("auto plan / step", [_planned(r) for r in results])]
-            if any(r.auto_swap is not None for r in results)
+            [(f"{'/'.join(planned)} plan / step", [_planned(r) for r in results])]
+            if planned
             else []
         ),
         (

@@ -601,9 +601,9 @@ def format_plan(plan: Mapping[str, Any]) -> str:
 
 
 def format_auto_report(auto: Mapping[str, Any]) -> str:
-    """What ``graphswap train`` prints for ``activation_swap: auto``: the settings the plan
-    was made for, the link when measured, and the per-layer choice."""
-    lines = [f"activation_swap: auto, planned for {auto['made_for']}"]
+    """What ``graphswap train`` prints for ``activation_swap: auto`` or ``budget``: the
+    settings the plan was made for, the link when measured, and the per-layer choice."""
+    lines = [f"activation_swap: {auto['plan']['activation_swap']}, planned for {auto['made_for']}"]
     measured = auto.get("measured_bandwidth")
     if measured is not None:
         lines.append(

@@ -109,6 +109,8 @@ def test_train_compare_runs_the_budget_mode_beside_none_without_the_budget(
     lines = done.stdout.splitlines()
     modes = next(line for line in lines if line.startswith("activation_swap "))
     assert modes.split()[1:] == ["none", "budget"]
+    assert "activation_swap: budget, planned for seq_len: 64" in done.stdout
+    assert any(line.startswith("budget plan / step") for line in lines)
     last = next(line for line in lines if line.startswith("loss last")).split()[2:]
     assert len(last) == 2 and last[0] == last[1]
     summary = json.loads((tmp_path / "summary.json").read_text())
