@@ -21,6 +21,7 @@ import graphswap
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
 from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.planning._budget import read_memory_budget, resolve_memory_budget
 from graphswap.planning.trace import StepShape
 from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
 from graphswap.train.build import build, from_config
@@ -172,6 +173,42 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_does() -> None:
     config = preset_config("tiny-llama", attn_implementation="sdpa")
     with pytest.raises(PlanSettingError, match=r"smallest peak any plan reaches is (\d+) bytes"):
         _plan(config, 1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [
+        ("0.85", 0.85),  # as YAML's 0.85: a fraction, not 0 bytes
+        (0.85, 0.85),
+        (1.0, 1.0),
+        ("2e7", 20_000_000),  # above 1: bytes, however spelled
+        (2e7, 20_000_000),
+        ("8e10", 8 * 10**10),
+        (1, 1),
+        ("120GiB", 120 << 30),
+    ],
+)
+def test_a_budget_up_to_one_is_a_fraction_and_above_it_bytes(
+    value: int | float | str, read: int | float
+) -> None:
+    got = read_memory_budget(value)
+    assert (got, type(got)) == (read, type(read))
+
+
+@pytest.mark.parametrize("value", ["1e400", float("inf"), float("nan"), "1e400GiB", 0, "0", -1])
+def test_a_budget_that_is_no_finite_positive_size_is_refused_by_its_key(
+    value: int | float | str,
+) -> None:
+    with pytest.raises(PlanSettingError) as info:
+        read_memory_budget(value)
+    assert info.value.setting == "activation_memory_budget"
+
+
+def test_a_budget_above_the_devices_memory_is_refused_naming_that_memory() -> None:
+    assert resolve_memory_budget("0.5", 1000) == 500
+    assert resolve_memory_budget(1000, 1000) == 1000
+    with pytest.raises(PlanSettingError, match=r"1001 bytes, more than the 1000 bytes .* of sim"):
+        resolve_memory_budget(1001, 1000, device="sim")
 
 
 def test_a_roomy_budget_keeps_everything() -> None:
