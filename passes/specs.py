@@ -173,9 +173,9 @@ def _swap_spec() -> PassSpec:
         name="swap",
         setting="activation_swap",
         off_value="none",
-        summary="swap saved activations to host: attention, layer (whole decoder layers) or "
-        "auto (per layer what the link hides); rules "
-        + ", ".join(repr(rule.name) for rule in rules),
+        summary="swap saved activations to host: attention, layer (whole decoder layers), "
+        "auto (per layer what the link hides) or budget (per layer keep, swap or recompute "
+        "within activation_memory_budget); rules " + ", ".join(repr(rule.name) for rule in rules),
         must_run_before=_rule_passes(rules, "must_run_before"),
         excludes=_rule_passes(rules, "excludes"),
         leaves=Transform.SWAP,

@@ -133,7 +133,13 @@ def verify_swap(
         )
 
 
-def plan_auto_swap(model: nn.Module, config: PassSettings, *, state_shards: int = 1) -> AutoSwap:
+def plan_auto_swap(
+    model: nn.Module,
+    config: PassSettings,
+    *,
+    state_shards: int = 1,
+    device: torch.device | None = None,
+) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size`` and the ``swap_*`` keys from
     ``config`` (the bandwidth and TFLOP/s, when set, override the device profile: the
@@ -145,9 +151,11 @@ def plan_auto_swap(model: nn.Module, config: PassSettings, *, state_shards: int 
     recompute within ``activation_memory_budget`` (a fraction: of the device's memory,
     the simulated profile's on ``sim:``). ``state_shards``: the ranks FSDP shards the
     parameters, gradients and optimizer state over, so that a rank's budget is weighed
-    against its own share of them, not the whole model's."""
+    against its own share of them, not the whole model's. ``device``: where training
+    runs, when the model is not there (built on meta to check the plan before a build;
+    default: the model's device)."""
     param = next(model.parameters())
-    device = param.device
+    device = param.device if device is None else device
     hf_config = model.config
     attn = hf_config._attn_implementation
     profile = simulated_profile(config.device) or DEFAULT_PROFILE
@@ -160,7 +168,9 @@ def plan_auto_swap(model: nn.Module, config: PassSettings, *, state_shards: int 
         budget = None
         if config.activation_swap == "budget":
             budget = resolve_memory_budget(
-                config.activation_memory_budget, _device_memory(device, profile)
+                config.activation_memory_budget,
+                _device_memory(device, profile),
+                device=f"device: {config.device}",
             )
         plan = plan_memory(
             hf_config,

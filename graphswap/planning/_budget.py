@@ -16,6 +16,7 @@ fastest option whose peak is within the budget wins; past the first level whose
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,41 +50,84 @@ SIZE_EXAMPLES = "141GiB, 80GB or 8e10 (bytes); units: B, KB, MB, GB, TB, KiB, Mi
 
 
 def parse_size(text: str) -> int | None:
-    """``141GiB``, ``80GB``, ``8e10``: bytes; ``None`` when ``text`` is not a size."""
+    """``141GiB``, ``80GB``, ``8e10``: bytes; ``None`` when ``text`` is not a finite size."""
     match = _SIZE.fullmatch(text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         return None
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    return int(value) if math.isfinite(value) else None
 
 
-def resolve_memory_budget(value: int | float | str, device_memory: int | None) -> int:
-    """``activation_memory_budget`` in bytes: an integer number of bytes, a size
-    (``120GiB``), or a fraction in (0, 1] of ``device_memory`` (``0.85``)."""
+def read_memory_budget(value: int | float | str) -> int | float:
+    """``activation_memory_budget`` as the user wrote it: bytes (an ``int``), or a
+    fraction of the device's memory (a ``float`` in (0, 1]).
+
+    A number reads alike whether YAML, an override or a flag spells it: up to 1 it is a
+    fraction (``0.85``, ``"0.85"``), above 1 bytes (``2e7``, ``8e10``); an integer is
+    bytes (``1`` is one byte, ``1.0`` the whole memory); with a unit it is a size
+    (``120GiB``)."""
     setting = "activation_memory_budget"
     if isinstance(value, str):
-        size = parse_size(value)
-        if size is None:
-            raise PlanSettingError(setting, value, f"expected a size such as {SIZE_EXAMPLES}")
-        value = size
+        match = _SIZE.fullmatch(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise PlanSettingError(
+                setting,
+                value,
+                f"expected a size such as {SIZE_EXAMPLES}, or a fraction of the device's"
+                " memory such as 0.85",
+            )
+        number = match.group(1)
+        if match.group(2):
+            value = float(number) * _UNITS[match.group(2).lower()]
+        else:
+            value = int(number) if number.isdigit() else float(number)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise PlanSettingError(setting, value, "expected bytes, a size or a fraction")
-    if isinstance(value, float):
-        if not 0 < value <= 1:
-            raise PlanSettingError(
-                setting, value, "a fraction of the device's memory must be in (0, 1]"
-            )
-        if device_memory is None:
+    if not math.isfinite(value):
+        raise PlanSettingError(
+            setting, value, f"is not a finite number of bytes; give a size such as {SIZE_EXAMPLES}"
+        )
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if value < 1:
+        raise PlanSettingError(
+            setting,
+            value,
+            "must be at least one byte, or a fraction of the device's memory in (0, 1]"
+            " such as 0.85",
+        )
+    return int(value)
+
+
+def resolve_memory_budget(
+    value: int | float | str, device_memory: int | None, *, device: str = "the device"
+) -> int:
+    """``activation_memory_budget`` in bytes (:func:`read_memory_budget`): a fraction is
+    taken of ``device_memory``, which bytes may not exceed; ``device`` names what has
+    that memory (a profile), for the error."""
+    setting = "activation_memory_budget"
+    budget = read_memory_budget(value)
+    if device_memory is None:
+        if isinstance(budget, float):
             raise PlanSettingError(
                 setting,
                 value,
                 "is a fraction of the device's memory, but this device has none to take it "
                 "of; give a size such as 120GiB",
             )
-        return int(value * device_memory)
-    if value < 1:
-        raise PlanSettingError(setting, value, "must be at least one byte")
-    return value
+        return budget
+    if isinstance(budget, float):
+        return int(budget * device_memory)
+    if budget > device_memory:
+        raise PlanSettingError(
+            setting,
+            value,
+            f"is {budget} bytes, more than the {device_memory} bytes"
+            f" ({device_memory / 2**30:.2f} GiB) of {device}'s memory; give at most that,"
+            " or a fraction of it such as 0.85",
+        )
+    return budget
 
 
 BUDGET_SWAPS = ("auto", "layer")

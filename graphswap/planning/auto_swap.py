@@ -34,6 +34,7 @@ from torch import nn
 from graphswap import _deprecated
 from graphswap.errors import GraphswapError, GraphswapTypeError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.hf.cache import cache_as_before
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning._units import reruns_down_projections, saves_matmuls
 from graphswap.rewriting.rules import Rule, RuleContext, get_rule
@@ -242,8 +243,8 @@ class AutoSwap:
         return dataclasses.replace(
             base,
             name=AUTO_RULE,
-            description=f"swap, per decoder layer, the saved tensors an {self.plan.activation_swap}"
-            " plan chose",
+            description=f"swap, per decoder layer, the saved tensors the"
+            f" {self.plan.activation_swap} plan chose",
             factory=self._wrap,
             restore=_unwrap,
             validate=self._validate,
@@ -258,8 +259,9 @@ class AutoSwap:
         found = len(decoder_layers(root)[1])
         if found != len(self.plan.layers):
             raise HierarchyError(
-                f"{AUTO_RULE}: the model has {found} decoder layers but the auto plan was made "
-                f"for {len(self.plan.layers)}; plan the model that is rewritten"
+                f"{AUTO_RULE}: the model has {found} decoder layers but the"
+                f" {self.plan.activation_swap} plan was made for {len(self.plan.layers)}; plan"
+                " the model that is rewritten"
             )
 
     def _wrap(self, module: nn.Module, ctx: RuleContext) -> nn.Module:
@@ -272,7 +274,12 @@ class AutoSwap:
         recomputed = self.plan.layers[ctx.index].recomputed
         if recomputed == ("",):  # the whole layer: recomputed inside its own swap
             return swap_wrapper(
-                module, policy=policy, manager=ctx.manager, name=ctx.fqn, recompute=True
+                module,
+                policy=policy,
+                manager=ctx.manager,
+                name=ctx.fqn,
+                recompute=True,
+                recompute_kwargs=cache_as_before,
             )
         counter = functools.partial(ctx.manager.count_recompute, ctx.fqn)
         units = []

@@ -28,6 +28,14 @@ from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 _STATE_ATTR = "_graphswap_swap_state"
 _CLASS_CACHE: dict[type, type] = {}
 
+RecomputeKwargs = Callable[
+    [torch.nn.Module, dict[str, Any]], Callable[[dict[str, Any]], dict[str, Any]] | None
+]
+"""Told a module recomputed whole and its forward's keyword arguments before the forward
+runs; returns what turns the keyword arguments the recompute is given back into those the
+forward found (state the forward changes, such as a key/value cache it appends to, would
+otherwise be seen changed), or ``None`` where the forward changes nothing."""
+
 
 @dataclass(frozen=True)
 class _SwapState:
@@ -38,6 +46,8 @@ class _SwapState:
     recompute: str | None = None
     """The module's name with its manager when its whole forward is recomputed in
     backward (only its inputs are saved, and swapped); ``None``: it is not."""
+    recompute_kwargs: RecomputeKwargs | None = None
+    """What gives the recompute the keyword arguments the forward found."""
 
 
 class SwapWrapped:
@@ -73,9 +83,10 @@ def _swap_class(cls: type[torch.nn.Module]) -> type:
         def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             state: _SwapState = self.__dict__[_STATE_ATTR]
             if state.recompute is not None and torch.is_grad_enabled():
-                return state.manager.run_forward(
-                    self, _recomputed(original, state.manager, state.recompute), args, kwargs
+                recomputed = _recomputed(
+                    original, state.manager, state.recompute, state.recompute_kwargs
                 )
+                return state.manager.run_forward(self, recomputed, args, kwargs)
             return state.manager.run_forward(self, original, args, kwargs)
 
         namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
@@ -85,14 +96,28 @@ def _swap_class(cls: type[torch.nn.Module]) -> type:
 
 
 def _recomputed(
-    original: Callable[..., Any], manager: SwapManager, name: str
+    original: Callable[..., Any],
+    manager: SwapManager,
+    name: str,
+    recompute_kwargs: RecomputeKwargs | None,
 ) -> Callable[..., Any]:
     """``original`` run under a checkpoint inside the swap's hooks: the checkpoint's
-    inputs are the module's saves, what the forward saves is made again in backward."""
+    inputs are the module's saves, what the forward saves is made again in backward,
+    from the keyword arguments as the forward found them (``recompute_kwargs``)."""
     counter = functools.partial(manager.count_recompute, name)
 
     def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return run_recomputed(original, module, args, kwargs, counter=counter)
+        restore = None if recompute_kwargs is None else recompute_kwargs(module, kwargs)
+        if restore is None:
+            return run_recomputed(original, module, args, kwargs, counter=counter)
+        calls = 0
+
+        def run(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return original(module, *args, **(kwargs if calls == 1 else restore(kwargs)))
+
+        return run_recomputed(run, module, args, kwargs, counter=counter)
 
     return forward
 
@@ -113,12 +138,16 @@ def swap_wrapper(
     policy: SwapPolicy = swap_large_activations,
     name: str | None = None,
     recompute: bool = False,
+    recompute_kwargs: RecomputeKwargs | None = None,
 ) -> torch.nn.Module:
     """Make ``module`` swap the tensors it saves for backward, as ``policy`` decides.
 
     ``recompute``: its whole forward is recomputed in backward, as activation
     checkpointing runs a layer; it saves only its inputs, and those are what it swaps
-    (the recompute reloads them first, with the prefetch). Returns the same object, now
+    (the recompute reloads them first, with the prefetch); ``recompute_kwargs`` gives the
+    recompute the keyword arguments the forward found, where the forward changes them
+    (:func:`graphswap.hf.cache.cache_as_before`: a Hugging Face layer's cache, which the
+    forward appended to). Returns the same object, now
     an instance of a generated ``Swap<Class>`` subclass registered with ``manager``
     under ``name`` (default: class name and index).
     """
@@ -132,9 +161,16 @@ def swap_wrapper(
         raise GraphswapTypeError(
             f"policy must be a callable Tensor -> CheckpointPolicy, got {policy!r}"
         )
+    if recompute_kwargs is not None and not recompute:
+        raise SwapSetupError(
+            "swap_wrapper: recompute_kwargs is told of a recompute, and recompute=False"
+            " runs none; pass recompute=True, or leave recompute_kwargs out"
+        )
     cls = type(module)
     registered = manager.register(module, name, policy)
-    module.__dict__[_STATE_ATTR] = _SwapState(manager, cls, registered if recompute else None)
+    module.__dict__[_STATE_ATTR] = _SwapState(
+        manager, cls, registered if recompute else None, recompute_kwargs
+    )
     module.__class__ = _swap_class(cls)
     return module
 

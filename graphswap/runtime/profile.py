@@ -35,6 +35,10 @@ class ProfileError(GraphswapError, ValueError):
     """A device profile name or figure that cannot describe a device."""
 
 
+_CUSTOM = " (custom)"
+"""What the name of a profile with figures of its own ends with, once."""
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """How fast one accelerator computes, reads its memory and talks to the host."""
@@ -95,7 +99,8 @@ class DeviceProfile:
                 f"unknown device profile figure {unknown[0]!r}; figures: link_gbps, "
                 f"{', '.join(FIGURES)}"
             )
-        return dataclasses.replace(self, name=f"{self.name} (custom)", **figures)
+        custom = self.name if self.name.endswith(_CUSTOM) else f"{self.name}{_CUSTOM}"
+        return dataclasses.replace(self, name=custom, **figures)
 
 
 FIGURES = (

@@ -26,7 +26,7 @@ import yaml
 from graphswap.errors import GraphswapError
 from graphswap.hf.presets import preset_names
 from graphswap.planning import PlanSettingError, SwapMode
-from graphswap.planning._budget import resolve_memory_budget
+from graphswap.planning._budget import read_memory_budget
 from graphswap.planning._settings import DEFAULT_HIDE_MARGIN
 from graphswap.rewriting.loss_head import DEFAULT_CHUNK_SIZE
 from graphswap.runtime.profile import PRESETS, SIM_PREFIX, ProfileError, simulated_profile
@@ -294,7 +294,7 @@ class TrainerConfig(
                 " (120GiB, bytes, or a fraction of the device's memory such as 0.85)",
             )
         try:
-            resolve_memory_budget(budget, device_memory=1 << 40)
+            read_memory_budget(budget)
         except PlanSettingError as error:
             raise ConfigError("activation_memory_budget", error.detail) from None
 

@@ -29,6 +29,7 @@ from graphswap.hf.checkpoints import (
 )
 from graphswap.passes import SWAP_RULES, PassPlan, PassRequirementError
 from graphswap.passes.pass_plan import pass_plan_of
+from graphswap.passes.swap import plan_auto_swap
 from graphswap.passes.tensor_parallel import check_head_layout, check_heads_divisible
 from graphswap.planning.auto_swap import check_measurable
 from graphswap.rewriting.rules import check_rule
@@ -51,7 +52,8 @@ def check_inputs(
     check_world(config, world_size)
     hf_config = check_model(config)
     check_swap_bandwidth(config, resolve_device(config))
-    check_swap_rule(config, hf_config)  # last: it builds the model, on meta
+    check_swap_rule(config, hf_config)  # last: they build the model, on meta
+    check_budget_plan(config, hf_config, world_size=world_size)
     return hf_config
 
 
@@ -96,6 +98,22 @@ def check_swap_rule(config: TrainerConfig, hf_config: PretrainedConfig) -> None:
         check_rule(build_model(hf_config, device="meta"), rule)
     except RewriteError as error:
         raise ConfigError("activation_swap", f"{config.activation_swap}: {error}") from None
+
+
+def check_budget_plan(
+    config: TrainerConfig, hf_config: PretrainedConfig, *, world_size: int | None
+) -> None:
+    """``activation_swap: budget``: the swap pass's plan (``plan_auto_swap``) of the model
+    built on meta, so that ``train`` and ``passes`` refuse a budget no plan meets, or one
+    above the device's memory, alike and before a model is built (the swap pass plans
+    again from the traces this leaves in the planner's cache). With ``fsdp`` a rank's
+    share of the state needs the ``world_size``; ``None`` (``passes``, before
+    ``torchrun``): unknown, and the check is left to ``train``."""
+    if config.activation_swap != "budget" or (config.fsdp and world_size is None):
+        return
+    shards = (world_size or 1) // config.tp_size if config.fsdp else 1
+    model = build_model(hf_config, device="meta", dtype=getattr(torch, config.dtype))
+    plan_auto_swap(model, config, state_shards=shards, device=resolve_device(config))
 
 
 def resolve_device(config: TrainerConfig) -> torch.device:

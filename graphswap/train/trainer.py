@@ -242,10 +242,21 @@ def _simulated_accelerator(config: TrainerConfig, built: BuiltModel) -> Simulate
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Device bytes a step starts with: parameters, buffers, gradients, optimizer state."""
+    """Device bytes a step starts with: parameters, buffers, gradients, optimizer state.
+
+    Not the optimizer's step counters, which torch keeps on the host unless the group is
+    ``capturable`` or ``fused``: on the simulated device every tensor is on the CPU, and
+    counting them put a clocked peak above the plan's (4 bytes a parameter), so above a
+    budget set to it."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [t for state in optimizer.state.values() for t in state.values()]
+    tensors += [
+        t
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for key, t in optimizer.state.get(p, {}).items()
+        if key != "step" or group.get("capturable") or group.get("fused")
+    ]
     storages = {
         t.untyped_storage()._cdata: t.untyped_storage().nbytes()
         for t in tensors
@@ -376,6 +387,7 @@ def _clock_rows(base: TrainResult, results: list[TrainResult]) -> list[tuple[str
 def format_summary(results: list[TrainResult]) -> str:
     """One column per run, side by side; ratios against the first run."""
     base = results[0]
+    planned = [r.activation_swap for r in results if r.auto_swap is not None]
     rows: list[tuple[str, list[str]]] = [
         ("activation_swap", [r.activation_swap for r in results]),
         ("attn_implementation", [r.attn_implementation for r in results]),
@@ -394,8 +406,8 @@ def format_summary(results: list[TrainResult]) -> str:
             [_per_step(r, "offloaded_not_freed_bytes") for r in results],
         ),
         *(
-            [("auto plan / step", [_planned(r) for r in results])]
-            if any(r.auto_swap is not None for r in results)
+            [(f"{'/'.join(planned)} plan / step", [_planned(r) for r in results])]
+            if planned
             else []
         ),
         (

@@ -38,10 +38,25 @@ def memory_size(text: str) -> int:
 
     value = parse_size(text)
     if value is None:
-        raise argparse.ArgumentTypeError(f"expected a size such as {SIZE_EXAMPLES}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a finite size such as {SIZE_EXAMPLES}, got {text!r}"
+        )
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
     return value
+
+
+def memory_budget(text: str) -> str:
+    """``--activation-memory-budget``: bytes, a size, or a fraction of the profile's
+    memory, read as ``activation_memory_budget`` is."""
+    from graphswap.hf.attention_kernels import PlanSettingError
+    from graphswap.planning._budget import read_memory_budget
+
+    try:
+        read_memory_budget(text)
+    except PlanSettingError as error:
+        raise argparse.ArgumentTypeError(f"{error.detail}, got {text!r}") from None
+    return text  # as written: run() takes a fraction of the profile's memory and names it
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -184,10 +199,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         parser,
         "--activation-memory-budget",
         "--budget",
-        type=memory_size,
+        type=memory_budget,
         metavar="MEMORY",
         help="--activation-swap budget (implied): the device peak to plan within (120GiB, "
-        "80GB, bytes); prints per layer the bytes kept, swapped and recomputed",
+        "80GB, bytes, or a fraction of the profile's memory such as 0.85); prints per layer "
+        "the bytes kept, swapped and recomputed",
     )
     renamed_option(
         parser,
@@ -259,8 +275,26 @@ def _mode(args: argparse.Namespace) -> str:
     return args.activation_swap or ("budget" if budget is not None else "attention")
 
 
+def _plot_refusal(plot: str) -> str | None:
+    """``--plot FILE`` whose suffix names no format matplotlib writes: refused before the
+    planning, not by matplotlib once it is done. Without matplotlib, ``run`` says so."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase  # optional: the plot extra
+    except ModuleNotFoundError:
+        return None
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if Path(plot).suffix.lstrip(".").lower() in formats:
+        return None
+    return (
+        f"--plot {plot}: the file's suffix names the image format, one of {', '.join(formats)};"
+        " name the file accordingly (fit.png)"
+    )
+
+
 def _refusal(args: argparse.Namespace) -> str | None:
     """A combination of flags that would change nothing, or lacks what it needs."""
+    if args.plot is not None and (refusal := _plot_refusal(args.plot)) is not None:
+        return refusal
     mode = _mode(args)
     budget = args.activation_memory_budget
     if args.fit is None and (mode == "budget") != (budget is not None):
@@ -320,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
         fit_sequence,
         plan_memory,
     )
+    from graphswap.planning._budget import resolve_memory_budget
     from graphswap.planning._fit import DEFAULT_SEQ_STEP
     from graphswap.planning._settings import PROFILE_FIGURES, SCHEDULE_FIELDS, SHAPE_FIELDS
     from graphswap.runtime.profile import device_profile
@@ -371,11 +406,16 @@ def run(args: argparse.Namespace) -> int:
             )
             data = fit.to_dict()
         else:
+            budget = args.activation_memory_budget
             plan = plan_memory(
                 config,
                 profile=profile,
                 activation_swap=_mode(args),
-                activation_memory_budget=args.activation_memory_budget,
+                activation_memory_budget=None
+                if budget is None
+                else resolve_memory_budget(
+                    budget, profile.memory_bytes, device=f"the {profile.name} profile"
+                ),
                 **settings,
             )
             data = plan.to_dict()
@@ -602,9 +642,9 @@ def format_plan(plan: Mapping[str, Any]) -> str:
 
 
 def format_auto_report(auto: Mapping[str, Any]) -> str:
-    """What ``graphswap train`` prints for ``activation_swap: auto``: the settings the plan
-    was made for, the link when measured, and the per-layer choice."""
-    lines = [f"activation_swap: auto, planned for {auto['made_for']}"]
+    """What ``graphswap train`` prints for ``activation_swap: auto`` or ``budget``: the
+    settings the plan was made for, the link when measured, and the per-layer choice."""
+    lines = [f"activation_swap: {auto['plan']['activation_swap']}, planned for {auto['made_for']}"]
     measured = auto.get("measured_bandwidth")
     if measured is not None:
         lines.append(

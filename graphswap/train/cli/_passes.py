@@ -22,9 +22,11 @@ DESCRIPTION = (
     " checkpointing, compile, FSDP, ...) in the order they run (canonical, or the"
     " config's pass_order, or --order), and check their order and exclusions, and"
     " check the model it names (its config.json and weights,"
-    f" heads divisible by tp_size). Exits {USER_ERROR} with the reason on stderr when"
-    " graphswap train would refuse the config. The world size is not known here: the"
-    " ranks the pass plan needs are printed to stderr."
+    " heads divisible by tp_size), and that a plan meets activation_memory_budget (without"
+    " fsdp, whose ranks' share of the state is not known here). Exits"
+    f" {USER_ERROR} with the reason on stderr when graphswap train would refuse the"
+    " config. The world size is not known here: the ranks the pass plan needs are printed"
+    " to stderr."
 )
 
 DEPRECATED_NAME = "plan"
@@ -77,14 +79,16 @@ def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
     from graphswap import passes
     from graphswap.train.config import ConfigError, parse_names, resolve_config
-    from graphswap.train.preflight import check_model, check_swap_rule
+    from graphswap.train.preflight import check_budget_plan, check_model, check_swap_rule
 
     try:
         config = resolve_config(args.config, args.overrides)
         if args.order is not None:
             config = dataclasses.replace(config, pass_order=parse_names(args.order))
         pass_plan = passes.pass_plan(config).check_runnable()
-        check_swap_rule(config, check_model(config))
+        hf_config = check_model(config)
+        check_swap_rule(config, hf_config)
+        check_budget_plan(config, hf_config, world_size=None)
     except (ConfigError, passes.PassPlanError) as error:
         return user_error(args.command, str(error))
     formats = {"text": pass_plan.to_text, "dot": pass_plan.to_dot, "json": pass_plan.to_json}

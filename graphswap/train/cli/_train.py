@@ -66,8 +66,9 @@ def _init_distributed(config: Any, pass_plan: Any) -> Any:
 
 
 def _as_mode(config: Any, mode: str) -> Any:
-    """``config`` with ``activation_swap: mode``; swap-only settings reset for ``none``,
-    and the swap pass left out of a ``pass_order``, whose other passes keep their order."""
+    """``config`` with ``activation_swap: mode``; for ``none`` the swap-only settings and
+    the budget reset (``none`` refuses them), and the swap pass left out of a
+    ``pass_order``, whose other passes keep their order."""
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
     from graphswap.train.config import AUTO_ONLY_SETTINGS, SWAP_ONLY_SETTINGS
 
@@ -76,6 +77,7 @@ def _as_mode(config: Any, mode: str) -> Any:
         return dataclasses.replace(
             config,
             activation_swap="none",
+            activation_memory_budget=None,
             pass_order=None if order is None else tuple(n for n in order if n != "swap"),
             **SWAP_ONLY_SETTINGS,
             **AUTO_ONLY_SETTINGS,

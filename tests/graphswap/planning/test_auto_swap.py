@@ -352,6 +352,28 @@ def test_a_plan_for_another_depth_is_refused_before_anything_changes(
     assert not any(type(m).__name__.startswith("Swap") for m in model.modules())
 
 
+def test_a_budget_plan_is_named_budget_in_what_it_says(
+    fast_link_plan: MemoryPlan, one_thread: None
+) -> None:
+    """AutoSwap carries out budget plans too: its refusal, its warning, its check and the
+    report train prints name the mode planned, not auto."""
+    from graphswap.rewriting.apply import HierarchyError, rewrite
+
+    plan = dataclasses.replace(
+        fast_link_plan, activation_swap="budget", activation_memory_budget=1 << 40
+    )
+    budget = AutoSwap(plan, made_for="seq_len: 512, batch_size: 2, dtype: float32")
+    with pytest.raises(HierarchyError, match=r"but the budget plan was made for 4"):
+        rewrite(build_model(qwen3_moe_config("tiny", num_hidden_layers=3)), [budget.rule()])
+    model = build_model(qwen3_moe_config("tiny"))
+    rewrite(model, [budget.rule()])
+    [caught] = _run_at_another_shape(model)
+    assert str(caught.message).startswith("activation_swap: budget: ")
+    with pytest.raises(AutoSwapMismatchError, match=r"^activation_swap: budget: "):
+        budget.check()
+    assert format_auto_report(budget.to_dict()).startswith("activation_swap: budget, planned")
+
+
 def test_the_released_report_method_warns_and_renders_what_train_prints(
     fast_link_plan: MemoryPlan,
 ) -> None:

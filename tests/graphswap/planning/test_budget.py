@@ -23,6 +23,7 @@ import graphswap
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
 from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.planning._budget import read_memory_budget, resolve_memory_budget
 from graphswap.planning.auto_swap import AutoSwapMismatchError, AutoSwapMismatchWarning
 from graphswap.planning.trace import StepShape
 from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
@@ -67,6 +68,19 @@ def _step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _eval_step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Loss, gradients and the returned cache's length of one step in eval mode, with
+    ``use_cache`` at its default (on there)."""
+    model.eval().zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, _shape(model.config)[::-1], generator=generator)
+    output = model(input_ids=ids, labels=ids)
+    output.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    cache = output.cache if "cache" in output else output.past_key_values
+    return output.loss.detach(), grads, cache.get_seq_length()
+
+
 FAMILIES = {
     "dense": lambda: preset_config("tiny-llama", attn_implementation="sdpa"),
     "moe": lambda: preset_config("tiny", attn_implementation="eager"),
@@ -88,9 +102,10 @@ def _options(config: Any) -> tuple[Any, ...]:
     return info.value.options  # type: ignore[attr-defined,no-any-return]
 
 
-def _trains_as_planned(config: Any, budget: int) -> Any:
+def _trains_as_planned(config: Any, budget: int, *, eval_too: bool = False) -> Any:
     """The budget mode at ``budget`` trains bitwise equal to no swap, and its stats
-    count what its plan recomputes and swaps; returns that plan."""
+    count what its plan recomputes and swaps; returns that plan. ``eval_too``: so does
+    a step in eval mode, where the cache is on (and holds each token once)."""
     trainer = TrainerConfig(
         activation_swap="budget",
         activation_memory_budget=budget,
@@ -116,6 +131,12 @@ def _trains_as_planned(config: Any, budget: int) -> Any:
     layer = decoder_layers(budgeted)[1][0]
     # The whole layer is recomputed inside its swap; anything less, in wrapped submodules.
     assert plan.recompute == ("layer",) or any(is_recompute_wrapped(m) for m in layer.modules())
+    if eval_too:
+        loss, grads, length = _eval_step(plain)
+        budget_loss, budget_grads, budget_length = _eval_step(budgeted)
+        assert torch.equal(loss, budget_loss) and length == budget_length == _shape(config)[0]
+        assert grads.keys() == budget_grads.keys()
+        assert all(torch.equal(grads[k], budget_grads[k]) for k in grads)
     graphswap.unrewrite(budgeted)
     assert not any(is_recompute_wrapped(m) for m in budgeted.modules())
     return plan
@@ -129,7 +150,8 @@ def test_the_smallest_budget_recomputes_whole_layers_and_changes_no_number(name:
     config = FAMILIES[name]()
     config.num_hidden_layers = 2  # the first swaps, the last is kept
     smallest = min(o.peak_bytes for o in _options(config))
-    plan = _trains_as_planned(config, smallest)
+    # In eval mode too, once: tests/graphswap/hf/test_cache.py runs the families there.
+    plan = _trains_as_planned(config, smallest, eval_too=name == "dense")
     assert plan.recompute == ("layer",) and plan.swapped_bytes > 0
     assert plan.timeline.peak_bytes <= smallest
 
@@ -154,6 +176,42 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_does() -> None:
     config = preset_config("tiny-llama", attn_implementation="sdpa")
     with pytest.raises(PlanSettingError, match=r"smallest peak any plan reaches is (\d+) bytes"):
         _plan(config, 1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [
+        ("0.85", 0.85),  # as YAML's 0.85: a fraction, not 0 bytes
+        (0.85, 0.85),
+        (1.0, 1.0),
+        ("2e7", 20_000_000),  # above 1: bytes, however spelled
+        (2e7, 20_000_000),
+        ("8e10", 8 * 10**10),
+        (1, 1),
+        ("120GiB", 120 << 30),
+    ],
+)
+def test_a_budget_up_to_one_is_a_fraction_and_above_it_bytes(
+    value: int | float | str, read: int | float
+) -> None:
+    got = read_memory_budget(value)
+    assert (got, type(got)) == (read, type(read))
+
+
+@pytest.mark.parametrize("value", ["1e400", float("inf"), float("nan"), "1e400GiB", 0, "0", -1])
+def test_a_budget_that_is_no_finite_positive_size_is_refused_by_its_key(
+    value: int | float | str,
+) -> None:
+    with pytest.raises(PlanSettingError) as info:
+        read_memory_budget(value)
+    assert info.value.setting == "activation_memory_budget"
+
+
+def test_a_budget_above_the_devices_memory_is_refused_naming_that_memory() -> None:
+    assert resolve_memory_budget("0.5", 1000) == 500
+    assert resolve_memory_budget(1000, 1000) == 1000
+    with pytest.raises(PlanSettingError, match=r"1001 bytes, more than the 1000 bytes .* of sim"):
+        resolve_memory_budget(1001, 1000, device="sim")
 
 
 def test_a_roomy_budget_keeps_everything() -> None:

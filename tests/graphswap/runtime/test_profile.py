@@ -97,6 +97,13 @@ def test_a_profile_carries_the_node_that_sizes_the_host_budget() -> None:
     assert isinstance(node.ranks_per_node, int)
 
 
+def test_a_profile_customised_twice_says_custom_once() -> None:
+    """plan-memory --profile h100,link_gbps=25 --host-memory 1TiB printed
+    'h100 (custom) (custom)'."""
+    twice = device_profile("h100,link_gbps=25").with_figures(host_memory_bytes=1 << 40)
+    assert (twice.name, twice.d2h_gbps, twice.host_memory_bytes) == ("h100 (custom)", 25, 1 << 40)
+
+
 @pytest.mark.parametrize(
     "figure", ["memory_bytes=inf", "ranks_per_node=nan", "host_memory_bytes=0"]
 )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from graphswap.planning._budget import read_memory_budget
 from graphswap.train.config import ConfigError, TrainerConfig, check_finite_positive, resolve_config
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train.yaml"
@@ -321,3 +322,20 @@ def test_the_finite_positive_rule_is_one_function(value: float) -> None:
     assert str(info.value) == f"--bandwidth: must be a finite number of GB/s > 0, got {value!r}"
     assert info.value.detail == f"must be a finite number of GB/s > 0, got {value!r}"
     assert check_finite_positive("--bandwidth", 25.0, "GB/s") == 25.0
+
+
+@pytest.mark.parametrize(
+    ("override", "read"), [('"0.85"', 0.85), ("0.85", 0.85), ("2e7", 20_000_000)]
+)
+def test_a_budget_reads_as_the_docs_say_however_it_is_spelled(override: str, read: float) -> None:
+    """Up to 1 a fraction of the device's memory (quoted too), above 1 bytes (2e7 was
+    refused as a fraction, naming 8e10 as an example)."""
+    config = resolve_config(
+        None, ["activation_swap=budget", f"activation_memory_budget={override}"]
+    )
+    assert read_memory_budget(config.activation_memory_budget) == read
+
+
+def test_an_infinite_budget_is_refused_by_its_key() -> None:
+    with pytest.raises(ConfigError, match=r"^activation_memory_budget: is not a finite"):
+        resolve_config(None, ["activation_swap=budget", "activation_memory_budget=1e400"])

@@ -11,6 +11,7 @@ from graphswap.train.preflight import check_model, check_world
 from graphswap.train.trainer import (
     TrainResult,
     _Run,
+    _state_bytes,
     format_summary,
     token_batches,
     train,
@@ -165,3 +166,14 @@ def test_step_time_ratio_pairs_the_steps_of_side_by_side_runs() -> None:
     swap = result("attention", [1.0, 1.1, 4.4, 1.1])
     row = next(line for line in format_summary([base, swap]).splitlines() if "ratio" in line)
     assert row.split()[-2:] == ["1.000", "1.100"]
+
+
+def test_the_state_a_step_starts_with_leaves_out_the_host_step_counters() -> None:
+    """As the planner counts it: parameters, gradients and AdamW's two moments; the step
+    counters live on the host, so the clocked simulated peak matches the plan's."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert _state_bytes(model, optimizer) == 4 * params  # weights, gradients, two moments

@@ -152,6 +152,18 @@ def test_plot_without_matplotlib_names_the_install(
     assert "pip install graphswap[plot]" in capsys.readouterr().err
 
 
+def test_plot_to_a_file_whose_suffix_names_no_image_format_is_refused_before_planning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("matplotlib")
+    args = _args("--preset", "tiny", "--seq-len", "64", "--plot", "fit.txt")
+    assert args.run(args) == 2
+    assert capsys.readouterr().err.startswith(
+        "graphswap plan-memory: error: --plot fit.txt: the file's suffix names the image"
+        " format, one of "
+    )
+
+
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str, layers: int = 1) -> dict:
     """The JSON plan of ``layers`` tiny layers at batch 2 x seq 512 with ``argv``."""
     args = _args(
@@ -500,7 +512,7 @@ def test_a_memory_size_without_a_known_unit_is_a_usage_error(
 ) -> None:
     with pytest.raises(SystemExit):
         _args("--preset", "tiny", "--fit", "141 parsecs")
-    assert "expected a size such as 141GiB" in capsys.readouterr().err
+    assert "expected a finite size such as 141GiB" in capsys.readouterr().err
 
 
 FAMILY_PRESETS = ["tiny", *sorted(name for name in PRESETS if name.startswith("tiny-"))]
@@ -594,8 +606,8 @@ def test_the_old_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: i
 def test_the_old_budget_and_layers_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: ignore[no-untyped-def]
     """0.1.0's ``--budget`` and ``--layers`` are the config keys' flags now."""
     argv = ("plan-memory", "--preset", "tiny", "--seq-len", "256", "--device", "cpu")
-    old = graphswap_cmd(*argv, "--layers", "2", "--budget", "1TiB")
-    new = graphswap_cmd(*argv, "--num-layers", "2", "--activation-memory-budget", "1TiB")
+    old = graphswap_cmd(*argv, "--layers", "2", "--budget", "100GiB")
+    new = graphswap_cmd(*argv, "--num-layers", "2", "--activation-memory-budget", "100GiB")
     assert old.returncode == new.returncode == 0, old.stderr
     assert "--budget is deprecated and will be removed; use --activation-memory-budget" in (
         old.stderr

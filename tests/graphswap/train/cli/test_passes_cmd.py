@@ -48,6 +48,14 @@ def test_overrides_reach_the_pass_plan(capsys: pytest.CaptureFixture[str]) -> No
     assert "activation_swap: attention" in out and "swap -> tensor_parallel" in out
 
 
+def test_the_swap_pass_names_the_budget_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["activation_swap=budget", "activation_memory_budget=1GiB", "num_layers=1"]
+    assert run_passes([*argv, "seq_len=64"]) == 0
+    out = capsys.readouterr().out
+    assert "activation_swap: budget" in out
+    assert "or budget (per layer keep, swap or recompute within activation_memory_budget)" in out
+
+
 def test_json_and_dot(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_passes(["--format", "json", "activation_swap=attention", "fsdp=true"]) == 0
     data = json.loads(capsys.readouterr().out)

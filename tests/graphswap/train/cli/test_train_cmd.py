@@ -91,6 +91,32 @@ def test_train_compare_pairs_none_with_the_configured_mode(tmp_path: Path, run_c
     assert modes.split()[1:] == ["none", "layer"]
 
 
+def test_train_compare_runs_the_budget_mode_beside_none_without_the_budget(
+    tmp_path: Path, run_cli
+) -> None:
+    """The budget stays with the budget column: none refuses one."""
+    done = run_cli(
+        "--compare",
+        "activation_swap=budget",
+        "activation_memory_budget=9MiB",
+        "steps=2",
+        "num_layers=2",
+        "seq_len=64",
+        f"output_dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    modes = next(line for line in lines if line.startswith("activation_swap "))
+    assert modes.split()[1:] == ["none", "budget"]
+    assert "activation_swap: budget, planned for seq_len: 64" in done.stdout
+    assert any(line.startswith("budget plan / step") for line in lines)
+    last = next(line for line in lines if line.startswith("loss last")).split()[2:]
+    assert len(last) == 2 and last[0] == last[1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary[0]["losses"] == summary[1]["losses"]
+
+
 def test_train_refuses_measure_on_cpu_before_building(tmp_path: Path, run_cli) -> None:
     done = run_cli(
         "activation_swap=auto", "swap_bandwidth_gbps=measure", "device=cpu", cwd=tmp_path

@@ -282,6 +282,20 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         ],
         "--host-memory 1099511627776 sizes the swap's host pool, and --activation-swap none",
     ),
+    (
+        "train-budget-infinite",
+        lambda p: ["train", "activation_swap=budget", "activation_memory_budget=1e400"],
+        "activation_memory_budget: is not a finite number of bytes",
+    ),
+    (
+        "plan-memory-budget-above-the-profiles-memory",
+        lambda p: [
+            *("plan-memory", "--preset", "tiny", "--seq-len", "8", "--profile", "h100"),
+            *("--activation-memory-budget", "200GiB"),
+        ],
+        "--activation-memory-budget 200GiB: is 214748364800 bytes, more than the 80000000000"
+        " bytes (74.51 GiB) of the h100 profile's memory",
+    ),
 ]
 
 
@@ -354,6 +368,44 @@ def test_passes_rejects_what_train_rejects(
     assert (passes_code, train_code) == (2, 2)
     reason = passes_err.removeprefix("graphswap passes: error: ")
     assert reason != passes_err and train_err == f"graphswap train: error: {reason}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq-len", "8", "--activation-memory-budget", "1e400"], "is not a finite number"),
+        (["--fit", "1e400"], "expected a finite size"),
+    ],
+    ids=["budget", "fit"],
+)
+@pytest.mark.usefixtures("no_model_built")
+def test_plan_memory_refuses_a_size_too_large_to_be_finite(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run(["plan-memory", "--preset", "tiny", *argv], capsys)
+    assert code == 2 and "Traceback" not in err
+    flag = argv[-2]
+    assert err.splitlines()[-1].startswith(
+        f"graphswap plan-memory: error: argument {flag}: {message}"
+    )
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [["activation_memory_budget=1"], ["activation_memory_budget=200GiB", "device=sim:h100"]],
+    ids=["no-plan-meets", "above-the-memory"],
+)
+def test_passes_refuses_the_budgets_train_refuses_alike(
+    budget: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One check, the swap pass's plan of the model built on meta, for both commands."""
+    overrides = ["activation_swap=budget", "num_layers=1", "seq_len=64", *budget]
+    passes_code, passes_err = run(["passes", *overrides], capsys)
+    train_code, train_err = run(["train", *overrides], capsys)
+    assert (passes_code, train_code) == (2, 2)
+    reason = passes_err.removeprefix("graphswap passes: error: ")
+    assert reason.startswith("activation_memory_budget: ")
+    assert reason.count("\n") == 1 and train_err == f"graphswap train: error: {reason}"
 
 
 def test_passes_says_the_world_size_it_cannot_know(capsys: pytest.CaptureFixture[str]) -> None:
