@@ -38,9 +38,9 @@ from graphswap.planning._plan import (
     plan_step,
     resolve_profile,
 )
-from graphswap.planning._replay import replay_without_swap
+from graphswap.planning._replay import replay_without_swap, state_bytes
 from graphswap.planning._settings import StepShape, SwapSchedule, check_int, split_settings
-from graphswap.planning._trace import StepTrace, storage_bytes
+from graphswap.planning._trace import BlockKind, StepTrace, storage_bytes
 from graphswap.planning._trace_cache import trace_once
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
@@ -139,7 +139,9 @@ class FitResult:
     """The sequence lengths traced, in order; every other length planned was
     interpolated from them."""
     planned: int = 0
-    """The lengths planned: every multiple of the step up to ``max_seq``."""
+    """The lengths planned: every multiple of the step up to ``max_seq``, or fewer where
+    the state and what the embedding and the head save (which no mode swaps or recomputes)
+    exceed the memory at the next one: no mode fits there, nor at any longer length."""
     max_step_ratio: float | None = None
     """The step ratio each mode's :attr:`ModeFit.seq_len_at_max_step_ratio` keeps within;
     ``None``: not asked."""
@@ -250,19 +252,22 @@ def fit_sequence(
     scans = {mode: _Scan(mode, max_step_ratio) for mode in modes if refused[mode] is None}
     lengths = [k * seq_step for k in range(1, empty.max_seq // seq_step + 1)] if scans else []
     grid = _Grid(config, first, shape, resolved, lengths)
+    planned = 0
     with _collector_paused():
         for seq in lengths:
-            _plan_length(config, grid, seq, scans, memory, schedule)
+            if not _plan_length(config, grid, seq, scans, memory, schedule):
+                break
+            planned += 1
     return dataclasses.replace(
         empty,
         modes=tuple(
-            scans[mode].result()
+            scans[mode].result(empty.max_seq)
             if reason is None
             else ModeFit(mode, None, None, capped=False, refused=reason)
             for mode, reason in refused.items()
         ),
         traced=grid.traced,
-        planned=len(lengths),
+        planned=planned,
     )
 
 
@@ -373,9 +378,12 @@ def _plan_length(
     scans: dict[SwapMode, _Scan],
     memory: int,
     schedule: SwapSchedule,
-) -> None:
-    """Every mode's plan at ``seq``, each added to its scan."""
+) -> bool:
+    """Every mode's plan at ``seq``, each added to its scan; ``False``, planning nothing,
+    when what every mode holds there (:func:`_floor_bytes`) exceeds ``memory``."""
     trace = grid(())(seq)
+    if _floor_bytes(trace, schedule.state_shards) > memory:
+        return False
     baseline = replay_without_swap(trace, schedule)
     made = {}
     for mode, scan in scans.items():
@@ -386,7 +394,7 @@ def _plan_length(
         )
         scan.add(plan, memory)
     if "budget" not in scans:
-        return
+        return True
     try:
         budgeted = plan_budget(
             config,
@@ -400,6 +408,22 @@ def _plan_length(
         scans["budget"].miss(seq, error.smallest)
     else:
         scans["budget"].add(budgeted, memory)
+    return True
+
+
+def _floor_bytes(trace: StepTrace, state_shards: int) -> int:
+    """What every mode's step holds when its forward ends: the state, and what the
+    embedding and the head save (logits, loss), which no mode swaps or recomputes, all
+    held until their backward. It grows with the length, so past a length where it
+    exceeds the memory no mode fits, and a fit of a long window stops planning there."""
+    outside = {
+        t.block
+        for t in trace.saves
+        if t.layer is None
+        and t.block is not None
+        and trace.blocks[t.block].kind is BlockKind.ACTIVATION
+    }
+    return state_bytes(trace, state_shards) + sum(trace.blocks[b].nbytes for b in outside)
 
 
 @contextmanager
@@ -483,13 +507,14 @@ class _Scan:
         self._last_fits = False
         self._within_open = False
 
-    def result(self) -> ModeFit:
+    def result(self, max_seq: int) -> ModeFit:
+        """The mode's answer, capped when it reaches ``max_seq``, the grid's last length."""
         answer = self.answer
         return ModeFit(
             self.mode,
             None if answer is None else answer.seq_len,
             answer,
-            answer is not None and answer.seq_len == self.points[-1].seq_len,
+            answer is not None and answer.seq_len == max_seq,
             tuple((first, last) for first, last in self.fits),
             tuple(self.points),
             seq_len_at_max_step_ratio=self.within,

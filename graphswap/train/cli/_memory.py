@@ -737,8 +737,7 @@ def format_fit(fit: Mapping[str, Any]) -> str:
             f"step ratio of at most {ratio:g}"
         )
     lines.append(
-        f"every multiple of {fit['seq_step']} up to {fit['max_seq']} planned ({fit['planned']} "
-        f"lengths), {len(fit['traced'])} traced: {', '.join(map(str, fit['traced']))}"
+        f"{_planned(fit)}, {len(fit['traced'])} traced: {', '.join(map(str, fit['traced']))}"
         + (
             "; >= N: fits even at the model's window (max_position_embeddings, or its rope "
             "scaling's)"
@@ -747,6 +746,23 @@ def format_fit(fit: Mapping[str, Any]) -> str:
         )
     )
     return "\n".join(lines)
+
+
+def _planned(fit: Mapping[str, Any]) -> str:
+    """The lengths the fit planned: the whole grid, or up to where nothing can fit."""
+    step, planned = fit["seq_step"], fit["planned"]
+    if planned == fit["max_seq"] // step or all(m["refused"] for m in fit["modes"]):
+        return f"every multiple of {step} up to {fit['max_seq']} planned ({planned} lengths)"
+    floor = (
+        f"the state and what the embedding and the head save, which no mode moves, exceed "
+        f"{format_bytes(fit['memory_bytes'])}"
+    )
+    if planned == 0:
+        return f"no length planned: at {step} already {floor}"
+    return (
+        f"every multiple of {step} up to {planned * step} planned ({planned} lengths; past it, "
+        f"to {fit['max_seq']}, {floor})"
+    )
 
 
 def _within(fit: Mapping[str, Any], mode: Mapping[str, Any]) -> str:
