@@ -509,6 +509,31 @@ def test_rope_factor_fits_past_the_window_and_each_mode_answers_at_a_step_ratio(
     assert lines[11].startswith("at <= 1.05: the longest sequence at and below which every")
 
 
+def test_a_checkpoint_whose_config_scales_its_rope_fits_past_its_positions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.json with rope scaling as Qwen3 documents it (4.x's ``rope_scaling`` key,
+    YaRN over the pretraining window), no flag: the fit searches the stretched window."""
+    from graphswap.hf.presets import preset_config
+
+    text = json.loads(preset_config("tiny-qwen3").to_json_string())
+    text.pop("rope_parameters", None)
+    text["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 2048,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    args = _args(
+        "--model", str(tmp_path), "--num-layers", "1", "--device", "cpu", "--seq-step", "2048",
+        "--fit", "64GiB", "--format", "json",
+    )  # fmt: skip
+    assert args.run(args) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["max_seq"] == 4096 and fit["planned"] == 2
+    assert all(mode["seq_len"] == 4096 and mode["capped"] for mode in fit["modes"])
+
+
 def test_a_seq_len_past_the_window_names_the_rope_factor_that_covers_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
