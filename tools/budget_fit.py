@@ -3,14 +3,15 @@
 Per model (Qwen3-30B-A3B, Llama-3.1-8B), in 141 GiB per rank with the state sharded over
 8 ranks (h200 profile, causal attention timing, the node's default host pool): for each
 ``activation_swap`` mode of ``--fit``, the longest sequence, its step ratio there, the
-longest sequence at a step ratio of at most ``--max-ratio`` (every shorter length
-fitting at that ratio too), and the ratio and peak at 32768 tokens; beside them the
-trainers' whole-layer activation checkpointing with nothing swapped, traced by the
-planner with the recompute running in backward (its peak grows with the length, so a
-bisection finds its longest). Writes ``bench/results/budget-fit.md`` (dated in its title)
-and ``.json``, replacing the last answers: git keeps the earlier ones.
+longest sequence at a step ratio of at most ``--max-step-ratio`` (every shorter length
+fitting at that ratio too: the fit's own answer, as ``plan-memory --fit --max-step-ratio``
+gives it), and the ratio and peak at 32768 tokens; beside them the trainers' whole-layer
+activation checkpointing with nothing swapped, traced by the planner with the recompute
+running in backward (its peak grows with the length, so a bisection finds its longest).
+Writes ``bench/results/budget-fit.md`` (dated in its title) and ``.json``, replacing the
+last answers: git keeps the earlier ones.
 
-    python tools/budget_fit.py [--models qwen3-30b-a3b llama-3.1-8b] [--max-ratio 1.03]
+    python tools/budget_fit.py [--models qwen3-30b-a3b llama-3.1-8b] [--max-step-ratio 1.03]
 """
 
 from __future__ import annotations
@@ -35,18 +36,18 @@ AT = 32768
 GIB = 1 << 30
 
 
-def _mode_rows(name: str, max_ratio: float) -> tuple[list[dict[str, Any]], float, int]:
+def _mode_rows(name: str, max_step_ratio: float) -> tuple[list[dict[str, Any]], float, int]:
     """The fit's modes: one row each; the fit's seconds and its longest length searched."""
     started = time.perf_counter()
-    fit = fit_sequence(preset_config(name), memory_bytes=MEMORY, state_shards=SHARDS)
+    fit = fit_sequence(
+        preset_config(name),
+        memory_bytes=MEMORY,
+        state_shards=SHARDS,
+        max_step_ratio=max_step_ratio,
+    )
     seconds = time.perf_counter() - started
     rows = []
     for mode in fit.modes:
-        within = None
-        for point in mode.points:
-            if point.peak_bytes > MEMORY or point.step_ratio > max_ratio:
-                break
-            within = point.seq_len
         at = next((p for p in mode.points if p.seq_len == AT), None)
         rows.append(
             {
@@ -55,7 +56,7 @@ def _mode_rows(name: str, max_ratio: float) -> tuple[list[dict[str, Any]], float
                 "capped": mode.capped,
                 "ratio_there": None if mode.plan is None else mode.plan.step_ratio,
                 "recompute": None if mode.plan is None else list(mode.plan.recompute),
-                "longest_within_ratio": within,
+                "longest_within_ratio": mode.seq_len_at_max_step_ratio,
                 "ratio_at": None if at is None else at.step_ratio,
                 "peak_at_gib": None if at is None else at.peak_bytes / GIB,
             }
@@ -119,11 +120,11 @@ def _cell(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
-def _table(name: str, rows: list[dict[str, Any]], max_ratio: float) -> str:
+def _table(name: str, rows: list[dict[str, Any]], max_step_ratio: float) -> str:
     lines = [
         f"### {name}",
         "",
-        f"| strategy | longest sequence | step ratio there | longest at ratio <= {max_ratio} "
+        f"| strategy | longest sequence | step ratio there | longest at ratio <= {max_step_ratio} "
         f"| step ratio at {AT} | peak at {AT} (GiB) | recomputed |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -140,15 +141,15 @@ def _table(name: str, rows: list[dict[str, Any]], max_ratio: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--max-ratio", type=float, default=1.03)
+    parser.add_argument("--max-step-ratio", type=float, default=1.03)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     sections, results = [], {}
     for name in args.models:
-        rows, seconds, max_seq = _mode_rows(name, args.max_ratio)
+        rows, seconds, max_seq = _mode_rows(name, args.max_step_ratio)
         rows.append(_full_recompute_row(name, max_seq))
         results[name] = {"rows": rows, "fit_seconds": seconds}
-        sections.append(_table(name, rows, args.max_ratio))
+        sections.append(_table(name, rows, args.max_step_ratio))
         sections.append(f"\n`--fit` (all modes) took {seconds:.0f} s here.\n")
         print(sections[-2], sections[-1], sep="\n", flush=True)
     header = (

@@ -20,6 +20,7 @@ from torch import nn
 
 from graphswap.errors import GraphswapError, HierarchyError
 from graphswap.hf.presets import preset_config
+from graphswap.hf.rope import check_rope_factor, set_rope_factor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -166,15 +167,22 @@ def model_config(
     *,
     attn_implementation: str = "eager",
     num_layers: int | None = None,
+    rope_factor: float | None = None,
 ) -> PretrainedConfig:
     """The config of the local checkpoint folder ``path`` when given, else of ``preset``;
-    ``num_layers`` replaces ``num_hidden_layers`` (a shallower model of the same shape)."""
+    ``num_layers`` replaces ``num_hidden_layers`` (a shallower model of the same shape);
+    ``rope_factor`` stretches its window with YaRN (:func:`~graphswap.hf.rope.set_rope_factor`,
+    which refuses a bad one before any model code runs)."""
+    if rope_factor is not None:
+        check_rope_factor(rope_factor)
     if path is None:
         config = preset_config(preset, attn_implementation=attn_implementation)
     else:
         config = load_hf_config(path, attn_implementation=attn_implementation)
     if num_layers is not None:
         _set_num_layers(config, num_layers)
+    if rope_factor is not None:
+        set_rope_factor(config, rope_factor)
     return config
 
 

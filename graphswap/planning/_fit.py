@@ -4,16 +4,20 @@ A length fits when the replayed step's device peak (parameters, gradients and
 optimizer state included) is at most the memory. With swap the peak does not grow
 monotonically with the sequence (the copy windows grow as seq², the bytes as seq, so
 ``auto`` moves a larger share of a longer step, and a host budget refuses more of it),
-so every multiple of ``seq_step`` up to the model's ``max_position_embeddings`` is
+so every multiple of ``seq_step`` up to the model's window (``max_position_embeddings``,
+or longer where rope scaling stretches it: :func:`~graphswap.hf.rope.context_window`) is
 planned: a mode's answer is the longest length below which every length fits, and the
 lengths that fit are reported as intervals when they are not one. A few traces give
-every length's step (:mod:`graphswap.planning._lengths`).
+every length's step (:mod:`graphswap.planning._lengths`). Asked for a ``max_step_ratio``,
+each mode also answers the longest length below which every length fits at that ratio
+or less.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from graphswap._deprecated import Renamed
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.hf.rope import context_window
 from graphswap.planning._budget import BudgetError, BudgetOption, plan_budget
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._plan import (
@@ -33,9 +38,9 @@ from graphswap.planning._plan import (
     plan_step,
     resolve_profile,
 )
-from graphswap.planning._replay import replay_without_swap
-from graphswap.planning._settings import StepShape, check_int, split_settings
-from graphswap.planning._trace import StepTrace, storage_bytes
+from graphswap.planning._replay import replay_without_swap, state_bytes
+from graphswap.planning._settings import StepShape, SwapSchedule, check_int, split_settings
+from graphswap.planning._trace import BlockKind, StepTrace, storage_bytes
 from graphswap.planning._trace_cache import trace_once
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import MetaModel, build_meta_model
@@ -79,7 +84,7 @@ class ModeFit:
     plan: MemoryPlan | None
     """The plan at that length."""
     capped: bool
-    """It fits even at the longest length searched (the model's ``max_position_embeddings``)."""
+    """It fits even at the longest length searched (the model's window)."""
     fits: tuple[tuple[int, int], ...] = ()
     """The lengths that fit, as ``(first, last)`` runs of consecutive multiples; more than
     one run: the peak came back under the memory at a longer length."""
@@ -88,6 +93,10 @@ class ModeFit:
     refused: str | None = None
     """Why the mode's swap rule refuses this model (a hybrid stack's attention): nothing
     is planned for it."""
+    seq_len_at_max_step_ratio: int | None = None
+    """With a ``max_step_ratio``: the longest multiple of the step at and below which every
+    multiple fits and runs at that step ratio or less; ``None``: not even one step, or no
+    ratio asked."""
 
     seq = Renamed("seq_len")  # 0.1.0's name, until 0.3
 
@@ -110,7 +119,8 @@ class FitResult:
     seq_step: int
     """Answers are multiples of this many tokens."""
     max_seq: int
-    """The longest length searched: the model's ``max_position_embeddings``."""
+    """The longest length searched: the model's window, ``max_position_embeddings`` or its
+    rope scaling's (:func:`~graphswap.hf.rope.context_window`)."""
     state_shards: int
     """Ranks the parameters, gradients and optimizer state are sharded over."""
     parameter_bytes: int
@@ -129,7 +139,12 @@ class FitResult:
     """The sequence lengths traced, in order; every other length planned was
     interpolated from them."""
     planned: int = 0
-    """The lengths planned: every multiple of the step up to ``max_seq``."""
+    """The lengths planned: every multiple of the step up to ``max_seq``, or fewer where
+    the state and what the embedding and the head save (which no mode swaps or recomputes)
+    exceed the memory at the next one: no mode fits there, nor at any longer length."""
+    max_step_ratio: float | None = None
+    """The step ratio each mode's :attr:`ModeFit.seq_len_at_max_step_ratio` keeps within;
+    ``None``: not asked."""
 
     batch = Renamed("batch_size")
 
@@ -173,10 +188,12 @@ class FitResult:
             "state_bytes": self.state_bytes,
             "state_fits": self.state_fits,
             "shards_needed": self.shards_needed,
+            "max_step_ratio": self.max_step_ratio,
             "modes": [
                 {
                     "activation_swap": mode.activation_swap,
                     "seq_len": mode.seq_len,
+                    "seq_len_at_max_step_ratio": mode.seq_len_at_max_step_ratio,
                     "capped": mode.capped,
                     "fits": [list(run) for run in mode.fits],
                     "refused": mode.refused,
@@ -197,19 +214,23 @@ def fit_sequence(
     profile: str | DeviceProfile = DEFAULT_PROFILE,
     seq_step: int = DEFAULT_SEQ_STEP,
     modes: Sequence[SwapMode] = SWAP_MODES,
+    max_step_ratio: float | None = None,
     **settings: Any,
 ) -> FitResult:
     """The longest sequence (a multiple of ``seq_step``) each of ``modes`` fits in
     ``memory_bytes`` (default: the profile's memory) at every multiple up to it, with the
-    plan at that length and every length that fits.
+    plan at that length and every length that fits; with ``max_step_ratio`` (>= 1), also
+    the longest at and below which every multiple fits at that step ratio or less.
 
     ``profile`` and ``settings`` are :func:`~graphswap.planning.plan_memory`'s, the
-    config's keys, but ``seq_len``, which the fit searches. When parameters, gradients
-    and AdamW state alone leave no memory, nothing is traced and
-    :attr:`FitResult.modes` is empty (see :attr:`FitResult.shards_needed`).
+    config's keys, but ``seq_len``, which the fit searches up to the model's window
+    (:func:`~graphswap.hf.rope.context_window`: rope scaling in the config stretches it).
+    When parameters, gradients and AdamW state alone leave no memory, nothing is traced
+    and :attr:`FitResult.modes` is empty (see :attr:`FitResult.shards_needed`).
     """
     for mode in modes:
         check_mode(mode)
+    _check_max_step_ratio(max_step_ratio)
     shape_settings, schedule, figures = split_settings("fit_sequence", settings)
     resolved = resolve_profile(profile, **figures)
     memory = resolved.memory_bytes if memory_bytes is None else memory_bytes
@@ -221,101 +242,188 @@ def fit_sequence(
             "seq_len", shape_settings["seq_len"], "is what the fit searches; leave it out"
         )
     shape = StepShape(seq_len=seq_step, **shape_settings)
-    state_shards = schedule.state_shards
-
     first = build_meta_model(config, shape)
+    empty = dataclasses.replace(
+        _state(first, memory, resolved, shape, schedule), max_step_ratio=max_step_ratio
+    )
+    if not empty.state_fits:
+        return empty
+    refused = {mode: _refusal(first, mode) for mode in modes}
+    scans = {mode: _Scan(mode, max_step_ratio) for mode in modes if refused[mode] is None}
+    lengths = [k * seq_step for k in range(1, empty.max_seq // seq_step + 1)] if scans else []
+    grid = _Grid(config, first, shape, resolved, lengths)
+    planned = 0
+    with _collector_paused():
+        for seq in lengths:
+            if not _plan_length(config, grid, seq, scans, memory, schedule):
+                break
+            planned += 1
+    return dataclasses.replace(
+        empty,
+        modes=tuple(
+            scans[mode].result(empty.max_seq)
+            if reason is None
+            else ModeFit(mode, None, None, capped=False, refused=reason)
+            for mode, reason in refused.items()
+        ),
+        traced=grid.traced,
+        planned=planned,
+    )
+
+
+def _check_max_step_ratio(max_step_ratio: object) -> None:
+    """``None``, or a finite number >= 1: no step runs faster than the step without swap."""
+    if max_step_ratio is None:
+        return
+    if (
+        isinstance(max_step_ratio, bool)
+        or not isinstance(max_step_ratio, (int, float))
+        or not math.isfinite(max_step_ratio)
+        or max_step_ratio < 1
+    ):
+        raise PlanSettingError(
+            "max_step_ratio",
+            max_step_ratio,
+            "must be a finite number >= 1: a step's time over the time of the step without "
+            "swap at the same length (1.05: at most 5% slower)",
+        )
+
+
+def _state(
+    first: MetaModel, memory: int, profile: DeviceProfile, shape: StepShape, schedule: SwapSchedule
+) -> FitResult:
+    """What one rank holds whatever the length, and the lengths searched (multiples of
+    ``shape``'s, the step's): nothing planned yet."""
+    window = context_window(first.rank_config)
+    if window is None:
+        raise PlanSettingError(
+            "model",
+            type(first.model).__name__,
+            "its config names no max_position_embeddings, the longest length to search; "
+            "plan one seq_len at a time",
+        )
     params = [p for p in first.model.parameters() if p.requires_grad]
-    share = -(-storage_bytes(params) // state_shards)
-    max_seq = max(seq_step, first.rank_config.max_position_embeddings)
-    empty = FitResult(
+    share = -(-storage_bytes(params) // schedule.state_shards)
+    return FitResult(
         memory_bytes=memory,
-        profile=resolved,
+        profile=profile,
         batch_size=shape.batch_size,
-        seq_step=seq_step,
-        max_seq=max_seq,
-        state_shards=state_shards,
+        seq_step=shape.seq_len,
+        max_seq=max(shape.seq_len, window),
+        state_shards=schedule.state_shards,
         parameter_bytes=share,
         gradient_bytes=share,
         optimizer_state_bytes=2 * share,
         buffer_bytes=storage_bytes(list(first.model.buffers())),
-        max_host_bytes=resolved.host_budget_bytes
+        max_host_bytes=profile.host_budget_bytes
         if schedule.max_host_bytes is None
         else schedule.max_host_bytes,
         modes=(),
         traced=(),
     )
-    if not empty.state_fits:
-        return empty
 
-    refused = {mode: _refusal(first, mode) for mode in modes}
-    planned = [mode for mode in modes if refused[mode] is None]
-    lengths = [steps * seq_step for steps in range(1, max_seq // seq_step + 1)] if planned else []
-    levels: dict[tuple[RecomputeKind, ...], TraceLengths] = {}
 
-    def series(recompute: tuple[RecomputeKind, ...]) -> TraceLengths:
-        """The grid's steps with ``recompute`` in every layer, traced when first asked."""
-        found = levels.get(recompute)
+class _Grid:
+    """The fit's steps at every length, per recompute level, traced when first asked."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        first: MetaModel,
+        shape: StepShape,
+        profile: DeviceProfile,
+        lengths: Sequence[int],
+    ) -> None:
+        self._config = config
+        self._first = first
+        self._shape = shape
+        self._profile = profile
+        self._lengths = lengths
+        self._levels: dict[tuple[RecomputeKind, ...], TraceLengths] = {}
+
+    @property
+    def traced(self) -> tuple[int, ...]:
+        """The lengths traced, level by level, in the order they were."""
+        return tuple(seq for level in self._levels.values() for seq in level.traced)
+
+    def __call__(self, recompute: tuple[RecomputeKind, ...]) -> TraceLengths:
+        """The grid's steps with ``recompute`` in every layer."""
+        found = self._levels.get(recompute)
         if found is None:
-
-            def trace(seq: int, policy: SwapPolicy) -> StepTrace:
-                at = dataclasses.replace(shape, seq_len=seq)
-                meta = (
-                    first
-                    if seq == seq_step and not recompute
-                    else build_meta_model(config, at, recompute=recompute)
-                )
-                return trace_once(meta, at, recompute, resolved, policy)
-
-            found = levels[recompute] = TraceLengths(
-                trace,
-                lengths,
+            found = self._levels[recompute] = TraceLengths(
+                lambda seq, policy: self._trace(recompute, seq, policy),
+                self._lengths,
                 min_bytes=MIN_SWAP_TENSOR_BYTES,
                 name=policy_name(default_policy),
-                like=levels.get(()) if recompute else None,
+                like=self._levels.get(()) if recompute else None,
             )
         return found
 
-    scans = {mode: _Scan(mode) for mode in planned}
-    fixed = [mode for mode in planned if mode != "budget"]
-    with _collector_paused():
-        for seq in lengths:
-            trace = series(())(seq)
-            baseline = replay_without_swap(trace, schedule)
-            made = {}
-            for mode in fixed:
-                plan = made[(), mode] = plan_step(
-                    config,
-                    trace,
-                    activation_swap=mode,
-                    schedule=schedule,
-                    baseline=baseline,
-                )
-                scans[mode].add(plan, memory)
-            if "budget" in scans:
-                try:
-                    budgeted = plan_budget(
-                        config,
-                        lambda kinds, seq=seq: series(kinds)(seq),  # type: ignore[misc]
-                        budget=memory,
-                        schedule=schedule,
-                        baseline=baseline,
-                        known=made,  # type: ignore[arg-type]
-                    )
-                except BudgetError as error:
-                    scans["budget"].miss(seq, error.smallest)
-                else:
-                    scans["budget"].add(budgeted, memory)
-    return dataclasses.replace(
-        empty,
-        modes=tuple(
-            scans[mode].result()
-            if reason is None
-            else ModeFit(mode, None, None, capped=False, refused=reason)
-            for mode, reason in refused.items()
-        ),
-        traced=tuple(seq for s in levels.values() for seq in s.traced),
-        planned=len(lengths),
-    )
+    def _trace(
+        self, recompute: tuple[RecomputeKind, ...], seq: int, policy: SwapPolicy
+    ) -> StepTrace:
+        at = dataclasses.replace(self._shape, seq_len=seq)
+        meta = (
+            self._first
+            if seq == self._shape.seq_len and not recompute
+            else build_meta_model(self._config, at, recompute=recompute)
+        )
+        return trace_once(meta, at, recompute, self._profile, policy)
+
+
+def _plan_length(
+    config: PretrainedConfig,
+    grid: _Grid,
+    seq: int,
+    scans: dict[SwapMode, _Scan],
+    memory: int,
+    schedule: SwapSchedule,
+) -> bool:
+    """Every mode's plan at ``seq``, each added to its scan; ``False``, planning nothing,
+    when what every mode holds there (:func:`_floor_bytes`) exceeds ``memory``."""
+    trace = grid(())(seq)
+    if _floor_bytes(trace, schedule.state_shards) > memory:
+        return False
+    baseline = replay_without_swap(trace, schedule)
+    made = {}
+    for mode, scan in scans.items():
+        if mode == "budget":
+            continue
+        plan = made[(), mode] = plan_step(
+            config, trace, activation_swap=mode, schedule=schedule, baseline=baseline
+        )
+        scan.add(plan, memory)
+    if "budget" not in scans:
+        return True
+    try:
+        budgeted = plan_budget(
+            config,
+            lambda kinds: grid(kinds)(seq),
+            budget=memory,
+            schedule=schedule,
+            baseline=baseline,
+            known=made,  # type: ignore[arg-type]
+        )
+    except BudgetError as error:
+        scans["budget"].miss(seq, error.smallest)
+    else:
+        scans["budget"].add(budgeted, memory)
+    return True
+
+
+def _floor_bytes(trace: StepTrace, state_shards: int) -> int:
+    """What every mode's step holds when its forward ends: the state, and what the
+    embedding and the head save (logits, loss), which no mode swaps or recomputes, all
+    held until their backward. It grows with the length, so past a length where it
+    exceeds the memory no mode fits, and a fit of a long window stops planning there."""
+    outside = {
+        t.block
+        for t in trace.saves
+        if t.layer is None
+        and t.block is not None
+        and trace.blocks[t.block].kind is BlockKind.ACTIVATION
+    }
+    return state_bytes(trace, state_shards) + sum(trace.blocks[b].nbytes for b in outside)
 
 
 @contextmanager
@@ -352,8 +460,13 @@ def _refusal(meta: MetaModel, mode: SwapMode) -> str | None:
 class _Scan:
     """One mode's plans over the grid, in order: what fits, and the answer's plan."""
 
-    def __init__(self, mode: SwapMode) -> None:
+    def __init__(self, mode: SwapMode, max_step_ratio: float | None = None) -> None:
         self.mode = mode
+        self.max_step_ratio = max_step_ratio
+        self.within: int | None = None
+        """The last length of the run from the step up that fits at ``max_step_ratio``."""
+        self._within_open = max_step_ratio is not None
+        """Every length so far fit at ``max_step_ratio``."""
         self.points: list[LengthPoint] = []
         self.fits: list[list[int]] = []
         """Runs of fitting lengths, ``[first, last]``."""
@@ -375,19 +488,34 @@ class _Scan:
         self._last_fits = fits
         if fits and len(self.fits) == 1 and self.fits[0][0] == self.points[0].seq_len:
             self.answer = plan
+        self._within(plan.seq_len, fits, plan.step_ratio)
+
+    def _within(self, seq: int, fits: bool, step_ratio: float) -> None:
+        """Extend or end the run that fits at ``max_step_ratio``; a ratio within a part in
+        10^9 of it counts as at it (the printed ratio reads as equal)."""
+        limit = self.max_step_ratio
+        if not self._within_open or limit is None:
+            return
+        if fits and step_ratio <= limit * (1 + 1e-9):
+            self.within = seq
+        else:
+            self._within_open = False
 
     def miss(self, seq: int, closest: BudgetOption) -> None:
         """``budget`` found no plan within the memory at ``seq``; ``closest`` came nearest."""
         self.points.append(LengthPoint(seq, closest.peak_bytes, closest.step_ratio, 0))
         self._last_fits = False
+        self._within_open = False
 
-    def result(self) -> ModeFit:
+    def result(self, max_seq: int) -> ModeFit:
+        """The mode's answer, capped when it reaches ``max_seq``, the grid's last length."""
         answer = self.answer
         return ModeFit(
             self.mode,
             None if answer is None else answer.seq_len,
             answer,
-            answer is not None and answer.seq_len == self.points[-1].seq_len,
+            answer is not None and answer.seq_len == max_seq,
             tuple((first, last) for first, last in self.fits),
             tuple(self.points),
+            seq_len_at_max_step_ratio=self.within,
         )

@@ -413,6 +413,19 @@ def _not_packed(position_ids: torch.Tensor) -> None:
     return None
 
 
+def _static_rope(model: torch.nn.Module) -> None:
+    """Dynamic NTK rope's frequencies kept as built: transformers recomputes them when a
+    sequence outgrows the pretraining window, a data-dependent branch meta cannot take.
+    The recomputed frequencies have the same shape, so the step traced is the same."""
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        if isinstance(kind, str) and "dynamic" in kind:
+            setattr(module, "rope_type", "default")  # noqa: B010  # not a declared attribute
+        elif isinstance(kind, dict):
+            static = {k: "default" if "dynamic" in str(v) else v for k, v in kind.items()}
+            setattr(module, "rope_type", static)  # noqa: B010
+
+
 def build_meta_model(
     config: PretrainedConfig,
     shape: StepShape,
@@ -441,6 +454,7 @@ def build_meta_model(
     rank_config = per_rank_config(config, tp_size)
     rank_config._attn_implementation = attn_implementation
     model = build_model(rank_config, device="meta", dtype=shape.dtype).train()
+    _static_rope(model)
     try:
         _, layers = decoder_layers(model)
     except HierarchyError as error:

@@ -93,6 +93,7 @@ def trainer_hf_config(config: TrainerConfig) -> PretrainedConfig:
         config.model_path,
         attn_implementation=config.attn_implementation,
         num_layers=config.num_layers,
+        rope_factor=config.rope_factor,
     )
 
 

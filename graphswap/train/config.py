@@ -25,6 +25,7 @@ import yaml
 
 from graphswap.errors import GraphswapError
 from graphswap.hf.presets import preset_names
+from graphswap.hf.rope import check_rope_factor
 from graphswap.planning import PlanSettingError, SwapMode
 from graphswap.planning._budget import read_memory_budget
 from graphswap.planning._settings import DEFAULT_HIDE_MARGIN
@@ -123,6 +124,9 @@ class ModelSettings:
     weights; ``model`` stays at its default."""
     num_layers: int | None = None
     """The number of decoder layers, replacing the model's; None: keep the model's."""
+    rope_factor: float | None = None
+    """Stretch the model's window (``max_position_embeddings``) this many times, > 1, with
+    YaRN rope scaling, as Qwen3 documents it (4); None: the model's own rope scaling."""
     attn_implementation: AttnImplementation = "sdpa"
     """``sdpa`` (fused kernels) or ``eager`` (saves the seq x seq probabilities)."""
 
@@ -220,6 +224,8 @@ class TrainerConfig(
         _check_at_least("seed", self.seed, 0)
         if self.num_layers is not None:
             _check_at_least("num_layers", self.num_layers, 1)
+        if self.rope_factor is not None:
+            _check_rope_factor(self.rope_factor)
         check_finite_positive("lr", self.lr)
         if self.model not in preset_names():
             raise ConfigError(
@@ -549,6 +555,14 @@ def check_finite_positive(key: str, value: float, unit: str = "", alternative: s
         of_unit = f" of {unit}" if unit else ""
         raise ConfigError(key, f"must be a finite number{of_unit} > 0{alternative}, got {value!r}")
     return value
+
+
+def _check_rope_factor(value: float) -> None:
+    """The planner's rule for ``rope_factor`` (a finite number > 1), as a config error."""
+    try:
+        check_rope_factor(value)
+    except PlanSettingError as error:
+        raise ConfigError("rope_factor", f"{error.detail}, got {value!r}") from None
 
 
 def _check_at_least(key: str, value: int, minimum: int) -> None:

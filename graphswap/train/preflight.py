@@ -68,6 +68,8 @@ def check_model(config: TrainerConfig) -> PretrainedConfig:
         raise ConfigError("model_path", str(error)) from error
     except LayerCountError as error:
         raise ConfigError("num_layers", str(error)) from None
+    except PlanSettingError as error:  # a rope_factor the model's window already covers
+        raise ConfigError(error.setting, error.detail) from None
     check_attention(config, hf_config)
     if config.tp_size > 1:
         check_heads_divisible(hf_config, config.tp_size)

@@ -24,6 +24,8 @@ from graphswap.train.cli._args import (
 )
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from graphswap.planning import MemoryPlan
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -258,6 +260,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="--fit: answer in multiples of N tokens (default 512)",
     )
+    parser.add_argument(
+        "--max-step-ratio",
+        type=float,
+        action=Once,
+        default=None,
+        metavar="R",
+        help="--fit: also the longest sequence at and below which every length fits at a "
+        "step ratio (to none's at the same length) of at most R >= 1 (1.05: 5%% slower)",
+    )
+    parser.add_argument(
+        "--rope-factor",
+        type=float,
+        action=Once,
+        default=None,
+        metavar="F",
+        help="stretch the model's window F > 1 times with YaRN rope scaling, as the trainer's "
+        "rope_factor (Qwen3 documents 4): --seq-len and --fit go up to F x the window "
+        "(default: the config's own rope scaling, if any)",
+    )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument(
         "--plot",
@@ -326,8 +347,12 @@ def _refusal(args: argparse.Namespace) -> str | None:
     if args.fit is None:
         if args.seq_len is None:
             return "--seq-len N is required (or --fit, which searches the sequence length)"
-        if args.seq_step is not None:
-            return f"--seq-step {args.seq_step} applies to --fit only; add --fit or drop it"
+        for flag, value in (
+            ("--seq-step", args.seq_step),
+            ("--max-step-ratio", args.max_step_ratio),
+        ):
+            if value is not None:
+                return f"{flag} {value} applies to --fit only; add --fit or drop it"
         return None
     for flag, value in (
         ("--seq-len", args.seq_len),
@@ -346,7 +371,6 @@ def run(args: argparse.Namespace) -> int:
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
     import torch
 
-    from graphswap.hf.checkpoints import CheckpointError, LayerCountError, model_config
     from graphswap.planning import (
         DEFAULT_PROFILE,
         PlanSettingError,
@@ -363,17 +387,9 @@ def run(args: argparse.Namespace) -> int:
     if refusal is not None:
         return user_error("plan-memory", refusal)
     source = f"--model {args.model}" if args.model is not None else f"--preset {args.preset}"
-    try:
-        config = model_config(
-            args.preset,
-            args.model,
-            attn_implementation=args.attn_implementation,
-            num_layers=args.num_layers,
-        )
-    except CheckpointError as error:
-        return user_error("plan-memory", f"--model {args.model}: {error}")
-    except LayerCountError as error:
-        return user_error("plan-memory", f"--num-layers {args.num_layers}: {source} has {error}")
+    config = _model_config(args, source)
+    if isinstance(config, str):
+        return user_error("plan-memory", config)
     node = {
         key: value
         for key, value in (
@@ -402,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
                 memory_bytes=args.fit or None,
                 profile=profile,
                 seq_step=args.seq_step or DEFAULT_SEQ_STEP,
+                max_step_ratio=args.max_step_ratio,
                 **settings,
             )
             data = fit.to_dict()
@@ -447,6 +464,39 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"{'fit' if args.fit is not None else 'timeline'} written to {args.plot}")
     return 0
+
+
+def _model_config(args: argparse.Namespace, source: str) -> PretrainedConfig | str:
+    """The config to plan (``--num-layers`` and ``--rope-factor`` applied), or why not:
+    a bad flag, or a ``--seq-len`` past the window its positions cover."""
+    from graphswap.hf.checkpoints import CheckpointError, LayerCountError, model_config
+    from graphswap.hf.rope import context_window, pretraining_window
+    from graphswap.planning import PlanSettingError
+
+    try:
+        config = model_config(
+            args.preset,
+            args.model,
+            attn_implementation=args.attn_implementation,
+            num_layers=args.num_layers,
+            rope_factor=args.rope_factor,
+        )
+    except CheckpointError as error:
+        return f"--model {args.model}: {error}"
+    except LayerCountError as error:
+        return f"--num-layers {args.num_layers}: {source} has {error}"
+    except PlanSettingError as error:
+        return f"--rope-factor {error.value}: {error.detail}"
+    window = context_window(config)
+    if window is not None and args.seq_len is not None and args.seq_len > window:
+        original = pretraining_window(config)
+        factor = -(-args.seq_len // original)  # > 1: the window holds the original
+        return (
+            f"--seq-len {args.seq_len}: longer than the {window} tokens {source}'s positions "
+            f"cover (max_position_embeddings, or its rope scaling's); stretch them with "
+            f"--rope-factor {factor} (YaRN over {original} tokens: up to {factor * original})"
+        )
+    return config
 
 
 def format_bytes(n: float) -> str:
@@ -686,9 +736,11 @@ def format_fit(fit: Mapping[str, Any]) -> str:
         f"({fit['profile']['name']}: node of {format_bytes(fit['profile']['host_memory_bytes'])} "
         f"over {fit['profile']['ranks_per_node']} ranks, half of it pinned at most)"
     )
+    ratio = fit.get("max_step_ratio")
+    within = "" if ratio is None else f" {f'at <= {ratio:g}':>12}"
     header = (
-        f"{'mode':<10} {'longest seq':>12} {'step ratio':>10} {'peak':>11}  {'peak at':<10}"
-        f"{'stalls ms':>10} {'host peak':>11}"
+        f"{'mode':<10} {'longest seq':>12}{within} {'step ratio':>10} {'peak':>11}  "
+        f"{'peak at':<10}{'stalls ms':>10} {'host peak':>11}"
     )
     lines += [header, "-" * len(header)]
     for mode in fit["modes"]:
@@ -704,7 +756,8 @@ def format_fit(fit: Mapping[str, Any]) -> str:
         timeline = plan["timeline"]
         seq = f">= {mode['seq_len']}" if mode["capped"] else str(mode["seq_len"])
         lines.append(
-            f"{mode['activation_swap']:<10} {seq:>12} {plan['step_ratio']:>10.4f} "
+            f"{mode['activation_swap']:<10} {seq:>12}{_within(fit, mode)} "
+            f"{plan['step_ratio']:>10.4f} "
             f"{format_bytes(timeline['peak_bytes']):>11}  {timeline['peak_label']:<10}"
             f"{timeline['stall_seconds'] * 1e3:>10.3f} "
             f"{format_bytes(plan.get('host_peak_bytes', 0)):>11}"
@@ -719,16 +772,47 @@ def format_fit(fit: Mapping[str, Any]) -> str:
                 f"{mode['activation_swap']}: the lengths that fit are not one interval: {runs} "
                 "(the longest sequence is where the first ends; the lengths between do not fit)"
             )
+    if ratio is not None:
+        lines.append(
+            f"at <= {ratio:g}: the longest sequence at and below which every length fits at a "
+            f"step ratio of at most {ratio:g}"
+        )
     lines.append(
-        f"every multiple of {fit['seq_step']} up to {fit['max_seq']} planned ({fit['planned']} "
-        f"lengths), {len(fit['traced'])} traced: {', '.join(map(str, fit['traced']))}"
+        f"{_planned(fit)}, {len(fit['traced'])} traced: {', '.join(map(str, fit['traced']))}"
         + (
-            "; >= N: fits even at the model's max_position_embeddings"
+            "; >= N: fits even at the model's window (max_position_embeddings, or its rope "
+            "scaling's)"
             if any(m["capped"] for m in fit["modes"])
             else ""
         )
     )
     return "\n".join(lines)
+
+
+def _planned(fit: Mapping[str, Any]) -> str:
+    """The lengths the fit planned: the whole grid, or up to where nothing can fit."""
+    step, planned = fit["seq_step"], fit["planned"]
+    if planned == fit["max_seq"] // step or all(m["refused"] for m in fit["modes"]):
+        return f"every multiple of {step} up to {fit['max_seq']} planned ({planned} lengths)"
+    floor = (
+        f"the state and what the embedding and the head save, which no mode moves, exceed "
+        f"{format_bytes(fit['memory_bytes'])}"
+    )
+    if planned == 0:
+        return f"no length planned: at {step} already {floor}"
+    return (
+        f"every multiple of {step} up to {planned * step} planned ({planned} lengths; past it, "
+        f"to {fit['max_seq']}, {floor})"
+    )
+
+
+def _within(fit: Mapping[str, Any], mode: Mapping[str, Any]) -> str:
+    """The ``--max-step-ratio`` column of one mode's row: empty when not asked."""
+    if fit.get("max_step_ratio") is None:
+        return ""
+    seq = mode["seq_len_at_max_step_ratio"]
+    text = "none" if seq is None else f">= {seq}" if seq == fit["max_seq"] else str(seq)
+    return f" {text:>12}"
 
 
 def plot_timeline(plan: MemoryPlan, path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from transformers import PretrainedConfig
 
 from graphswap.hf.presets import preset_config, qwen3_moe_config
-from graphswap.planning import FitResult, fit_sequence, plan_memory
+from graphswap.planning import FitResult, PlanSettingError, fit_sequence, plan_memory
 from graphswap.planning._fit import _Scan
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import StepShape, SwapSchedule, plan_step, trace_step
@@ -71,19 +71,98 @@ def test_every_length_up_to_an_answer_fits(
                 assert point.peak_bytes == plan.timeline.peak_bytes
 
 
-def _plan(seq: int, peak: int) -> SimpleNamespace:
+def test_a_fit_stops_where_what_no_mode_moves_exceeds_the_memory() -> None:
+    """Four Llama layers up to 24576 tokens in 10 GiB: past the length where the state and
+    the saves of the embedding and the head (Llama's fp32 logits) exceed the memory, no
+    mode can fit, and the fit stops planning there; below it every mode's peak is at least
+    that floor, which is what makes stopping safe."""
+    from graphswap.planning._fit import _floor_bytes
+    from graphswap.train.cli._memory import format_fit
+
+    config = _short(preset_config("llama-3.1-8b"))
+    fit = fit_sequence(config, memory_bytes=10 * GIB, state_shards=8)
+    assert 0 < fit.planned < 48 and all(len(m.points) == fit.planned for m in fit.modes)
+    last = fit.planned * fit.seq_step
+    for seq in (last, last + fit.seq_step):
+        trace = trace_step(build_meta_model(config, StepShape(seq_len=seq)), fit.profile)
+        floor = _floor_bytes(trace, 8)
+        assert (floor > 10 * GIB) == (seq > last)
+        if seq == last:
+            assert all(mode.points[-1].peak_bytes >= floor for mode in fit.modes)
+    assert (
+        f"every multiple of 512 up to {last} planned ({fit.planned} lengths; past it, to "
+        "24576, the state and what the embedding and the head save, which no mode moves, "
+        "exceed 10.00 GiB)"
+    ) in format_fit(fit.to_dict())
+
+
+def _plan(seq: int, peak: int, step_ratio: float = 1.0) -> SimpleNamespace:
     timeline = SimpleNamespace(peak_bytes=peak)
-    return SimpleNamespace(seq_len=seq, timeline=timeline, step_ratio=1.0, host_peak_bytes=0)
+    return SimpleNamespace(seq_len=seq, timeline=timeline, step_ratio=step_ratio, host_peak_bytes=0)
 
 
 def test_a_peak_that_comes_back_under_the_memory_is_a_second_run_not_the_answer() -> None:
     scan = _Scan("auto")
     for seq, peak in ((512, 10), (1024, 20), (1536, 31), (2048, 29), (2560, 30), (3072, 40)):
         scan.add(_plan(seq, peak), 30)  # type: ignore[arg-type]
-    result = scan.result()
+    result = scan.result(3072)
     assert result.seq_len == 1024 and result.fits == ((512, 1024), (2048, 2560))
     assert not result.contiguous and not result.capped
     assert [p.seq_len for p in result.points] == [512, 1024, 1536, 2048, 2560, 3072]
+
+
+def test_the_longest_at_a_step_ratio_holds_it_at_every_shorter_length() -> None:
+    """The ratio is not monotone in the length (``layer`` at 4096 stalls more than at
+    7168): the answer ends at the first length over the ratio, or that does not fit,
+    as the fit's own answer ends at the first that does not fit."""
+    scan = _Scan("layer", max_step_ratio=1.07)
+    steps = ((1024, 1.0), (2048, 1.07), (3072, 1.108), (4096, 1.06), (5120, 1.05))
+    for seq, ratio in steps:
+        scan.add(_plan(seq, 10, ratio), 30)  # type: ignore[arg-type]
+    result = scan.result(3072)
+    assert (result.seq_len, result.seq_len_at_max_step_ratio) == (5120, 2048)
+    tight = _Scan("auto", max_step_ratio=1.5)
+    for seq, peak in ((1024, 10), (2048, 40), (3072, 20)):
+        tight.add(_plan(seq, peak), 30)  # type: ignore[arg-type]
+    assert tight.result(3072).seq_len_at_max_step_ratio == 1024
+    assert _Scan("none").result(512).seq_len_at_max_step_ratio is None
+
+
+@pytest.mark.parametrize("ratio", [0.99, float("nan"), float("inf"), True])
+def test_a_step_ratio_below_one_is_refused_before_any_model_is_built(
+    ratio: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import graphswap.planning._fit
+
+    monkeypatch.setattr(graphswap.planning._fit, "build_meta_model", None)
+    with pytest.raises(PlanSettingError) as caught:
+        fit_sequence(preset_config("tiny-qwen3"), max_step_ratio=ratio)  # type: ignore[arg-type]
+    assert caught.value.setting == "max_step_ratio" and ">= 1" in caught.value.detail
+
+
+@pytest.mark.parametrize(
+    ("rope", "lengths"),
+    [
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+            [2048, 4096, 6144, 8192],
+        ),
+        ({"rope_type": "dynamic", "factor": 2.0}, [2048, 4096]),
+    ],
+)
+def test_a_config_with_rope_scaling_fits_up_to_its_stretched_window(
+    rope: dict[str, object], lengths: list[int]
+) -> None:
+    """Without a flag: the config's own rope factor stretches the lengths searched past
+    ``max_position_embeddings`` (dynamic NTK's frequency update, a branch on the length,
+    is traced as built)."""
+    config = preset_config("tiny-qwen3")
+    config.num_hidden_layers = 1
+    config.rope_parameters = {"rope_theta": 1e6, **rope}
+    fit = fit_sequence(config, memory_bytes=64 * GIB, seq_step=2048, device="cpu", modes=("none",))
+    [none] = fit.modes
+    assert fit.max_seq == lengths[-1] and [p.seq_len for p in none.points] == lengths
+    assert none.seq_len == lengths[-1] and none.capped
 
 
 def test_the_fit_table_names_the_runs_of_a_broken_fit() -> None:

@@ -50,6 +50,16 @@ def test_from_pretrained_loads_local_weights_and_swaps(tmp_path) -> None:
         assert torch.equal(p, q), name
 
 
+def test_rope_factor_builds_the_model_plan_memory_plans() -> None:
+    """``rope_factor: 4`` stretches the trained model's rope as ``plan-memory --rope-factor
+    4`` stretches the planned one: YaRN over the tiny model's 2048 positions."""
+    model = build(TrainerConfig(num_layers=1, rope_factor=4)).model
+    assert model.config.rope_parameters["rope_type"] == "yarn"
+    assert model.config.rope_parameters["factor"] == 4.0
+    assert model.config.max_position_embeddings == 8192
+    assert model.model.rotary_emb.attention_scaling > 1  # YaRN's, not the default 1
+
+
 def test_build_exposes_the_swap_manager() -> None:
     built = build(TrainerConfig(activation_swap="attention", num_layers=3))
     assert built.swap_manager is not None

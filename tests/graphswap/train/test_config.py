@@ -108,6 +108,8 @@ def test_wrong_type_names_the_key(mapping: dict[str, object], message: str) -> N
         ({"swap_prefetch_depth": 0}, "swap_prefetch_depth: must be >= 1, got 0"),
         ({"swap_prefetch_depth": 2}, "swap_prefetch_depth: is 2 but activation_swap: none"),
         ({"num_layers": 0}, "num_layers: must be >= 1, got 0"),
+        ({"rope_factor": 1}, "rope_factor: must be a finite number > 1"),
+        ({"rope_factor": float("inf")}, "rope_factor: must be a finite number > 1"),
         ({"seed": -1}, "seed: must be >= 0, got -1"),
         ({"lr": 0}, "lr: must be a finite number > 0, got 0.0"),
         ({"lr": float("inf")}, "lr: must be a finite number > 0, got inf"),

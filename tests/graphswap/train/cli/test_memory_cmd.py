@@ -478,8 +478,90 @@ def test_fit_prints_each_modes_longest_sequence_as_its_json_says(
         assert mode["fits"] == [[1024, mode["seq_len"]]]
     assert lines[11] == (
         "every multiple of 1024 up to 2048 planned (2 lengths), 2 traced: 1024, 2048; "
-        ">= N: fits even at the model's max_position_embeddings"
+        ">= N: fits even at the model's window (max_position_embeddings, or its rope scaling's)"
     )
+    assert fit["max_step_ratio"] is None
+    assert all(mode["seq_len_at_max_step_ratio"] is None for mode in modes.values())
+
+
+def test_rope_factor_fits_past_the_window_and_each_mode_answers_at_a_step_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The tiny model's 2048 positions stretched twice: the fit plans 4096 too. On a 1 GB/s
+    link attention and layer swap stall at every length, so no length runs within 1.05;
+    none, auto and budget run at 1 up to the window."""
+    args = _args(
+        "--preset",
+        "tiny",
+        "--num-layers",
+        "2",
+        "--rope-factor",
+        "2",
+        "--swap-bandwidth-gbps",
+        "1",
+        "--seq-step",
+        "2048",
+        "--fit",
+        "64GiB",
+        "--max-step-ratio",
+        "1.05",
+        "--format",
+        "json",
+    )
+    assert args.run(args) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert (fit["max_seq"], fit["max_step_ratio"]) == (4096, 1.05)
+    within = {mode["activation_swap"]: mode["seq_len_at_max_step_ratio"] for mode in fit["modes"]}
+    assert within == {"none": 4096, "attention": None, "layer": None, "auto": 4096, "budget": 4096}
+    assert [point["seq_len"] for point in fit["modes"][0]["points"]] == [2048, 4096]
+    lines = _memory.format_fit(fit).splitlines()
+    assert lines[3].split()[:6] == ["mode", "longest", "seq", "at", "<=", "1.05"]
+    rows = {line.split()[0]: line.split()[1:4] for line in lines[5:10]}
+    assert rows["none"] == [">=", "4096", ">="] and rows["layer"][:3] == [">=", "4096", "none"]
+    assert lines[11].startswith("at <= 1.05: the longest sequence at and below which every")
+
+
+def test_a_checkpoint_whose_config_scales_its_rope_fits_past_its_positions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.json with rope scaling as Qwen3 documents it (4.x's ``rope_scaling`` key,
+    YaRN over the pretraining window), no flag: the fit searches the stretched window."""
+    from graphswap.hf.presets import preset_config
+
+    text = json.loads(preset_config("tiny-qwen3").to_json_string())
+    text.pop("rope_parameters", None)
+    text["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 2048,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    args = _args(
+        "--model", str(tmp_path), "--num-layers", "1", "--device", "cpu", "--seq-step", "2048",
+        "--fit", "64GiB", "--format", "json",
+    )  # fmt: skip
+    assert args.run(args) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["max_seq"] == 4096 and fit["planned"] == 2
+    assert all(mode["seq_len"] == 4096 and mode["capped"] for mode in fit["modes"])
+
+
+def test_a_seq_len_past_the_window_names_the_rope_factor_that_covers_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _args("--preset", "tiny", "--seq-len", "5000")
+    assert args.run(args) == 2
+    assert capsys.readouterr().err == (
+        "graphswap plan-memory: error: --seq-len 5000: longer than the 2048 tokens --preset "
+        "tiny's positions cover (max_position_embeddings, or its rope scaling's); stretch them "
+        "with --rope-factor 3 (YaRN over 2048 tokens: up to 6144)\n"
+    )
+    args = _args(
+        "--preset", "tiny", "--num-layers", "1", "--seq-len", "5000", "--rope-factor", "3",
+        "--format", "json",
+    )  # fmt: skip
+    assert args.run(args) == 0
+    assert json.loads(capsys.readouterr().out)["seq_len"] == 5000
 
 
 @pytest.mark.parametrize(

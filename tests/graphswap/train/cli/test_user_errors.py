@@ -267,6 +267,32 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         ],
         "--profile h100,hbm_gbps=-1: device profile 'h100 (custom)': hbm_gbps must be",
     ),
+    ("train-rope-factor-1", lambda p: ["train", "rope_factor=1"], "rope_factor: must be a finite"),
+    (
+        "train-rope-factor-within-the-window",
+        lambda p: ["train", "rope_factor=1.0001"],
+        "rope_factor: stretches the pretraining window of 2048 tokens to 2048, which the",
+    ),
+    (
+        "plan-memory-rope-factor-1",
+        lambda p: ["plan-memory", "--preset", "tiny", "--seq-len", "8", "--rope-factor", "1"],
+        "--rope-factor 1.0: must be a finite number > 1",
+    ),
+    (
+        "plan-memory-rope-factor-within-the-window",
+        lambda p: ["plan-memory", "--preset", "tiny", "--fit", "--rope-factor", "1.0001"],
+        "--rope-factor 1.0001: stretches the pretraining window of 2048 tokens to 2048",
+    ),
+    (
+        "plan-memory-max-step-ratio-below-1",
+        lambda p: ["plan-memory", "--preset", "tiny", "--fit", "--max-step-ratio", "0.9"],
+        "--max-step-ratio 0.9: must be a finite number >= 1",
+    ),
+    (
+        "plan-memory-max-step-ratio-without-fit",
+        lambda p: ["plan-memory", "--preset", "tiny", "--seq-len", "8", "--max-step-ratio", "2"],
+        "--max-step-ratio 2.0 applies to --fit only",
+    ),
     (
         "plan-memory-host-memory-without-swap",
         lambda p: [
