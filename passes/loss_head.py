@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 def apply_loss_head(model: nn.Module, config: PassSettings) -> int | None:
     """Install the head ``config.loss_head`` asks for; returns its tokens per chunk, or
     ``None`` for ``full`` (the model's own head, left as it is)."""
-    if config.loss_head == "full":
+    if config.loss_head in ("full", "trl"):  # the model's own; TRL's, which SFTTrainer installs
         return None
     if config.loss_head != "chunked":
         raise PassSettingError(
-            f"loss_head: {config.loss_head} names no loss head; set loss_head: full or chunked"
+            f"loss_head: {config.loss_head} names no loss head; set loss_head: full, chunked"
+            " or trl"
         )
     chunk_loss_head(model, chunk_size=config.loss_head_chunk_size)
     installed = loss_head_chunk_size(model)

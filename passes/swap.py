@@ -41,6 +41,8 @@ _PLANNED_KEYS = (
     "swap_hide_margin",
     "swap_prefetch_depth",
     "swap_offload_lag",
+    "loss_head",
+    "loss_head_chunk_size",
 )
 """The config's keys the planner takes as they are: the planner spells them alike."""
 
@@ -141,8 +143,8 @@ def plan_auto_swap(
     device: torch.device | None = None,
 ) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
-    link hides: ``seq_len``, ``batch_size``, ``tp_size`` and the ``swap_*`` keys from
-    ``config`` (the bandwidth and TFLOP/s, when set, override the device profile: the
+    link hides: ``seq_len``, ``batch_size``, ``tp_size``, the loss head and the ``swap_*``
+    keys from ``config`` (the bandwidth and TFLOP/s, when set, override the device profile: the
     simulated device's, else the planner's default; ``swap_prefetch_depth`` and
     ``swap_offload_lag`` are the manager's, the lag chosen by the plan when unset; the host
     budget the manager takes on this node); dtype, attention and device from the model as
@@ -195,6 +197,7 @@ def plan_auto_swap(
     made_for = (
         f"seq_len: {config.seq_len}, batch_size: {config.batch_size}, dtype: {dtype},"
         f" attn_implementation: {attn}, tp_size: {config.tp_size}"
+        + (f", loss_head: {plan.loss_head}" if config.loss_head != "full" else "")
         + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
     )
     return AutoSwap(plan, made_for=made_for, measured=measured)

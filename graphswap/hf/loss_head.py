@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LossHead = Literal["full", "chunked", "trl"]
+"""The loss head a step runs, one name everywhere (``loss_head`` in the trainer's config,
+the planner, ``plan-memory --loss-head``): the model's own (``full``: every token's
+logits at once, kept in fp32 for backward), graphswap's chunked head (``chunked``:
+``loss_head_chunk_size`` tokens at a time, each chunk recomputed in backward), or TRL
+``SFTTrainer``'s fused head (``trl``: scored in tiles, no logits kept), which the
+trainer installs itself."""
+LOSS_HEADS: tuple[LossHead, ...] = get_args(LossHead)
 
 HEAD = "lm_head"
 """The attribute of a causal LM that holds its output projection."""

@@ -24,7 +24,8 @@ the steps behind a plan (a trace replayed per choice) are :mod:`graphswap.planni
 
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._fit import FitResult, ModeFit, fit_sequence
-from graphswap.planning._plan import DEFAULT_PROFILE, LayerPlan, MemoryPlan, SwapMode, plan_memory
+from graphswap.planning._memory import plan_memory
+from graphswap.planning._plan import DEFAULT_PROFILE, LayerPlan, MemoryPlan, SwapMode
 from graphswap.runtime.profile import ProfileError
 
 __all__ = [

@@ -15,14 +15,9 @@ from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
 from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap
 from graphswap.planning._settings import (
     DEFAULT_SCHEDULE,
-    StepShape,
     SwapSchedule,
-    check_int,
-    split_settings,
 )
 from graphswap.planning._trace import StepTrace
-from graphswap.planning._trace_cache import trace_once
-from graphswap.planning._units import RecomputeKind
 from graphswap.planning._windows import StepTimes, group_of, step_times
 from graphswap.planning.saved_tensors import (
     ATTENTION_SCOPE,
@@ -30,9 +25,7 @@ from graphswap.planning.saved_tensors import (
     HEAD,
     LAYER_SCOPE,
     SavedTensor,
-    build_meta_model,
 )
-from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 from graphswap.runtime.profile import DeviceProfile, device_profile
 from graphswap.runtime.timeline import StepTimeline
 
@@ -187,6 +180,9 @@ class MemoryPlan:
     """The sdpa kernel traced; ``None`` for eager attention."""
     tp_size: int
     """Tensor-parallel ranks: the bytes and FLOPs are one rank's."""
+    loss_head: str
+    """The head the step's loss runs: ``full`` (every token's logits at once), ``chunked
+    <n>`` (graphswap's chunked head, ``n`` tokens a chunk) or ``trl`` (TRL's fused head)."""
     activation_swap: SwapMode
     """What is swapped: ``none``, ``attention``, ``layer`` or ``auto``."""
     policy: str
@@ -299,6 +295,7 @@ class MemoryPlan:
             "device": self.device,
             "attn_kernel": self.attn_kernel,
             "tp_size": self.tp_size,
+            "loss_head": self.loss_head,
             "activation_swap": self.activation_swap,
             "policy": self.policy,
             "profile": dataclasses.asdict(self.profile),
@@ -416,76 +413,6 @@ def resolve_profile(
     return resolved.with_figures(**overrides) if overrides else resolved
 
 
-def plan_memory(
-    config: PretrainedConfig,
-    *,
-    activation_swap: SwapMode = "attention",
-    policy: SwapPolicy | None = None,
-    profile: str | DeviceProfile = DEFAULT_PROFILE,
-    optimizer: bool = True,
-    activation_memory_budget: int | None = None,
-    **settings: Any,
-) -> MemoryPlan:
-    """Trace one training step of ``config`` on meta and predict it for one rank, with
-    ``activation_swap`` and without.
-
-    ``settings`` are flat keywords named as the trainer config's keys, as users and the
-    swap pass hold them: the fields of :class:`~graphswap.planning.trace.StepShape`
-    (``seq_len``, required; ``batch_size``, ``dtype``, ``attn_implementation``,
-    ``device``, ``attn_kernel``, ``tp_size``) and of
-    :class:`~graphswap.planning.trace.SwapSchedule` (``swap_hide_margin``,
-    ``swap_offload_lag``, ``swap_prefetch_depth``, ``state_shards``,
-    ``max_host_bytes``), each made once and checked there, and the profile's overrides
-    ``swap_bandwidth_gbps`` (both link directions) and ``swap_tflops``. 0.1.0's names
-    (``seq``, ``batch``, ``tp``, ``hide_margin``, ``offload_lag``, ``prefetch_depth``,
-    ``bandwidth_gbps``, ``tflops``) work with a ``DeprecationWarning`` until 0.3.
-    ``profile``: the device (a :data:`~graphswap.runtime.profile.PRESETS` name, a spec
-    such as ``h200,link_gbps=25``, or a :class:`DeviceProfile`). ``policy`` defaults to
-    the one the mode's rule runs. ``optimizer=False``: the step without AdamW (forward
-    and backward after ``zero_grad``; no optimizer state on the device).
-    ``activation_memory_budget``: with ``budget``, the device peak (bytes) to plan
-    within. A bad setting raises :class:`PlanSettingError` (naming the config's key) or
-    :class:`ProfileError` before any model is built.
-    """
-    check_mode(activation_swap)
-    check_budget(activation_swap, activation_memory_budget)
-    shape_settings, schedule, figures = split_settings("plan_memory", settings)
-    resolved = resolve_profile(profile, **figures)
-    if "seq_len" not in shape_settings:
-        raise PlanSettingError("seq_len", None, "is required: the tokens per sequence to plan")
-    shape = StepShape(**shape_settings)
-    chosen_policy = swap_large_activations if policy is None else policy
-
-    def trace(recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
-        # Built every time (milliseconds), so that its checks run; the trace is made once.
-        meta = build_meta_model(config, shape, activation_swap=activation_swap, recompute=recompute)
-        return trace_once(meta, shape, recompute, resolved, chosen_policy, optimizer=optimizer)
-
-    if activation_swap == "budget":
-        from graphswap.planning._budget import plan_budget
-
-        assert activation_memory_budget is not None
-        return plan_budget(config, trace, budget=activation_memory_budget, schedule=schedule)
-    return plan_step(config, trace(), activation_swap=activation_swap, schedule=schedule)
-
-
-def check_budget(activation_swap: str, activation_memory_budget: int | None) -> None:
-    """``budget`` needs a budget in bytes > 0; the other modes take none."""
-    if activation_swap == "budget":
-        check_int(
-            "activation_memory_budget",
-            activation_memory_budget,
-            1,
-            "the device peak in bytes that activation_swap: budget plans within",
-        )
-    elif activation_memory_budget is not None:
-        raise PlanSettingError(
-            "activation_memory_budget",
-            activation_memory_budget,
-            f"is planned within by activation_swap: budget only, not {activation_swap}",
-        )
-
-
 def plan_step(
     config: PretrainedConfig,
     trace: StepTrace,
@@ -599,6 +526,7 @@ def plan_step(
         device=trace.device,
         attn_kernel=None if saved.kernel is None else saved.kernel.name,
         tp_size=saved.tp,
+        loss_head=trace.loss_head,
         activation_swap=activation_swap,
         policy="none" if scope is None else trace.policy,
         profile=profile,

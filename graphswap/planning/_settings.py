@@ -21,6 +21,8 @@ from graphswap.hf.attention_kernels import (
     PlanSettingError,
     resolve_attention_kernel,
 )
+from graphswap.hf.loss_head import LOSS_HEADS, LossHead
+from graphswap.rewriting.loss_head import DEFAULT_CHUNK_SIZE
 
 DEFAULT_HIDE_MARGIN = 0.1
 """``auto`` fills at most 90% of each copy's window: kernel-time estimates and link
@@ -58,6 +60,11 @@ class StepShape:
     dtype."""
     tp_size: int = 1
     """Tensor-parallel ranks: the step is one rank's, its attention heads sharded."""
+    loss_head: LossHead = "full"
+    """The head the step's loss runs (:data:`LossHead`): what the planner traces after
+    the last decoder layer."""
+    loss_head_chunk_size: int = DEFAULT_CHUNK_SIZE
+    """``chunked``: tokens per chunk of the head."""
     kernel: AttentionKernel | None = field(init=False, repr=False, compare=False)
     """The sdpa kernel the step runs (``None``: eager attention), resolved once."""
 
@@ -65,6 +72,11 @@ class StepShape:
         check_int("seq_len", self.seq_len, 1, "tokens per sequence")
         check_int("batch_size", self.batch_size, 1, "sequences per batch")
         check_int("tp_size", self.tp_size, 1, "1 plans one device")
+        if self.loss_head not in LOSS_HEADS:
+            raise PlanSettingError(
+                "loss_head", self.loss_head, f"must be one of {', '.join(LOSS_HEADS)}"
+            )
+        check_int("loss_head_chunk_size", self.loss_head_chunk_size, 1, "tokens per chunk")
         kernel = resolve_attention_kernel(
             self.attn_implementation,
             device=self.device,

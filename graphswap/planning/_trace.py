@@ -33,6 +33,7 @@ from graphswap.planning.saved_tensors import (
     SavedTensor,
     SavedTensorCollector,
     SavedTensorTrace,
+    running_backward,
 )
 from graphswap.runtime.policy import SwapPolicy, policy_name, swap_large_activations
 from graphswap.runtime.profile import DeviceProfile, OpCost
@@ -119,6 +120,8 @@ class StepTrace:
     """The parameters' and activations' dtype."""
     attn_implementation: str
     """Hugging Face attention: ``sdpa`` or ``eager``."""
+    loss_head: str
+    """The head the loss ran: ``full``, ``chunked <n>`` (tokens per chunk) or ``trl``."""
     device: str
     """The device training runs on: it chose the attention kernel and the optimizer's
     implementation."""
@@ -270,7 +273,12 @@ class _StepRecorder(SavedTensorCollector):
             storage_id = self._storage_ids[identity] = len(self._storage_ids)
         return storage_id
 
-    def _pack(self, t: torch.Tensor) -> _Dropped:
+    def _pack(self, t: torch.Tensor) -> _Dropped | torch.Tensor:
+        if running_backward():
+            # Made inside backward (the chunked head projects each chunk again there):
+            # not the step's save, and no hook of the runtime's sees it; autograd keeps
+            # it as it would.
+            return t
         save = self.record(t)
         index = len(self.traced)
         block = self._live.get(t.untyped_storage()._cdata)
@@ -279,6 +287,8 @@ class _StepRecorder(SavedTensorCollector):
         return _Dropped(self, index, t)
 
     def _unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
         assert isinstance(packed, _Dropped)
         self.event(Event.UNPACK, packed.save)
         self._unpacking = True
@@ -374,6 +384,7 @@ def trace_step(
         batch_size=batch,
         dtype=next(model.parameters()).dtype,
         attn_implementation=meta.rank_config._attn_implementation,
+        loss_head=meta.loss_head_name,
         device=meta.device,
         events=tuple(recorder.events),
         costs=tuple(recorder.costs),

@@ -27,10 +27,12 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphswap.errors import HierarchyError, NoMatchError, RewriteError
+from graphswap.errors import HierarchyError, LossHeadError, NoMatchError, RewriteError
+from graphswap.hf import trl_head
 from graphswap.hf.attention_kernels import AttentionKernel, FusedAttentionMode, PlanSettingError
 from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
 from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
+from graphswap.hf.loss_head import LossHead
 from graphswap.planning._settings import StepShape
 from graphswap.planning._units import (
     RecomputeKind,
@@ -38,6 +40,7 @@ from graphswap.planning._units import (
     reruns_down_projections,
     saves_matmuls,
 )
+from graphswap.rewriting.loss_head import chunk_loss_head
 from graphswap.rewriting.rules import SWAP_MODE_RULES, check_rule
 from graphswap.runtime._recompute import recompute_wrapper
 from graphswap.runtime.policy import (
@@ -235,7 +238,8 @@ class SavedTensorCollector:
         return storage_id
 
     def _pack(self, t: torch.Tensor) -> Any:
-        self.record(t)
+        if not running_backward():  # a recompute's save inside backward is not the step's
+            self.record(t)
         return t
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -283,23 +287,23 @@ class SavedTensorCollector:
         self._layer = None
 
     def _enter_attention(self, module: torch.nn.Module, args: Any) -> None:
-        if _recomputing():
+        if running_backward():
             return
         self._in_attention += 1
         assert self._layer is not None
         self._boundary(ATTENTION_SCOPE, self._layer, True)
 
     def _leave_attention(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _recomputing():
+        if running_backward():
             return
         assert self._layer is not None
         self._boundary(ATTENTION_SCOPE, self._layer, False)
         self._in_attention -= 1
 
 
-def _recomputing() -> bool:
-    """A forward running inside backward: a checkpoint regenerating what it dropped,
-    whose saves are the checkpoint's, not the step's."""
+def running_backward() -> bool:
+    """Backward is running: a forward now is a checkpoint regenerating what it dropped,
+    a save now is a recompute's (a checkpoint's, a chunked loss head's), not the step's."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -360,6 +364,17 @@ class MetaModel:
     """The device training runs on (``cuda`` or ``cpu``): it chose the kernel."""
     ids: torch.Tensor
     """Token ids of one batch (on meta), used as inputs and labels."""
+    loss_head: LossHead = "full"
+    """The head its loss runs (installed on ``model``, but for ``full``)."""
+    loss_head_chunk_size: int | None = None
+    """``chunked``: tokens per chunk."""
+
+    @property
+    def loss_head_name(self) -> str:
+        """``full``, ``chunked <n>`` or ``trl``: what a plan says its step's head is."""
+        size = self.loss_head_chunk_size
+        return self.loss_head if size is None else f"{self.loss_head} {size}"
+
     recomputed: tuple[tuple[str, ...], ...] = ()
     """Per decoder layer, the submodules recompute-wrapped (paths in the layer); empty:
     nothing is recomputed."""
@@ -376,17 +391,20 @@ class MetaModel:
         from transformers import masking_utils  # loaded with the model code already
 
         attention = nullcontext() if self.kernel is None else FusedAttentionMode(self.kernel)
+        head = trl_head.tracing(self.device) if self.loss_head == "trl" else nullcontext()
         with (
             mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed),
             _ShapeOnlyGroupedMM(),  # type: ignore[no-untyped-call]  # torch's __init__ is unannotated
             attention,
+            head,
         ):
             yield
 
     def forward(self) -> Any:
         """One training forward: no cache, so nothing outside autograd keeps keys/values."""
         self.recompute_counts.clear()
-        return self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
+        fused = trl_head.FORWARD_KWARGS if self.loss_head == "trl" else {}
+        return self.model(input_ids=self.ids, labels=self.ids, use_cache=False, **fused)
 
     def saved_tensor_trace(self, saves: Mapping[str, Sequence[SavedTensor]]) -> SavedTensorTrace:
         """``saves`` (per scope, as a collector gathers them) as a trace of this model."""
@@ -424,6 +442,18 @@ def _static_rope(model: torch.nn.Module) -> None:
         elif isinstance(kind, dict):
             static = {k: "default" if "dynamic" in str(v) else v for k, v in kind.items()}
             setattr(module, "rope_type", static)  # noqa: B010
+
+
+def _install_loss_head(model: torch.nn.Module, shape: StepShape) -> None:
+    """Put the head ``shape`` names on ``model`` (nothing for ``full``), or refuse it
+    naming ``loss_head``."""
+    try:
+        if shape.loss_head == "chunked":
+            chunk_loss_head(model, chunk_size=shape.loss_head_chunk_size)
+        elif shape.loss_head == "trl":
+            trl_head.install(model)
+    except LossHeadError as error:
+        raise PlanSettingError("loss_head", shape.loss_head, str(error)) from None
 
 
 def build_meta_model(
@@ -485,8 +515,12 @@ def build_meta_model(
                 tp_size,
                 f"shards attention heads, which this model's cannot be: {problem}; use 1",
             )
+    _install_loss_head(model, shape)
     ids = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long, device="meta")
-    meta = MetaModel(model, shape.kernel, rank_config, tp_size, shape.device, ids)
+    chunk_size = shape.loss_head_chunk_size if shape.loss_head == "chunked" else None
+    meta = MetaModel(
+        model, shape.kernel, rank_config, tp_size, shape.device, ids, shape.loss_head, chunk_size
+    )
     if not recompute:
         return meta
     units = tuple(recompute_units(layer, recompute) for layer in layers)

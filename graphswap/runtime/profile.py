@@ -290,7 +290,16 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: A
     if packet is _ops._grouped_mm:
         return _grouped_mm_flops(args[0], args[1])
     counted = flop_registry.get(packet)
-    return 0.0 if counted is None else float(counted(*args, **kwargs, out_val=out))
+    if counted is None:
+        return 0.0
+    if "out" in kwargs:
+        # An ``out=`` overload (``addmm(..., out_dtype=torch.float32, out=acc)``, how a
+        # bf16 product is summed into fp32) names its output as a keyword, and may take
+        # an output dtype among its arguments: the counter knows neither.
+        names = [a.name for a in func._schema.arguments]
+        args = tuple(a for name, a in zip(names, args, strict=False) if name != "out_dtype")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("out", "out_dtype")}
+    return float(counted(*args, **kwargs, out_val=out))
 
 
 def op_bytes(args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> int:

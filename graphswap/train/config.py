@@ -24,6 +24,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from graphswap.errors import GraphswapError
+from graphswap.hf.loss_head import LossHead
 from graphswap.hf.presets import preset_names
 from graphswap.hf.rope import check_rope_factor
 from graphswap.planning import PlanSettingError, SwapMode
@@ -34,7 +35,6 @@ from graphswap.runtime.profile import PRESETS, SIM_PREFIX, ProfileError, simulat
 
 SwapBandwidth = Union[float, Literal["measure"]]  # noqa: UP007 (the resolver reads Union)
 AttnImplementation = Literal["eager", "sdpa"]
-LossHead = Literal["full", "chunked"]
 DType = Literal["float32", "bfloat16"]
 
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -108,7 +108,10 @@ class LossHeadSettings:
     projection and cross-entropy made again in backward, so no (tokens x vocabulary)
     tensor outlives a chunk. Same loss up to the order of its sum (hidden-state
     gradients bitwise equal, the head's weight gradient summed in fp32); the forward
-    without labels is the model's own."""
+    without labels is the model's own. ``trl``: TRL ``SFTTrainer``'s fused head, which
+    the trainer installs on the model graphswap builds: graphswap installs nothing and
+    plans ``auto`` and ``budget`` for it (``graphswap train``, whose loop runs the
+    model's own forward, refuses it)."""
     loss_head_chunk_size: int = DEFAULT_CHUNK_SIZE
     """``chunked`` only: tokens per chunk, >= 1."""
 
@@ -276,11 +279,11 @@ class TrainerConfig(
                 "loss_head_chunk_size",
                 f"must be >= 1 (tokens per chunk of the loss head), got {size}",
             )
-        if self.loss_head == "full" and size != DEFAULT_CHUNK_SIZE:
+        if self.loss_head != "chunked" and size != DEFAULT_CHUNK_SIZE:
             raise ConfigError(
                 "loss_head_chunk_size",
-                f"is {size} but loss_head: full, so it would change nothing; set loss_head:"
-                f" chunked, or leave loss_head_chunk_size at {DEFAULT_CHUNK_SIZE}",
+                f"is {size} but loss_head: {self.loss_head}, so it would change nothing; set"
+                f" loss_head: chunked, or leave loss_head_chunk_size at {DEFAULT_CHUNK_SIZE}",
             )
 
     def _check_budget(self) -> None:

@@ -46,6 +46,7 @@ def check_inputs(
     """Every check ``graphswap train`` needs; returns the Hugging Face config to build.
     ``pass_plan``: ``config``'s pass plan when the caller built it already."""
     pass_plan_of(config, pass_plan).check_runnable()
+    check_loss_head(config)
     # The paths first: they need no model code, whose import alone takes seconds.
     check_data(config)
     check_output_dir(config)
@@ -55,6 +56,17 @@ def check_inputs(
     check_swap_rule(config, hf_config)  # last: they build the model, on meta
     check_budget_plan(config, hf_config, world_size=world_size)
     return hf_config
+
+
+def check_loss_head(config: TrainerConfig) -> None:
+    """``graphswap train`` runs the model's own forward: TRL's head never runs there."""
+    if config.loss_head == "trl":
+        raise ConfigError(
+            "loss_head",
+            "trl plans the fused head TRL's SFTTrainer installs, which graphswap train's loop"
+            " never calls; set loss_head: full or chunked (trl is for a model built with"
+            " graphswap.train.build and trained by SFTTrainer)",
+        )
 
 
 def check_model(config: TrainerConfig) -> PretrainedConfig:

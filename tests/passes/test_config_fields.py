@@ -245,6 +245,19 @@ def test_num_layers_sets_the_depth(base: TrainerConfig) -> None:
     assert depths == [1, 2]
 
 
+@case("rope_factor")
+def test_rope_factor_stretches_the_models_window(base: TrainerConfig) -> None:
+    """YaRN by the factor over the model's own positions, as plan-memory --rope-factor
+    plans it; no factor, the model as its config has it."""
+    plain = build(base).model.config
+    stretched = build(dataclasses.replace(base, rope_factor=4.0)).model.config
+    assert stretched.max_position_embeddings == 4 * plain.max_position_embeddings
+    assert stretched.rope_parameters["factor"] == 4.0
+    with pytest.raises(ConfigError) as info:
+        dataclasses.replace(base, rope_factor=1.0)
+    assert info.value.key == "rope_factor"
+
+
 @case("attn_implementation")
 def test_eager_attention_saves_more_than_sdpa(base: TrainerConfig, base_run: TrainResult) -> None:
     """Eager attention saves the seq x seq probabilities for backward; sdpa does not."""

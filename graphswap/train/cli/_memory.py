@@ -180,6 +180,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "shards them): predict one rank's bytes (default 1)",
     )
     parser.add_argument(
+        "--loss-head",
+        choices=("full", "chunked", "trl"),
+        default=None,
+        help="the head the step's loss runs: full (the model's own: every token's logits at "
+        "once, the default), chunked (graphswap's chunked head, as graphswap train "
+        "loss_head: chunked installs it) or trl (TRL SFTTrainer's fused head)",
+    )
+    parser.add_argument(
+        "--loss-head-chunk-size",
+        type=positive_int,
+        metavar="TOKENS",
+        default=None,
+        help="with --loss-head chunked: tokens per chunk (default 1024)",
+    )
+    parser.add_argument(
         "--policy",
         dest="activation_swap",
         action=DeprecatedAlias,
@@ -529,7 +544,7 @@ def settings_line(plan: Mapping[str, Any]) -> str:
     return (
         f"seq_len={plan['seq_len']} batch_size={plan['batch_size']} dtype={plan['dtype']} "
         f"device={plan['device']} attn_implementation={plan['attn_implementation']}{kernel} "
-        f"tp_size={plan['tp_size']} "
+        f"tp_size={plan['tp_size']} loss_head={plan['loss_head'].replace(' ', ':')} "
         f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
         f"compute={profile['tflops']:g} TFLOP/s hbm={profile['hbm_gbps']:g} GB/s "

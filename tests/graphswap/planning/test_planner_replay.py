@@ -51,6 +51,7 @@ def _trace(
         batch_size=1,
         dtype=torch.float32,
         attn_implementation="eager",
+        loss_head="full",
         device="cpu",
         events=tuple(events),
         blocks=tuple(Block(n, BlockKind.ACTIVATION) for n in sizes),

@@ -224,3 +224,80 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path:
     assert stats.recomputed_bytes == STEPS * plan.recomputed_bytes > 0  # the plan is a step's
     assert stats.offloaded_bytes == STEPS * plan.swapped_bytes
     report.check()
+
+
+def _clocked_peak(net: torch.nn.Module, ids: torch.Tensor, **forward: Any) -> int:
+    """The device peak of ``net``'s second step (forward, backward, AdamW) on the clocked
+    simulated H200, as the planner's step runs."""
+    from graphswap.hf.checkpoints import decoder_layers
+    from graphswap.runtime.profile import device_profile
+    from graphswap.runtime.sim import SimulatedAccelerator
+    from graphswap.runtime.timeline import OPTIMIZER_LABEL
+
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step() -> None:
+        net(input_ids=ids, labels=ids, use_cache=False, **forward).loss.backward()
+
+    step()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state = [
+        *net.parameters(),
+        *(t for s in optimizer.state.values() for k, t in s.items() if k != "step"),
+    ]
+    sim = SimulatedAccelerator(profile=device_profile("h200"))
+    with sim.clock(
+        decoder_layers(net)[1], base_bytes=sum(t.untyped_storage().nbytes() for t in state)
+    ) as clock:
+        step()
+        clock.label(OPTIMIZER_LABEL)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return clock.timeline.peak_bytes
+
+
+def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(tmp_path: Path) -> None:
+    """SFTTrainer scores tokens with TRL's fused head, never the full logits: a plan for
+    ``loss_head: trl`` traces TRL's own head, whose peak is the clocked run's; a model
+    graphswap builds for it installs nothing (SFTTrainer does) and trains bitwise like
+    the plain one under SFTTrainer."""
+    from graphswap.planning import plan_memory
+    from graphswap.train.build import build
+
+    config = preset_config("tiny-llama")
+    plans = {
+        head: plan_memory(
+            config,
+            seq_len=SEQ,
+            batch_size=BATCH,
+            dtype=torch.float32,
+            attn_implementation=config._attn_implementation,
+            device="cpu",
+            activation_swap="none",
+            loss_head=head,
+        )
+        for head in ("full", "trl")
+    }
+    torch.manual_seed(0)
+    fused = build_model(config)
+    trl.trainer.utils.add_fused_lm_head(fused, outputs=("log_probs", "entropy", "is_top1"))
+    ids = torch.randint(2, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    measured = _clocked_peak(fused, ids, fused_lm_head=True)
+    assert plans["trl"].loss_head == "trl"
+    assert plans["trl"].timeline.peak_bytes == pytest.approx(measured, rel=0.03)
+    assert plans["trl"].timeline.peak_bytes != plans["full"].timeline.peak_bytes
+    trainer_config = TrainerConfig(
+        activation_swap="budget",
+        activation_memory_budget=plans["trl"].timeline.peak_bytes,
+        loss_head="trl",
+        seq_len=SEQ,
+        batch_size=BATCH,
+    )
+    torch.manual_seed(0)
+    built = build(trainer_config, hf_config=config)
+    assert built.auto_swap is not None and built.auto_swap.plan.loss_head == "trl"
+    assert "loss_head: trl" in built.auto_swap.made_for
+    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
+    assert sft(built.model, tmp_path / "planned", bf16=False) == plain
+    built.auto_swap.check()

@@ -696,3 +696,24 @@ def test_the_old_budget_and_layers_flags_warn_and_plan_the_same(graphswap_cmd) -
     )
     assert "--layers is deprecated and will be removed; use --num-layers 2" in old.stderr
     assert not new.stderr and old.stdout == new.stdout and "budget" in new.stdout
+
+
+def test_the_loss_head_the_step_runs_is_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    full = _plan(capsys, "--device", "cpu")
+    chunked = _plan(
+        capsys, "--device", "cpu", "--loss-head", "chunked", "--loss-head-chunk-size", "128"
+    )
+    assert (full["loss_head"], chunked["loss_head"]) == ("full", "chunked 128")
+    assert chunked["head_saved_bytes"] < full["head_saved_bytes"]
+    args = _args(
+        "--preset", "tiny", "--num-layers", "1", "--seq-len", "512", "--loss-head", "chunked"
+    )
+    assert args.run(args) == 0
+    assert " loss_head=chunked:1024 " in capsys.readouterr().out
+
+
+def test_a_chunk_size_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _args("--preset", "tiny", "--seq-len", "64", "--loss-head-chunk-size", "0")
+    assert caught.value.code == 2
+    assert "--loss-head-chunk-size" in capsys.readouterr().err

@@ -119,6 +119,11 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         "loss_head_chunk_size: must be >= 1 (tokens per chunk of the loss head), got 0",
     ),
     (
+        "train-loss-head-trl",
+        lambda p: ["train", "loss_head=trl"],
+        "loss_head: trl plans the fused head TRL's SFTTrainer installs",
+    ),
+    (
         "train-model-path-missing",
         lambda p: ["train", f"model_path={p / 'nope'}"],
         "model_path: ",
