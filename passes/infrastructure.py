@@ -20,12 +20,13 @@ from graphswap.errors import AlreadyTransformedError
 from graphswap.passes.activation_checkpointing import apply_activation_checkpointing
 from graphswap.passes.compile import apply_compile
 from graphswap.passes.fsdp import apply_fsdp
-from graphswap.passes.loss_head import apply_loss_head
+from graphswap.passes.loss_head import apply_loss_head, resize_loss_head
 from graphswap.passes.mesh import Meshes, resolve_meshes
 from graphswap.passes.pass_plan import PassPlan, pass_plan_of
 from graphswap.passes.specs import pass_specs
 from graphswap.passes.swap import PLANNED_MODES, apply_swap, plan_auto_swap, swap_engine
 from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
+from graphswap.rewriting.loss_head import loss_head_chunk_size
 from graphswap.rewriting.transforms import find_transforms
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def _swap(run: _Run) -> None:
         run.auto_swap = plan_auto_swap(
             run.model, config, state_shards=1 if shards is None else shards.size()
         )
+        resize_loss_head(run.model, run.auto_swap.plan.loss_head_chunk_size)
     run.report = apply_swap(
         run.model,
         activation_swap=config.activation_swap,
@@ -131,6 +133,8 @@ def apply_model_infrastructure(
     for spec in checked.passes:
         _APPLY[spec.name](run)
         applied.append(spec.name)
+    if chunk_size is not None:
+        chunk_size = loss_head_chunk_size(model)  # the budget's choice, when it made one
     return InfrastructureResult(
         model, checked, run.report, tuple(applied), meshes.world, run.auto_swap, chunk_size
     )

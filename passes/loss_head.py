@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from graphswap.passes.errors import PassPostconditionError, PassSettingError
-from graphswap.rewriting.loss_head import chunk_loss_head, loss_head_chunk_size
+from graphswap.rewriting.loss_head import (
+    chunk_loss_head,
+    loss_head_chunk_size,
+    unchunk_loss_head,
+)
 
 if TYPE_CHECKING:
     from graphswap.passes.settings import PassSettings
@@ -40,3 +44,14 @@ def apply_loss_head(model: nn.Module, config: PassSettings) -> int | None:
             f" expected loss_head_chunk_size: {config.loss_head_chunk_size}"
         )
     return installed
+
+
+def resize_loss_head(model: nn.Module, chunk_size: int | None) -> None:
+    """The chunked head at ``chunk_size`` tokens a chunk, the size a ``budget`` plan chose
+    (``None``: the plan has no chunked head); installed again, before any pass that
+    replaces the model's class has run."""
+    installed = loss_head_chunk_size(model)
+    if chunk_size is None or installed is None or installed == chunk_size:
+        return
+    unchunk_loss_head(model)
+    chunk_loss_head(model, chunk_size=chunk_size)

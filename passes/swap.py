@@ -198,6 +198,11 @@ def plan_auto_swap(
         f"seq_len: {config.seq_len}, batch_size: {config.batch_size}, dtype: {dtype},"
         f" attn_implementation: {attn}, tp_size: {config.tp_size}"
         + (f", loss_head: {plan.loss_head}" if config.loss_head != "full" else "")
+        + (
+            f", loss_head_chunk_size: {plan.loss_head_chunk_size}"
+            if plan.loss_head_chunk_size is not None
+            else ""
+        )
         + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
     )
     return AutoSwap(plan, made_for=made_for, measured=measured)

@@ -11,7 +11,13 @@ running in backward (its peak grows with the length, so a bisection finds its lo
 Writes ``bench/results/budget-fit.md`` (dated in its title) and ``.json``, replacing the
 last answers: git keeps the earlier ones.
 
+``--heads``: instead, per loss head (the model's own, graphswap's chunked head, TRL's
+fused head), the step at 32768 tokens without swap and the budget plan within the
+profile's memory: the peak, the step ratio and what the budget recomputes; written to
+``bench/results/budget-heads.md`` and ``.json``.
+
     python tools/budget_fit.py [--models qwen3-30b-a3b llama-3.1-8b] [--max-step-ratio 1.03]
+    python tools/budget_fit.py --heads
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import fit_sequence
+from graphswap.planning import PlanSettingError, fit_sequence, plan_memory
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import StepShape, SwapChoice, replay, trace_step
 from graphswap.runtime.profile import device_profile
@@ -112,6 +118,69 @@ def _full_recompute_row(name: str, max_seq: int, step: int = 512) -> dict[str, A
     }
 
 
+HEADS = ("full", "chunked", "trl")
+
+
+def _head_rows(name: str) -> list[dict[str, Any]]:
+    """Per loss head: the step at ``AT`` tokens without swap, and the budget plan within
+    the h200 profile's memory (or the smallest peak any plan reaches)."""
+    budget = device_profile("h200").memory_bytes
+    rows = []
+    for head in HEADS:
+
+        def plan(mode: str, head: str = head) -> Any:
+            return plan_memory(
+                preset_config(name),
+                seq_len=AT,
+                state_shards=SHARDS,
+                activation_swap=mode,
+                activation_memory_budget=budget if mode == "budget" else None,
+                loss_head=head,
+            )
+
+        row: dict[str, Any] = {
+            "loss_head": head,
+            "none_peak_gib": plan("none").timeline.peak_bytes / GIB,
+        }
+        try:
+            chosen = plan("budget")
+        except PlanSettingError as error:
+            smallest = getattr(error, "smallest", None)
+            row.update(fits=False, peak_gib=None if smallest is None else smallest.peak_bytes / GIB)
+        else:
+            row.update(
+                fits=True,
+                peak_gib=chosen.timeline.peak_bytes / GIB,
+                ratio=chosen.step_ratio,
+                recompute=list(chosen.recompute),
+                swap=chosen.budget_swap,
+            )
+        rows.append(row)
+    return rows
+
+
+def _heads_table(name: str, rows: list[dict[str, Any]], budget_gib: float) -> str:
+    lines = [
+        f"### {name}, {AT} tokens, budget {budget_gib:.2f} GiB",
+        "",
+        "| loss head | peak without swap (GiB) | budget plan: peak (GiB) | step ratio "
+        "| recomputed | swap |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row["fits"]:
+            lines.append(
+                f"| {row['loss_head']} | {row['none_peak_gib']:.1f} | no plan fits (smallest "
+                f"{_cell(row['peak_gib'], 1)}) | - | - | - |"
+            )
+            continue
+        lines.append(
+            f"| {row['loss_head']} | {row['none_peak_gib']:.1f} | {row['peak_gib']:.1f} "
+            f"| {row['ratio']:.3f} | {' and '.join(row['recompute']) or '-'} | {row['swap']} |"
+        )
+    return "\n".join(lines)
+
+
 def _cell(value: Any, digits: int = 3) -> str:
     if value is None:
         return "none"
@@ -143,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--max-step-ratio", type=float, default=1.03)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--heads", action="store_true", help="the loss heads' table instead")
     args = parser.parse_args(argv)
+    if args.heads:
+        return _main_heads(args.models, args.out_dir)
     sections, results = [], {}
     for name in args.models:
         rows, seconds, max_seq = _mode_rows(name, args.max_step_ratio)
@@ -158,6 +230,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / "budget-fit"
+    stem.with_suffix(".md").write_text("\n".join([header, *sections]))
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _main_heads(models: list[str], out_dir: Path) -> int:
+    budget_gib = device_profile("h200").memory_bytes / GIB
+    sections, results = [], {}
+    for name in models:
+        rows = _head_rows(name)
+        results[name] = rows
+        sections.append(_heads_table(name, rows, budget_gib) + "\n")
+        print(sections[-1], flush=True)
+    header = (
+        f"# The loss head in the budget, {date.today()}: state sharded over {SHARDS}, h200,"
+        " causal attention timing (tools/budget_fit.py --heads)\n"
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / "budget-heads"
     stem.with_suffix(".md").write_text("\n".join([header, *sections]))
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     return 0

@@ -7,10 +7,13 @@ Apart from :mod:`graphswap.planning._plan` (one step's plan, ``plan_step``) and
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from graphswap.hf.attention_kernels import PlanSettingError
-from graphswap.planning._budget import plan_budget
+from graphswap.planning._budget import BudgetError, plan_budget
 from graphswap.planning._plan import (
     DEFAULT_PROFILE,
     MemoryPlan,
@@ -19,7 +22,7 @@ from graphswap.planning._plan import (
     plan_step,
     resolve_profile,
 )
-from graphswap.planning._settings import StepShape, check_int, split_settings
+from graphswap.planning._settings import StepShape, SwapSchedule, check_int, split_settings
 from graphswap.planning._trace import StepTrace
 from graphswap.planning._trace_cache import trace_once
 from graphswap.planning._units import RecomputeKind
@@ -47,7 +50,8 @@ def plan_memory(
     ``settings`` are flat keywords named as the trainer config's keys, as users and the
     swap pass hold them: the fields of :class:`~graphswap.planning.trace.StepShape`
     (``seq_len``, required; ``batch_size``, ``dtype``, ``attn_implementation``,
-    ``device``, ``attn_kernel``, ``tp_size``, ``loss_head``, ``loss_head_chunk_size``) and of
+    ``device``, ``attn_kernel``, ``tp_size``, ``loss_head``, ``loss_head_chunk_size``) and
+    of
     :class:`~graphswap.planning.trace.SwapSchedule` (``swap_hide_margin``,
     ``swap_offload_lag``, ``swap_prefetch_depth``, ``state_shards``,
     ``max_host_bytes``), each made once and checked there, and the profile's overrides
@@ -59,8 +63,10 @@ def plan_memory(
     the one the mode's rule runs. ``optimizer=False``: the step without AdamW (forward
     and backward after ``zero_grad``; no optimizer state on the device).
     ``activation_memory_budget``: with ``budget``, the device peak (bytes) to plan
-    within. A bad setting raises :class:`PlanSettingError` (naming the config's key) or
-    :class:`ProfileError` before any model is built.
+    within; with the chunked head, ``loss_head_chunk_size`` is the largest chunk the
+    plan may take (:func:`_budget_with_head`). A bad setting raises
+    :class:`PlanSettingError` (naming the config's key) or :class:`ProfileError` before
+    any model is built.
     """
     check_mode(activation_swap)
     check_budget(activation_swap, activation_memory_budget)
@@ -71,15 +77,60 @@ def plan_memory(
     shape = StepShape(**shape_settings)
     chosen_policy = swap_large_activations if policy is None else policy
 
-    def trace(recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
+    def trace(at: StepShape, recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
         # Built every time (milliseconds), so that its checks run; the trace is made once.
-        meta = build_meta_model(config, shape, activation_swap=activation_swap, recompute=recompute)
-        return trace_once(meta, shape, recompute, resolved, chosen_policy, optimizer=optimizer)
+        meta = build_meta_model(config, at, activation_swap=activation_swap, recompute=recompute)
+        return trace_once(meta, at, recompute, resolved, chosen_policy, optimizer=optimizer)
 
     if activation_swap == "budget":
         assert activation_memory_budget is not None
-        return plan_budget(config, trace, budget=activation_memory_budget, schedule=schedule)
-    return plan_step(config, trace(), activation_swap=activation_swap, schedule=schedule)
+        return _budget_with_head(config, shape, trace, activation_memory_budget, schedule)
+    return plan_step(config, trace(shape), activation_swap=activation_swap, schedule=schedule)
+
+
+CHUNK_SIZES_WEIGHED = 4
+"""``budget`` with the chunked head weighs the configured chunk size and up to three
+halvings of it, none below :data:`SMALLEST_CHUNK`."""
+SMALLEST_CHUNK = 128
+"""Tokens: below this a chunk's projection no longer runs a GPU at its matrix rate."""
+
+
+def _budget_with_head(
+    config: PretrainedConfig,
+    shape: StepShape,
+    trace: Callable[[StepShape, tuple[RecomputeKind, ...]], StepTrace],
+    budget: int,
+    schedule: SwapSchedule,
+) -> MemoryPlan:
+    """The budget's plan, the loss head one of its decisions: with the chunked head, each
+    chunk size weighed (largest first) is planned at every recompute level, and the
+    fastest plan within ``budget`` kept. A smaller chunk lowers the head's peak, which can
+    let a cheaper level meet the budget; it costs no FLOPs. Weighing stops at a plan that
+    recomputes nothing (none is faster), and the smallest chunk's refusal is raised when
+    no size fits, since it names the smallest peak."""
+    sizes = [shape.loss_head_chunk_size]
+    if shape.loss_head == "chunked":
+        while len(sizes) < CHUNK_SIZES_WEIGHED and sizes[-1] // 2 >= SMALLEST_CHUNK:
+            sizes.append(sizes[-1] // 2)
+    best: MemoryPlan | None = None
+    refused: BudgetError | None = None
+    for size in sizes:
+        at = dataclasses.replace(shape, loss_head_chunk_size=size)
+        try:
+            plan = plan_budget(
+                config, functools.partial(trace, at), budget=budget, schedule=schedule
+            )
+        except BudgetError as error:
+            refused = error
+            continue
+        if best is None or plan.timeline.step_seconds < best.timeline.step_seconds:
+            best = plan
+        if not plan.recompute:
+            break
+    if best is None:
+        assert refused is not None
+        raise refused
+    return best
 
 
 def check_budget(activation_swap: str, activation_memory_budget: int | None) -> None:

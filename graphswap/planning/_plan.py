@@ -181,8 +181,10 @@ class MemoryPlan:
     tp_size: int
     """Tensor-parallel ranks: the bytes and FLOPs are one rank's."""
     loss_head: str
-    """The head the step's loss runs: ``full`` (every token's logits at once), ``chunked
-    <n>`` (graphswap's chunked head, ``n`` tokens a chunk) or ``trl`` (TRL's fused head)."""
+    """The head the step's loss runs: ``full`` (every token's logits at once),
+    ``chunked`` (graphswap's chunked head) or ``trl`` (TRL's fused head)."""
+    loss_head_chunk_size: int | None
+    """``chunked``: tokens per chunk (in ``budget``, the size chosen); else ``None``."""
     activation_swap: SwapMode
     """What is swapped: ``none``, ``attention``, ``layer`` or ``auto``."""
     policy: str
@@ -296,6 +298,7 @@ class MemoryPlan:
             "attn_kernel": self.attn_kernel,
             "tp_size": self.tp_size,
             "loss_head": self.loss_head,
+            "loss_head_chunk_size": self.loss_head_chunk_size,
             "activation_swap": self.activation_swap,
             "policy": self.policy,
             "profile": dataclasses.asdict(self.profile),
@@ -527,6 +530,7 @@ def plan_step(
         attn_kernel=None if saved.kernel is None else saved.kernel.name,
         tp_size=saved.tp,
         loss_head=trace.loss_head,
+        loss_head_chunk_size=trace.loss_head_chunk_size,
         activation_swap=activation_swap,
         policy="none" if scope is None else trace.policy,
         profile=profile,

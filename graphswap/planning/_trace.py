@@ -121,7 +121,9 @@ class StepTrace:
     attn_implementation: str
     """Hugging Face attention: ``sdpa`` or ``eager``."""
     loss_head: str
-    """The head the loss ran: ``full``, ``chunked <n>`` (tokens per chunk) or ``trl``."""
+    """The head the loss ran: ``full``, ``chunked`` or ``trl``."""
+    loss_head_chunk_size: int | None
+    """``chunked``: its tokens per chunk; else ``None``."""
     device: str
     """The device training runs on: it chose the attention kernel and the optimizer's
     implementation."""
@@ -384,7 +386,8 @@ def trace_step(
         batch_size=batch,
         dtype=next(model.parameters()).dtype,
         attn_implementation=meta.rank_config._attn_implementation,
-        loss_head=meta.loss_head_name,
+        loss_head=meta.loss_head,
+        loss_head_chunk_size=meta.loss_head_chunk_size,
         device=meta.device,
         events=tuple(recorder.events),
         costs=tuple(recorder.costs),

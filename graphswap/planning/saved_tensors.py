@@ -369,12 +369,6 @@ class MetaModel:
     loss_head_chunk_size: int | None = None
     """``chunked``: tokens per chunk."""
 
-    @property
-    def loss_head_name(self) -> str:
-        """``full``, ``chunked <n>`` or ``trl``: what a plan says its step's head is."""
-        size = self.loss_head_chunk_size
-        return self.loss_head if size is None else f"{self.loss_head} {size}"
-
     recomputed: tuple[tuple[str, ...], ...] = ()
     """Per decoder layer, the submodules recompute-wrapped (paths in the layer); empty:
     nothing is recomputed."""

@@ -531,6 +531,12 @@ def _link(profile: Mapping[str, Any]) -> str:
     return f"link={d2h:g} GB/s" if d2h == h2d else f"link={d2h:g}/{h2d:g} GB/s (d2h/h2d)"
 
 
+def _loss_head(plan: Mapping[str, Any]) -> str:
+    """``full``, ``chunked:<tokens per chunk>`` or ``trl``."""
+    size = plan.get("loss_head_chunk_size")
+    return plan["loss_head"] if size is None else f"{plan['loss_head']}:{size}"
+
+
 def settings_line(plan: Mapping[str, Any]) -> str:
     profile = plan["profile"]
     margin = (
@@ -544,7 +550,7 @@ def settings_line(plan: Mapping[str, Any]) -> str:
     return (
         f"seq_len={plan['seq_len']} batch_size={plan['batch_size']} dtype={plan['dtype']} "
         f"device={plan['device']} attn_implementation={plan['attn_implementation']}{kernel} "
-        f"tp_size={plan['tp_size']} loss_head={plan['loss_head'].replace(' ', ':')} "
+        f"tp_size={plan['tp_size']} loss_head={_loss_head(plan)} "
         f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
         f"compute={profile['tflops']:g} TFLOP/s hbm={profile['hbm_gbps']:g} GB/s "

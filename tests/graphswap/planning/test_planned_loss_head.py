@@ -37,8 +37,9 @@ def _plan(**settings: Any) -> MemoryPlan:
 def test_the_chunked_head_is_traced_and_named() -> None:
     full = _plan()
     chunked = _plan(loss_head="chunked", loss_head_chunk_size=512)
-    assert (full.loss_head, chunked.loss_head) == ("full", "chunked 512")
-    assert chunked.to_dict()["loss_head"] == "chunked 512"
+    assert (full.loss_head, full.loss_head_chunk_size) == ("full", None)
+    assert (chunked.loss_head, chunked.loss_head_chunk_size) == ("chunked", 512)
+    assert chunked.to_dict()["loss_head_chunk_size"] == 512
     assert full.timeline.peak_label == "head"
     assert chunked.timeline.peak_bytes < 0.5 * full.timeline.peak_bytes
     smaller = _plan(loss_head="chunked", loss_head_chunk_size=256)
@@ -71,3 +72,42 @@ def test_a_bad_head_setting_is_refused_naming_it(settings: dict[str, Any], named
     with pytest.raises(PlanSettingError) as info:
         _plan(**settings)
     assert info.value.setting == named
+
+
+def test_the_budget_chooses_the_chunk_size_that_meets_it_at_the_least_time() -> None:
+    """A budget the configured chunk meets only by recomputing, a smaller chunk meets
+    keeping everything: the plan takes the smaller chunk, which costs no FLOPs, and
+    graphswap train installs the size the plan chose."""
+    from graphswap.rewriting.loss_head import loss_head_chunk_size
+    from graphswap.train.build import build
+    from graphswap.train.config import TrainerConfig
+
+    settings = {"device": "cpu", "dtype": torch.float32, "loss_head": "chunked"}
+    large = _plan(**settings, loss_head_chunk_size=1024).timeline.peak_bytes
+    small = _plan(**settings, loss_head_chunk_size=256).timeline.peak_bytes
+    assert small < large
+    chosen = _plan(
+        **settings,
+        loss_head_chunk_size=1024,
+        activation_swap="budget",
+        activation_memory_budget=small,
+    )
+    assert (chosen.loss_head_chunk_size, chosen.recompute) == (256, ())
+    assert chosen.timeline.peak_bytes <= small
+    roomy = _plan(
+        **settings,
+        loss_head_chunk_size=1024,
+        activation_swap="budget",
+        activation_memory_budget=large,
+    )
+    assert roomy.loss_head_chunk_size == 1024, "the configured size where it fits"
+    trainer = TrainerConfig(
+        activation_swap="budget",
+        activation_memory_budget=small,
+        loss_head="chunked",
+        seq_len=2048,
+        batch_size=1,
+        attn_implementation="sdpa",
+    )
+    built = build(trainer, hf_config=_config())
+    assert loss_head_chunk_size(built.model) == built.infrastructure.loss_head_chunk_size == 256

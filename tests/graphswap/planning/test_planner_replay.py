@@ -52,6 +52,7 @@ def _trace(
         dtype=torch.float32,
         attn_implementation="eager",
         loss_head="full",
+        loss_head_chunk_size=None,
         device="cpu",
         events=tuple(events),
         blocks=tuple(Block(n, BlockKind.ACTIVATION) for n in sizes),
