@@ -185,21 +185,12 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path:
     graphswap owns recompute), at the smallest budget any plan meets: every layer
     recomputed inside its swap, the losses of the plain run, and the bytes recomputed
     and swapped that the plan says."""
-    from graphswap.planning import PlanSettingError, plan_memory
+    from graphswap.planning import PlanSettingError
 
     config = preset_config("tiny-llama")
 
     def planned(budget: int) -> Any:
-        return plan_memory(
-            config,
-            seq_len=SEQ,
-            batch_size=BATCH,
-            dtype=torch.float32,
-            attn_implementation=config._attn_implementation,
-            device="cpu",
-            activation_swap="budget",
-            activation_memory_budget=budget,
-        )
+        return _planned(config, activation_swap="budget", activation_memory_budget=budget)
 
     with pytest.raises(PlanSettingError) as info:
         planned(1)
@@ -224,6 +215,21 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path:
     assert stats.recomputed_bytes == STEPS * plan.recomputed_bytes > 0  # the plan is a step's
     assert stats.offloaded_bytes == STEPS * plan.swapped_bytes
     report.check()
+
+
+def _planned(config: Any, **settings: Any) -> Any:
+    """``config``'s plan of the step these tests run: ``SEQ`` x ``BATCH`` in fp32 on CPU."""
+    from graphswap.planning import plan_memory
+
+    return plan_memory(
+        config,
+        seq_len=SEQ,
+        batch_size=BATCH,
+        dtype=torch.float32,
+        attn_implementation=config._attn_implementation,
+        device="cpu",
+        **settings,
+    )
 
 
 def _clocked_peak(net: torch.nn.Module, ids: torch.Tensor, **forward: Any) -> int:
@@ -262,22 +268,11 @@ def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(tmp_path: Path) -> N
     ``loss_head: trl`` traces TRL's own head, whose peak is the clocked run's; a model
     graphswap builds for it installs nothing (SFTTrainer does) and trains bitwise like
     the plain one under SFTTrainer."""
-    from graphswap.planning import plan_memory
     from graphswap.train.build import build
 
     config = preset_config("tiny-llama")
     plans = {
-        head: plan_memory(
-            config,
-            seq_len=SEQ,
-            batch_size=BATCH,
-            dtype=torch.float32,
-            attn_implementation=config._attn_implementation,
-            device="cpu",
-            activation_swap="none",
-            loss_head=head,
-        )
-        for head in ("full", "trl")
+        head: _planned(config, activation_swap="none", loss_head=head) for head in ("full", "trl")
     }
     torch.manual_seed(0)
     fused = build_model(config)
