@@ -3,11 +3,11 @@
 Per model (Qwen3-30B-A3B, Llama-3.1-8B), in 141 GiB per rank with the state sharded over
 8 ranks (h200 profile, causal attention timing, the node's default host pool): for each
 ``activation_swap`` mode of ``--fit``, the longest sequence, its step ratio there, the
-longest sequence at a step ratio of at most ``--max-step-ratio`` (every shorter length
-fitting at that ratio too: the fit's own answer, as ``plan-memory --fit --max-step-ratio``
-gives it), and the ratio and peak at 32768 tokens; beside them the trainers' whole-layer
-activation checkpointing with nothing swapped, traced by the planner with the recompute
-running in backward (its peak grows with the length, so a bisection finds its longest).
+longest sequence that fits at a step ratio of at most ``--max-step-ratio`` (the fit's
+own answer, as ``plan-memory --fit --max-step-ratio`` gives it), and the ratio and peak
+at 32768 tokens; beside them the trainers' whole-layer activation checkpointing with
+nothing swapped, traced by the planner with the recompute running in backward (its peak
+grows with the length, so a bisection finds its longest).
 Writes ``bench/results/budget-fit.md`` (dated in its title) and ``.json``, replacing the
 last answers: git keeps the earlier ones.
 

@@ -9,8 +9,10 @@ or longer where rope scaling stretches it: :func:`~graphswap.hf.rope.context_win
 planned: a mode's answer is the longest length below which every length fits, and the
 lengths that fit are reported as intervals when they are not one. A few traces give
 every length's step (:mod:`graphswap.planning._lengths`). Asked for a ``max_step_ratio``,
-each mode also answers the longest length below which every length fits at that ratio
-or less.
+each mode also answers the longest of those lengths whose step runs at that ratio or
+less: the ratio is not monotone in the length (a budget that must take a heavier
+recompute level at one length pays less of the step for it at longer ones), so a
+shorter length may run above it.
 """
 
 from __future__ import annotations
@@ -94,9 +96,9 @@ class ModeFit:
     """Why the mode's swap rule refuses this model (a hybrid stack's attention): nothing
     is planned for it."""
     seq_len_at_max_step_ratio: int | None = None
-    """With a ``max_step_ratio``: the longest multiple of the step at and below which every
-    multiple fits and runs at that step ratio or less; ``None``: not even one step, or no
-    ratio asked."""
+    """With a ``max_step_ratio``: the longest multiple of the step that fits, and every
+    shorter one too (the run :attr:`seq_len` ends), and runs at that step ratio or less;
+    ``None``: none does, or no ratio asked."""
 
     seq = Renamed("seq_len")  # 0.1.0's name, until 0.3
 
@@ -464,9 +466,10 @@ class _Scan:
         self.mode = mode
         self.max_step_ratio = max_step_ratio
         self.within: int | None = None
-        """The last length of the run from the step up that fits at ``max_step_ratio``."""
+        """The last length of the run from the step up that fits to run at
+        ``max_step_ratio`` or less."""
         self._within_open = max_step_ratio is not None
-        """Every length so far fit at ``max_step_ratio``."""
+        """Every length so far fit."""
         self.points: list[LengthPoint] = []
         self.fits: list[list[int]] = []
         """Runs of fitting lengths, ``[first, last]``."""
@@ -491,15 +494,16 @@ class _Scan:
         self._within(plan.seq_len, fits, plan.step_ratio)
 
     def _within(self, seq: int, fits: bool, step_ratio: float) -> None:
-        """Extend or end the run that fits at ``max_step_ratio``; a ratio within a part in
-        10^9 of it counts as at it (the printed ratio reads as equal)."""
+        """Past the run that fits, nothing counts; within it, a length at ``max_step_ratio``
+        or less is the answer so far. A ratio within a part in 10^9 of it counts as at it
+        (the printed ratio reads as equal)."""
         limit = self.max_step_ratio
         if not self._within_open or limit is None:
             return
-        if fits and step_ratio <= limit * (1 + 1e-9):
-            self.within = seq
-        else:
+        if not fits:
             self._within_open = False
+        elif step_ratio <= limit * (1 + 1e-9):
+            self.within = seq
 
     def miss(self, seq: int, closest: BudgetOption) -> None:
         """``budget`` found no plan within the memory at ``seq``; ``closest`` came nearest."""
