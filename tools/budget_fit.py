@@ -154,6 +154,7 @@ def _head_rows(name: str) -> list[dict[str, Any]]:
                 ratio=chosen.step_ratio,
                 recompute=list(chosen.recompute),
                 swap=chosen.budget_swap,
+                chunk_size=chosen.loss_head_chunk_size,
             )
         rows.append(row)
     return rows
@@ -174,8 +175,11 @@ def _heads_table(name: str, rows: list[dict[str, Any]], budget_gib: float) -> st
                 f"{_cell(row['peak_gib'], 1)}) | - | - | - |"
             )
             continue
+        head = row["loss_head"]
+        if row.get("chunk_size") is not None:
+            head += f" ({row['chunk_size']}-token chunks)"
         lines.append(
-            f"| {row['loss_head']} | {row['none_peak_gib']:.1f} | {row['peak_gib']:.1f} "
+            f"| {head} | {row['none_peak_gib']:.1f} | {row['peak_gib']:.1f} "
             f"| {row['ratio']:.3f} | {' and '.join(row['recompute']) or '-'} | {row['swap']} |"
         )
     return "\n".join(lines)
