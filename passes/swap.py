@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from graphswap.hf import trl_head
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
@@ -174,9 +175,13 @@ def plan_auto_swap(
                 _device_memory(device, profile),
                 device=f"device: {config.device}",
             )
+        planned = {key: getattr(config, key) for key in _PLANNED_KEYS}
+        if trl_head.installed(model):
+            # SFTTrainer's own head, which the model already runs: plan the step it runs.
+            planned["loss_head"] = "trl"
         plan = plan_memory(
             hf_config,
-            **{key: getattr(config, key) for key in _PLANNED_KEYS},
+            **planned,
             swap_bandwidth_gbps=bandwidth,
             dtype=param.dtype,
             attn_implementation=attn,
@@ -197,7 +202,7 @@ def plan_auto_swap(
     made_for = (
         f"seq_len: {config.seq_len}, batch_size: {config.batch_size}, dtype: {dtype},"
         f" attn_implementation: {attn}, tp_size: {config.tp_size}"
-        + (f", loss_head: {plan.loss_head}" if config.loss_head != "full" else "")
+        + (f", loss_head: {plan.loss_head}" if plan.loss_head != "full" else "")
         + (
             f", loss_head_chunk_size: {plan.loss_head_chunk_size}"
             if plan.loss_head_chunk_size is not None

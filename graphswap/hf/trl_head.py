@@ -42,6 +42,14 @@ def install(model: nn.Module) -> None:
     add_fused_lm_head(model, outputs=SFT_OUTPUTS)
 
 
+def installed(model: nn.Module) -> bool:
+    """``model`` runs TRL's fused head: ``SFTTrainer`` installed it (``add_fused_lm_head``
+    binds its forward to the instance)."""
+    # Its name and module are the model's own forward's (functools.wraps): its code is not.
+    code = getattr(getattr(model.__dict__.get("forward"), "__func__", None), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename
+
+
 def _fold_in_place(*args: Any, **kwargs: Any) -> None:
     """The Triton fold's memory: none (it updates the per-token statistics in place)."""
 

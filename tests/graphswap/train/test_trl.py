@@ -6,6 +6,7 @@ activation offloading)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -76,10 +77,16 @@ SFTConfig turns on by default); the old name warns."""
 
 
 def sft(
-    net: torch.nn.Module, out: Path, *, checkpointing: bool | None = False, **settings: Any
+    net: torch.nn.Module,
+    out: Path,
+    *,
+    checkpointing: bool | None = False,
+    prepare: Callable[[Any], None] | None = None,
+    **settings: Any,
 ) -> list[float]:
     """The losses of ``STEPS`` SFTTrainer steps; ``checkpointing`` None keeps TRL's
-    default, ``settings`` override other SFTConfig values."""
+    default, ``prepare`` is given the trainer before it trains, ``settings`` override
+    other SFTConfig values."""
     if checkpointing is not None:
         settings[CHECKPOINTING] = checkpointing
     args = trl.SFTConfig(
@@ -99,6 +106,8 @@ def sft(
     trainer = trl.SFTTrainer(
         model=net, args=args, train_dataset=dataset(), processing_class=tokenizer()
     )
+    if prepare is not None:
+        prepare(trainer)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -296,3 +305,29 @@ def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(tmp_path: Path) -> N
     plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
     assert sft(built.model, tmp_path / "planned", bf16=False) == plain
     built.auto_swap.check()
+
+
+def test_a_model_sft_trainer_holds_is_planned_for_its_head_unasked(tmp_path: Path) -> None:
+    """The passes applied to the model an SFTTrainer already holds (its fused head
+    installed) plan TRL's head without being told, and it trains bitwise like the plain
+    run."""
+    from graphswap.passes import apply_model_infrastructure
+
+    config = preset_config("tiny-llama")
+    budget = _planned(config, activation_swap="none", loss_head="trl").timeline.peak_bytes
+    applied: list[Any] = []
+
+    def rewrite(trainer: Any) -> None:
+        settings = TrainerConfig(
+            activation_swap="budget", activation_memory_budget=budget, seq_len=SEQ, batch_size=BATCH
+        )
+        applied.append(apply_model_infrastructure(trainer.model, settings))
+
+    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
+    torch.manual_seed(0)
+    losses = sft(build_model(config), tmp_path / "planned", bf16=False, prepare=rewrite)
+    assert losses == plain
+    [result] = applied
+    assert result.auto_swap is not None and result.auto_swap.plan.loss_head == "trl"
+    assert "loss_head: trl" in result.auto_swap.made_for
+    result.auto_swap.check()
