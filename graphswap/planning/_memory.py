@@ -113,23 +113,21 @@ def _budget_with_head(
         while len(sizes) < CHUNK_SIZES_WEIGHED and sizes[-1] // 2 >= SMALLEST_CHUNK:
             sizes.append(sizes[-1] // 2)
     best: MemoryPlan | None = None
-    refused: BudgetError | None = None
     for size in sizes:
         at = dataclasses.replace(shape, loss_head_chunk_size=size)
         try:
             plan = plan_budget(
                 config, functools.partial(trace, at), budget=budget, schedule=schedule
             )
-        except BudgetError as error:
-            refused = error
+        except BudgetError:
+            if best is None and size == sizes[-1]:
+                raise  # the smallest chunk's refusal: it names the smallest peak
             continue
         if best is None or plan.timeline.step_seconds < best.timeline.step_seconds:
             best = plan
         if not plan.recompute:
             break
-    if best is None:
-        assert refused is not None
-        raise refused
+    assert best is not None, "the last size either planned or raised"
     return best
 
 
