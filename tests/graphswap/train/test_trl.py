@@ -113,6 +113,13 @@ def sft(
 
 
 @pytest.fixture(scope="module")
+def plain_fp32(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The SFTTrainer run of tiny-llama without swap and without autocast (``bf16=False``),
+    which the plans made for float32 are compared with (computed once)."""
+    return sft(model("tiny-llama", "none"), tmp_path_factory.mktemp("plain-fp32"), bf16=False)
+
+
+@pytest.fixture(scope="module")
 def plain_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
     """Per preset, the SFTTrainer run without swap (computed once)."""
     return {
@@ -144,13 +151,14 @@ def test_sft_trainer_trains_a_rewritten_model_like_the_plain_one(
     assert report is not None and report.manager.stats.offloaded_bytes > 0
 
 
-def test_an_auto_plan_of_the_dtype_sft_trainer_runs_swaps_as_planned(tmp_path: Path) -> None:
+def test_an_auto_plan_of_the_dtype_sft_trainer_runs_swaps_as_planned(
+    plain_fp32: list[float], tmp_path: Path
+) -> None:
     """auto plans for the parameters' dtype; SFTConfig's default bf16 autocast saves
     bfloat16 instead (a mismatch, counted and warned about), so a float32 plan trains
     with bf16=False: every planned save is met, and the losses are the plain run's."""
-    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
     net = model("tiny-llama", "auto")
-    assert sft(net, tmp_path / "auto", bf16=False) == plain
+    assert sft(net, tmp_path / "auto", bf16=False) == plain_fp32
     report = rewrite_report(net)
     assert report is not None and report.manager.stats.offloaded_bytes > 0
     report.check()
@@ -189,7 +197,9 @@ def test_trls_activation_offloading_on_a_rewritten_model_is_refused() -> None:
     assert "activation_offloading=False" in message
 
 
-def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path: Path) -> None:
+def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(
+    plain_fp32: list[float], tmp_path: Path
+) -> None:
     """activation_swap: budget under SFTTrainer (its own gradient checkpointing off:
     graphswap owns recompute), at the smallest budget any plan meets: every layer
     recomputed inside its swap, the losses of the plain run, and the bytes recomputed
@@ -206,7 +216,6 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path:
     budget = info.value.smallest.peak_bytes  # type: ignore[attr-defined]
     plan = planned(budget)
     assert plan.recompute == ("layer",)
-    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
     torch.manual_seed(0)
     net = from_config(
         config,
@@ -217,7 +226,7 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(tmp_path:
             batch_size=BATCH,
         ),
     )
-    assert sft(net, tmp_path / "budget", bf16=False) == plain
+    assert sft(net, tmp_path / "budget", bf16=False) == plain_fp32
     report = rewrite_report(net)
     assert report is not None
     stats = report.manager.stats
@@ -272,7 +281,9 @@ def _clocked_peak(net: torch.nn.Module, ids: torch.Tensor, **forward: Any) -> in
     return clock.timeline.peak_bytes
 
 
-def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(tmp_path: Path) -> None:
+def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(
+    plain_fp32: list[float], tmp_path: Path
+) -> None:
     """SFTTrainer scores tokens with TRL's fused head, never the full logits: a plan for
     ``loss_head: trl`` traces TRL's own head, whose peak is the clocked run's; a model
     graphswap builds for it installs nothing (SFTTrainer does) and trains bitwise like
@@ -302,12 +313,13 @@ def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(tmp_path: Path) -> N
     built = build(trainer_config, hf_config=config)
     assert built.auto_swap is not None and built.auto_swap.plan.loss_head == "trl"
     assert "loss_head: trl" in built.auto_swap.made_for
-    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
-    assert sft(built.model, tmp_path / "planned", bf16=False) == plain
+    assert sft(built.model, tmp_path / "planned", bf16=False) == plain_fp32
     built.auto_swap.check()
 
 
-def test_a_model_sft_trainer_holds_is_planned_for_its_head_unasked(tmp_path: Path) -> None:
+def test_a_model_sft_trainer_holds_is_planned_for_its_head_unasked(
+    plain_fp32: list[float], tmp_path: Path
+) -> None:
     """The passes applied to the model an SFTTrainer already holds (its fused head
     installed) plan TRL's head without being told, and it trains bitwise like the plain
     run."""
@@ -323,10 +335,9 @@ def test_a_model_sft_trainer_holds_is_planned_for_its_head_unasked(tmp_path: Pat
         )
         applied.append(apply_model_infrastructure(trainer.model, settings))
 
-    plain = sft(model("tiny-llama", "none"), tmp_path / "plain", bf16=False)
     torch.manual_seed(0)
     losses = sft(build_model(config), tmp_path / "planned", bf16=False, prepare=rewrite)
-    assert losses == plain
+    assert losses == plain_fp32
     [result] = applied
     assert result.auto_swap is not None and result.auto_swap.plan.loss_head == "trl"
     assert "loss_head: trl" in result.auto_swap.made_for
