@@ -222,7 +222,7 @@ def fit_sequence(
     """The longest sequence (a multiple of ``seq_step``) each of ``modes`` fits in
     ``memory_bytes`` (default: the profile's memory) at every multiple up to it, with the
     plan at that length and every length that fits; with ``max_step_ratio`` (>= 1), also
-    the longest at and below which every multiple fits at that step ratio or less.
+    the longest of those whose step runs at that ratio or less.
 
     ``profile`` and ``settings`` are :func:`~graphswap.planning.plan_memory`'s, the
     config's keys, but ``seq_len``, which the fit searches up to the model's window

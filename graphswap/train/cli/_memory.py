@@ -281,8 +281,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action=Once,
         default=None,
         metavar="R",
-        help="--fit: also the longest sequence at and below which every length fits at a "
-        "step ratio (to none's at the same length) of at most R >= 1 (1.05: 5%% slower)",
+        help="--fit: also the longest sequence that fits (every shorter one too) and runs at "
+        "a step ratio (to none's at the same length) of at most R >= 1 (1.05: 5%% slower)",
     )
     parser.add_argument(
         "--rope-factor",
@@ -795,8 +795,8 @@ def format_fit(fit: Mapping[str, Any]) -> str:
             )
     if ratio is not None:
         lines.append(
-            f"at <= {ratio:g}: the longest sequence at and below which every length fits at a "
-            f"step ratio of at most {ratio:g}"
+            f"at <= {ratio:g}: the longest sequence that fits (every shorter one too) and runs"
+            f" at a step ratio of at most {ratio:g}"
         )
     lines.append(
         f"{_planned(fit)}, {len(fit['traced'])} traced: {', '.join(map(str, fit['traced']))}"

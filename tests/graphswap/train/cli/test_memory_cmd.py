@@ -518,7 +518,7 @@ def test_rope_factor_fits_past_the_window_and_each_mode_answers_at_a_step_ratio(
     assert lines[3].split()[:6] == ["mode", "longest", "seq", "at", "<=", "1.05"]
     rows = {line.split()[0]: line.split()[1:4] for line in lines[5:10]}
     assert rows["none"] == [">=", "4096", ">="] and rows["layer"][:3] == [">=", "4096", "none"]
-    assert lines[11].startswith("at <= 1.05: the longest sequence at and below which every")
+    assert lines[11].startswith("at <= 1.05: the longest sequence that fits (every shorter")
 
 
 def test_a_checkpoint_whose_config_scales_its_rope_fits_past_its_positions(
