@@ -260,3 +260,24 @@ def console_runs(
 def console(console_runs: dict[str, ConsoleRun], request: pytest.FixtureRequest) -> ConsoleRun:
     """This test module's console-script run."""
     return console_runs[request.module.__name__]
+
+
+@pytest.fixture
+def largest_output() -> type:
+    """A dispatch mode that records the most elements any operator's output held while
+    it was active (``with largest_output() as seen: ...; seen.largest``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    return LargestOutput

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphswap.errors import GraphswapError, LossHeadError
 from graphswap.hf.checkpoints import build_model
@@ -182,22 +181,7 @@ def test_return_dict_false_returns_the_tuple_without_logits() -> None:
     )
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The most elements any operator's output holds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
-def test_no_tensor_larger_than_one_chunk_of_logits() -> None:
+def test_no_tensor_larger_than_one_chunk_of_logits(largest_output: Callable[[], Any]) -> None:
     """A 32k vocabulary over 2 x 256 tokens: the full head makes (tokens x vocabulary)
     tensors, the chunked one nothing larger than a chunk's logits."""
     vocab, chunk = 32000, 64
@@ -208,7 +192,7 @@ def test_no_tensor_larger_than_one_chunk_of_logits() -> None:
     for install in (False, True):
         if install:
             chunk_loss_head(model, chunk_size=chunk)
-        with _LargestTensor() as seen:
+        with largest_output() as seen:
             model(input_ids=ids, labels=ids).loss.backward()
         sizes.append(seen.largest)
     assert sizes[0] >= ids.numel() * vocab
