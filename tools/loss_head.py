@@ -31,6 +31,7 @@ from graphswap.rewriting.loss_head import chunk_loss_head
 from graphswap.runtime.profile import device_profile
 from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.runtime.timeline import OPTIMIZER_LABEL, StepTimeline
+from graphswap.train.trainer import state_bytes
 
 HEADS = ("full", "chunked")
 MIB = 1 << 20
@@ -41,16 +42,6 @@ def _config(vocab: int, layers: int) -> Any:
     config.vocab_size = vocab
     config.num_hidden_layers = layers
     return config
-
-
-def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """What a steady step starts with on the device: parameters, buffers, gradients and
-    AdamW's moments (its step counters stay on the host), storages counted once."""
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
 
 
 def measure(config: Any, head: str, seq: int, batch: int, chunk: int) -> StepTimeline:
@@ -73,7 +64,7 @@ def measure(config: Any, head: str, seq: int, batch: int, chunk: int) -> StepTim
     step()
     sim = SimulatedAccelerator(profile=device_profile("h200"))
     _, layers = decoder_layers(model)
-    with sim.clock(layers, base_bytes=_state_bytes(model, optimizer)) as clock:
+    with sim.clock(layers, base_bytes=state_bytes(model, optimizer)) as clock:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         clock.label(OPTIMIZER_LABEL)
         optimizer.step()

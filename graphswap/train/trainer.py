@@ -183,7 +183,7 @@ class _Run:
         if self.sim is None:
             return contextlib.nullcontext()
         _, layers = decoder_layers(self.built.model)
-        return self.sim.clock(layers, base_bytes=_state_bytes(self.built.model, self.optimizer))
+        return self.sim.clock(layers, base_bytes=state_bytes(self.built.model, self.optimizer))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -241,7 +241,7 @@ def _simulated_accelerator(config: TrainerConfig, built: BuiltModel) -> Simulate
     return SimulatedAccelerator(profile=profile)
 
 
-def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Device bytes a step starts with: parameters, buffers, gradients, optimizer state.
 
     Not the optimizer's step counters, which torch keeps on the host unless the group is

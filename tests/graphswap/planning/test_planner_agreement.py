@@ -36,7 +36,7 @@ from graphswap.runtime import SwapManager
 from graphswap.runtime.profile import device_profile
 from graphswap.runtime.sim import SimulatedAccelerator
 from graphswap.runtime.timeline import OPTIMIZER_LABEL, StepTimeline
-from graphswap.train.trainer import _state_bytes
+from graphswap.train.trainer import state_bytes
 
 PROFILE = device_profile("h200,tflops=60,hbm_gbps=1980")
 """At these figures the tiny model's 2 MiB attention probabilities copy in about as
@@ -120,7 +120,7 @@ def measure(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     _, layers = decoder_layers(model)
-    with sim.clock(layers, base_bytes=_state_bytes(model, optimizer)) as clock:
+    with sim.clock(layers, base_bytes=state_bytes(model, optimizer)) as clock:
         loss = step()
         clock.label(OPTIMIZER_LABEL)
         optimizer.step()

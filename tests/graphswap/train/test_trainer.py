@@ -11,8 +11,8 @@ from graphswap.train.preflight import check_model, check_world
 from graphswap.train.trainer import (
     TrainResult,
     _Run,
-    _state_bytes,
     format_summary,
+    state_bytes,
     token_batches,
     train,
     train_side_by_side,
@@ -176,4 +176,4 @@ def test_the_state_a_step_starts_with_leaves_out_the_host_step_counters() -> Non
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert _state_bytes(model, optimizer) == 4 * params  # weights, gradients, two moments
+    assert state_bytes(model, optimizer) == 4 * params  # weights, gradients, two moments

@@ -257,6 +257,7 @@ def _clocked_peak(net: torch.nn.Module, ids: torch.Tensor, **forward: Any) -> in
     from graphswap.runtime.profile import device_profile
     from graphswap.runtime.sim import SimulatedAccelerator
     from graphswap.runtime.timeline import OPTIMIZER_LABEL
+    from graphswap.train.trainer import state_bytes
 
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
 
@@ -266,14 +267,8 @@ def _clocked_peak(net: torch.nn.Module, ids: torch.Tensor, **forward: Any) -> in
     step()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    state = [
-        *net.parameters(),
-        *(t for s in optimizer.state.values() for k, t in s.items() if k != "step"),
-    ]
     sim = SimulatedAccelerator(profile=device_profile("h200"))
-    with sim.clock(
-        decoder_layers(net)[1], base_bytes=sum(t.untyped_storage().nbytes() for t in state)
-    ) as clock:
+    with sim.clock(decoder_layers(net)[1], base_bytes=state_bytes(net, optimizer)) as clock:
         step()
         clock.label(OPTIMIZER_LABEL)
         optimizer.step()
