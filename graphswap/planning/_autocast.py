@@ -64,7 +64,7 @@ class _Ops(TorchDispatchMode):
     any other as ``None`` (metadata queries not at all)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is unannotated
         self.ops: list[tuple[int, torch.dtype | None] | None] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -157,7 +157,11 @@ def _run(
 
 
 def _ask(
-    func: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec, device: str, dtype: torch.dtype
+    func: Callable[..., Any],
+    leaves: list[Any],
+    spec: pytree.TreeSpec,
+    device: str,
+    dtype: torch.dtype,
 ) -> _Answer:
     """What autocast on ``device`` in ``dtype`` does to ``func`` of ``leaves``: the casts
     of its inputs it begins with under autocast and not without; refused (naming the
@@ -166,11 +170,11 @@ def _ask(
     with _disable_current_modes(), torch._C.DisableTorchFunction(), _quiet():
         try:
             under, under_out = _run(func, leaves, spec, device, dtype, autocast=True)
-        except Exception:  # noqa: BLE001  # no operator fakes run (a storage's, a hook's): no cast
+        except Exception:  # no operator fakes run (a storage's, a hook's): no cast
             return _NOTHING
         try:
             plain, plain_out = _run(func, leaves, spec, device, dtype, autocast=False)
-        except Exception:  # noqa: BLE001  # runs only under autocast (q, k, v of two dtypes)
+        except Exception:  # runs only under autocast (q, k, v of two dtypes)
             plain, plain_out = [], None
         if under == plain and under_out == plain_out:
             return _NOTHING
@@ -248,7 +252,7 @@ class AutocastTrace(TorchFunctionMode):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
             return func(*args, **kwargs)
-        key = (self.device, self.dtype, func, spec, tuple(map(_key, leaves)))
+        key: Hashable | None = (self.device, self.dtype, func, spec, tuple(map(_key, leaves)))
         try:
             answer = _answers.get(key)
         except TypeError:  # an argument that cannot be told apart: asked every time
@@ -338,7 +342,5 @@ class AutocastTrace(TorchFunctionMode):
                 if name.startswith("transformers.") and (
                     getattr(module, "maybe_autocast", None) is original
                 ):
-                    stack.enter_context(
-                        mock.patch.object(module, "maybe_autocast", maybe_autocast)
-                    )
+                    stack.enter_context(mock.patch.object(module, "maybe_autocast", maybe_autocast))
             yield

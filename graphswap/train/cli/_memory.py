@@ -560,7 +560,8 @@ def settings_line(plan: Mapping[str, Any]) -> str:
     autocast = f"autocast_dtype={plan['autocast_dtype']} " if plan.get("autocast_dtype") else ""
     return (
         f"seq_len={plan['seq_len']} batch_size={plan['batch_size']} dtype={plan['dtype']} "
-        f"{autocast}device={plan['device']} attn_implementation={plan['attn_implementation']}{kernel} "
+        f"{autocast}device={plan['device']} "
+        f"attn_implementation={plan['attn_implementation']}{kernel} "
         f"tp_size={plan['tp_size']} loss_head={_loss_head(plan)} "
         f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
