@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import logging
 import sys
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ _CAPACITY = 4096
 _answers: collections.OrderedDict[Hashable, _Answer] = collections.OrderedDict()
 """Answers by ``(device, dtype, function, signature)``, least recently used first: a
 signature holds no sizes, so one model's layers share theirs."""
+_lock = threading.Lock()
 
 
 class _Ops(TorchDispatchMode):
@@ -254,17 +256,19 @@ class AutocastTrace(TorchFunctionMode):
             return func(*args, **kwargs)
         key: Hashable | None = (self.device, self.dtype, func, spec, tuple(map(_key, leaves)))
         try:
-            answer = _answers.get(key)
+            with _lock:
+                answer = _answers.get(key)
+                if answer is not None:
+                    _answers.move_to_end(key)
         except TypeError:  # an argument that cannot be told apart: asked every time
             answer, key = None, None
         if answer is None:
             answer = _ask(func, leaves, spec, self.device, self.dtype)
             if key is not None:
-                _answers[key] = answer
-                while len(_answers) > _CAPACITY:
-                    _answers.popitem(last=False)
-        elif key is not None:
-            _answers.move_to_end(key)
+                with _lock:
+                    _answers[key] = answer
+                    while len(_answers) > _CAPACITY:
+                        _answers.popitem(last=False)
         if not answer.casts:
             return func(*args, **kwargs)
         for index, to in answer.casts:
