@@ -142,6 +142,7 @@ def plan_auto_swap(
     *,
     state_shards: int = 1,
     device: torch.device | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size``, the loss head and the ``swap_*``
@@ -156,9 +157,13 @@ def plan_auto_swap(
     parameters, gradients and optimizer state over, so that a rank's budget is weighed
     against its own share of them, not the whole model's. ``device``: where training
     runs, when the model is not there (built on meta to check the plan before a build;
-    default: the model's device)."""
+    default: the model's device). ``autocast_dtype``: the dtype the step computes in
+    under ``torch.autocast`` (a trainer's ``bf16``/``fp16`` around fp32 weights);
+    default: autocast's on the device if it is on here, else none."""
     param = next(model.parameters())
     device = param.device if device is None else device
+    if autocast_dtype is None:
+        autocast_dtype = active_autocast_dtype(device.type)
     hf_config = model.config
     attn = hf_config._attn_implementation
     profile = simulated_profile(config.device) or DEFAULT_PROFILE
@@ -184,6 +189,7 @@ def plan_auto_swap(
             **planned,
             swap_bandwidth_gbps=bandwidth,
             dtype=param.dtype,
+            autocast_dtype=autocast_dtype,
             attn_implementation=attn,
             device="cuda" if device.type == "cuda" else "cpu",
             activation_swap=config.activation_swap,
@@ -199,6 +205,8 @@ def plan_auto_swap(
             f" (activation_swap: {config.activation_swap})"
         ) from error
     dtype = str(param.dtype).removeprefix("torch.")
+    if autocast_dtype is not None:
+        dtype += f" under {str(autocast_dtype).removeprefix('torch.')} autocast"
     made_for = (
         f"seq_len: {config.seq_len}, batch_size: {config.batch_size}, dtype: {dtype},"
         f" attn_implementation: {attn}, tp_size: {config.tp_size}"
@@ -211,6 +219,16 @@ def plan_auto_swap(
         + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
     )
     return AutoSwap(plan, made_for=made_for, measured=measured)
+
+
+def active_autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` if it is on now (a model
+    rewritten inside the trainer's autocast region); else ``None``."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def _device_memory(device: torch.device, profile: DeviceProfile | str) -> int | None:

@@ -172,6 +172,8 @@ class MemoryPlan:
     """Sequences per batch."""
     dtype: str
     """The training dtype."""
+    autocast_dtype: str | None
+    """The dtype the step computes in under autocast; ``None``: no autocast."""
     attn_implementation: str
     """Hugging Face attention: ``sdpa`` or ``eager``."""
     device: str
@@ -293,6 +295,7 @@ class MemoryPlan:
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "dtype": self.dtype,
+            "autocast_dtype": self.autocast_dtype,
             "attn_implementation": self.attn_implementation,
             "device": self.device,
             "attn_kernel": self.attn_kernel,
@@ -525,6 +528,9 @@ def plan_step(
         seq_len=trace.seq_len,
         batch_size=trace.batch_size,
         dtype=str(trace.dtype).removeprefix("torch."),
+        autocast_dtype=None
+        if trace.autocast_dtype is None
+        else str(trace.autocast_dtype).removeprefix("torch."),
         attn_implementation=trace.attn_implementation,
         device=trace.device,
         attn_kernel=None if saved.kernel is None else saved.kernel.name,

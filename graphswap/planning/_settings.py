@@ -49,7 +49,11 @@ class StepShape:
     batch_size: int = 1
     """Sequences per batch (one data-parallel replica's)."""
     dtype: torch.dtype = torch.bfloat16
-    """The parameters' and activations' dtype."""
+    """The parameters' dtype, and the activations' but where autocast casts them."""
+    autocast_dtype: torch.dtype | None = None
+    """The dtype the step computes in under ``torch.autocast`` on ``device`` (``bfloat16``
+    or ``float16``: HF Trainer's and TRL's ``bf16``/``fp16``, around weights of ``dtype``);
+    ``None``: no autocast."""
     attn_implementation: str = "sdpa"
     """Hugging Face attention: ``sdpa`` (fused kernels) or ``eager``."""
     device: str = "cuda"
@@ -77,10 +81,16 @@ class StepShape:
                 "loss_head", self.loss_head, f"must be one of {', '.join(LOSS_HEADS)}"
             )
         check_int("loss_head_chunk_size", self.loss_head_chunk_size, 1, "tokens per chunk")
+        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise PlanSettingError(
+                "autocast_dtype",
+                self.autocast_dtype,
+                "must be bfloat16, float16, or unset (no autocast)",
+            )
         kernel = resolve_attention_kernel(
             self.attn_implementation,
             device=self.device,
-            dtype=self.dtype,
+            dtype=self.autocast_dtype or self.dtype,  # what sdpa receives under autocast
             attn_kernel=self.attn_kernel,
         )
         object.__setattr__(self, "kernel", kernel)

@@ -117,7 +117,7 @@ class StepTrace:
     batch_size: int
     """Sequences per batch traced."""
     dtype: torch.dtype
-    """The parameters' and activations' dtype."""
+    """The parameters' dtype, and the activations' but where autocast casts them."""
     attn_implementation: str
     """Hugging Face attention: ``sdpa`` or ``eager``."""
     loss_head: str
@@ -162,6 +162,8 @@ class StepTrace:
     recomputed_bytes: tuple[int, ...] = ()
     """Per decoder layer, the storage bytes its recomputed submodules saved and dropped
     (what the runtime's ``stats.recomputed_bytes`` counts); empty: none anywhere."""
+    autocast_dtype: torch.dtype | None = None
+    """The dtype the step computed in under autocast; ``None``: no autocast."""
 
     seq = Renamed("seq_len")  # 0.1.0's names, until 0.3
     batch = Renamed("batch_size")
@@ -372,7 +374,8 @@ def trace_step(
             recorder.mark_gradients()
             if adamw is not None:
                 tape.label = OPTIMIZER_LABEL
-                adamw.step()
+                with meta.optimizer_step():
+                    adamw.step()
                 adamw.zero_grad(set_to_none=True)
             else:
                 model.zero_grad(set_to_none=True)
@@ -407,4 +410,5 @@ def trace_step(
         recomputed_bytes=tuple(meta.recompute_counts.get(i, (0, 0))[1] for i in range(len(layers)))
         if meta.recomputed
         else (),
+        autocast_dtype=None if meta.autocast is None else meta.autocast.dtype,
     )

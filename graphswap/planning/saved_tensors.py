@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
@@ -33,6 +33,7 @@ from graphswap.hf.attention_kernels import AttentionKernel, FusedAttentionMode, 
 from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
 from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
 from graphswap.hf.loss_head import LossHead
+from graphswap.planning._autocast import AutocastTrace
 from graphswap.planning._settings import StepShape
 from graphswap.planning._units import (
     RecomputeKind,
@@ -375,6 +376,8 @@ class MetaModel:
     recompute_counts: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Per layer index, the tensors and storage bytes its recomputed submodules saved in
     the last forward (what recompute dropped), as the runtime counts them."""
+    autocast: AutocastTrace | None = None
+    """Autocast as the step runs it on ``device``; ``None``: the step runs without."""
 
     @contextmanager
     def tracing(self) -> Iterator[None]:
@@ -386,19 +389,29 @@ class MetaModel:
 
         attention = nullcontext() if self.kernel is None else FusedAttentionMode(self.kernel)
         head = trl_head.tracing(self.device) if self.loss_head == "trl" else nullcontext()
+        autocast = self.autocast
         with (
             mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed),
             _ShapeOnlyGroupedMM(),  # type: ignore[no-untyped-call]  # torch's __init__ is unannotated
             attention,
             head,
+            nullcontext() if autocast is None else autocast.answering(),
+            nullcontext() if autocast is None else autocast,  # above attention: sdpa's casts
         ):
             yield
+
+    def optimizer_step(self) -> AbstractContextManager[None]:
+        """Where the step's optimizer runs: outside autocast, as trainers run it."""
+        return nullcontext() if self.autocast is None else self.autocast.region(False)
 
     def forward(self) -> Any:
         """One training forward: no cache, so nothing outside autograd keeps keys/values."""
         self.recompute_counts.clear()
         fused = trl_head.FORWARD_KWARGS if self.loss_head == "trl" else {}
-        return self.model(input_ids=self.ids, labels=self.ids, use_cache=False, **fused)
+        output = self.model(input_ids=self.ids, labels=self.ids, use_cache=False, **fused)
+        if self.autocast is not None:
+            self.autocast.forward_done()  # autocast's region ends with the loss
+        return output
 
     def saved_tensor_trace(self, saves: Mapping[str, Sequence[SavedTensor]]) -> SavedTensorTrace:
         """``saves`` (per scope, as a collector gathers them) as a trace of this model."""
@@ -513,7 +526,17 @@ def build_meta_model(
     ids = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long, device="meta")
     chunk_size = shape.loss_head_chunk_size if shape.loss_head == "chunked" else None
     meta = MetaModel(
-        model, shape.kernel, rank_config, tp_size, shape.device, ids, shape.loss_head, chunk_size
+        model,
+        shape.kernel,
+        rank_config,
+        tp_size,
+        shape.device,
+        ids,
+        shape.loss_head,
+        chunk_size,
+        autocast=None
+        if shape.autocast_dtype is None
+        else AutocastTrace(shape.device, shape.autocast_dtype),
     )
     if not recompute:
         return meta

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from graphswap.planning import MemoryPlan
 
 DTYPES = ("bfloat16", "float16", "float32")
+AUTOCAST_DTYPES = ("bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 KERNELS = ("flash", "efficient", "cudnn", "math")
@@ -148,6 +149,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="sustained compute in TFLOP/s (default: the profile's, 400)",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument(
+        "--autocast-dtype",
+        choices=AUTOCAST_DTYPES,
+        help="the step runs under torch.autocast in this dtype around --dtype weights (HF"
+        " Trainer's and TRL's bf16/fp16 mixed precision: --dtype float32 --autocast-dtype"
+        " bfloat16); default: no autocast",
+    )
     parser.add_argument(
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
@@ -426,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name, None) is not None
     }
     settings["dtype"] = getattr(torch, args.dtype)
+    if args.autocast_dtype is not None:
+        settings["autocast_dtype"] = getattr(torch, args.autocast_dtype)
     try:
         if args.fit is not None:
             fit = fit_sequence(
@@ -547,9 +557,11 @@ def settings_line(plan: Mapping[str, Any]) -> str:
     kernel = "" if plan["attn_kernel"] is None else f" attn_kernel={plan['attn_kernel']}"
     shards = "" if plan["state_shards"] == 1 else f" state_shards={plan['state_shards']}"
     chosen = " (chosen)" if plan.get("swap_offload_lag_chosen") else ""
+    autocast = f"autocast_dtype={plan['autocast_dtype']} " if plan.get("autocast_dtype") else ""
     return (
         f"seq_len={plan['seq_len']} batch_size={plan['batch_size']} dtype={plan['dtype']} "
-        f"device={plan['device']} attn_implementation={plan['attn_implementation']}{kernel} "
+        f"{autocast}device={plan['device']} "
+        f"attn_implementation={plan['attn_implementation']}{kernel} "
         f"tp_size={plan['tp_size']} loss_head={_loss_head(plan)} "
         f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "

@@ -183,6 +183,21 @@ def test_tp_predicts_one_rank_of_the_sharded_heads(capsys: pytest.CaptureFixture
     assert any("2 of 4 query heads" in text for text in rank["assumptions"])
 
 
+def test_autocast_dtype_plans_the_saves_autocast_makes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--dtype float32 --autocast-dtype bfloat16``: a trainer's bf16 mixed precision,
+    whose linears save bf16 copies beside the fp32 residual stream."""
+    fp32 = _plan(capsys, "--dtype", "float32")
+    mixed = _plan(capsys, "--dtype", "float32", "--autocast-dtype", "bfloat16")
+    assert fp32["autocast_dtype"] is None and mixed["autocast_dtype"] == "bfloat16"
+    assert mixed["total_saved_bytes"] != fp32["total_saved_bytes"]
+    args = _args("--preset", "tiny", "--num-layers", "1", "--seq-len", "64", "--dtype", "float32",
+                 "--autocast-dtype", "bfloat16")  # fmt: skip
+    assert args.run(args) == 0
+    assert "dtype=float32 autocast_dtype=bfloat16 " in capsys.readouterr().out
+
+
 def test_the_kernel_decides_the_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     flash = _plan(capsys, "--attn-kernel", "flash")
     math = _plan(capsys, "--attn-kernel", "math")
