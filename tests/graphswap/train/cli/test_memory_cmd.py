@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphswap import rewrite
-from graphswap._deprecated import RENAMED_KEYWORDS
+from graphswap._compat._table import RENAMED_KEYWORDS
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import PRESETS
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
