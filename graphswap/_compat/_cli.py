@@ -62,14 +62,15 @@ def add_old_flags(parser: argparse.ArgumentParser, command: str) -> None:
     actions = {flag: action for action in parser._actions for flag in action.option_strings}
     for old, new in FLAGS[command].items():
         target = actions[new]
+        typed: dict[str, Any] = {"type": target.type} if target.type is not None else {}
         parser.add_argument(
             old,
             dest=target.dest,
             action=DeprecatedAlias,
             target=target,
-            type=target.type,
             choices=target.choices,
             help=argparse.SUPPRESS,
+            **typed,
         )
 
 

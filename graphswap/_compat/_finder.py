@@ -9,6 +9,7 @@ finds its ``__main__``, whose code runs the command.
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
 import types
 from collections.abc import Sequence
@@ -31,10 +32,9 @@ _PACKAGES = ("graphswap.cli",)
 """Old paths that were packages: they have submodules (``__main__``)."""
 
 
-class OldPaths:
-    """Finder and loader of the old module paths (``importlib.abc.MetaPathFinder`` and
-    ``importlib.abc.Loader`` by protocol: importing ``importlib.abc`` would cost
-    ``import graphswap`` more than this whole package)."""
+class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finder and loader of the old module paths. (``importlib.abc`` costs ``import
+    graphswap`` nothing: torch imports it.)"""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
@@ -48,7 +48,7 @@ class OldPaths:
 
     def exec_module(self, module: types.ModuleType) -> None:
         if module.__name__ == _CLI_MAIN:
-            exec(self.get_code(_CLI_MAIN), vars(module))
+            exec(compile(_CLI_MAIN_SOURCE, f"<{_CLI_MAIN}>", "exec"), vars(module))
         else:
             module.__getattr__ = moved(module.__name__)  # type: ignore[method-assign]
 

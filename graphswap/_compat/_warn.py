@@ -30,7 +30,8 @@ def warn(message: str, inside: str | tuple[str, ...] | None = None) -> None:
     import machinery, 0.1.0's top-level ``passes`` and the packages ``inside`` (the one
     whose function was called; for an unpickled object, also torch and pickle, which
     called it), so Python's default filter shows it in scripts."""
-    level, frame = 2, sys._getframe(1)
+    level = 2
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and _skipped(frame, inside):
         # warnings.warn leaves the import system's own frames out of the count itself.
         level, frame = level + (not _bootstrap(frame)), frame.f_back
