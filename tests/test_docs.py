@@ -10,11 +10,11 @@ import contextlib
 import importlib
 import io
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from graphswap.rewriting import rules
 
