@@ -111,7 +111,20 @@ def test_a_report_pickled_by_0_1_0_holds_the_rule_registered_now(tiny_model) -> 
         dataclasses.replace(applied, rule=dataclasses.replace(rule, validate=validator))
         for applied in report._applied
     )
-    loaded = pickle.loads(pickle.dumps(model))
+    # Pickled as 0.1.0 named the class; the old path finds it in graphswap._compat.
+    named = HierarchyValidator.__module__, HierarchyValidator.__qualname__
+    HierarchyValidator.__module__, HierarchyValidator.__qualname__ = "graphswap.rules", "_HV"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # graphswap.rules: its own test
+            with pytest.raises(pickle.PicklingError):  # no such name at the old path
+                pickle.dumps(model)
+            HierarchyValidator.__qualname__ = "_HierarchyValidator"
+            pickled = pickle.dumps(model)
+    finally:
+        HierarchyValidator.__module__, HierarchyValidator.__qualname__ = named
+    assert b"graphswap.rules" in pickled and b"_compat" not in pickled
+    loaded = pickle.loads(pickled)
     loaded_report = graphswap.rewrite_report(loaded)
     assert loaded_report is not None
     assert [applied.rule is rule for applied in loaded_report._applied] == [True, True]
