@@ -32,6 +32,10 @@ _PACKAGES = ("graphswap.cli",)
 """Old paths that were packages: they have submodules (``__main__``)."""
 
 
+def _cli_main_code() -> types.CodeType:
+    return compile(_CLI_MAIN_SOURCE, f"<{_CLI_MAIN}>", "exec")
+
+
 class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finder and loader of the old module paths. (``importlib.abc`` costs ``import
     graphswap`` nothing: torch imports it.)"""
@@ -48,7 +52,7 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         if module.__name__ == _CLI_MAIN:
-            exec(compile(_CLI_MAIN_SOURCE, f"<{_CLI_MAIN}>", "exec"), vars(module))
+            exec(_cli_main_code(), vars(module))
         else:
             module.__getattr__ = moved(module.__name__)  # type: ignore[method-assign]
 
@@ -58,9 +62,7 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def get_code(self, fullname: str) -> types.CodeType | None:
         """``runpy`` (``python -m``) runs a module by its code: the old modules have none,
         ``graphswap.cli.__main__`` runs the command."""
-        if fullname != _CLI_MAIN:
-            return None
-        return compile(_CLI_MAIN_SOURCE, f"<{_CLI_MAIN}>", "exec")
+        return _cli_main_code() if fullname == _CLI_MAIN else None
 
     def get_source(self, fullname: str) -> str | None:
         return _CLI_MAIN_SOURCE if fullname == _CLI_MAIN else None
