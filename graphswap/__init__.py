@@ -10,7 +10,8 @@ the trainer and the ``graphswap`` command in :mod:`graphswap.train`.
 Importing this package has no side effects: it does not touch CUDA, query the
 platform, or import transformers model code. The names and module paths of 0.1.0
 that moved still work until 0.3, with a ``DeprecationWarning`` naming the new one
-(:mod:`graphswap._compat`).
+(:mod:`graphswap._compat`, whose finder on ``sys.meta_path`` answers for those paths
+only).
 """
 
 import sys
