@@ -17,7 +17,8 @@ FLOOR_VENV := .venv-floor
 FLOOR_PACKAGES := torch==2.9.0 transformers==5.4.0 networkx==3.0 pyyaml==6.0 tqdm==4.60.0 \
 	pytest hypothesis pydot matplotlib accelerate import-linter
 # The tests of the code that calls torch or transformers: the runtime, the rewrite, the
-# planner's trace, the Hugging Face builders, the families. CI runs them on the GPU
+# planner's trace, the Hugging Face builders, the families, the loading of 0.1.0's pickles
+# (torch.load). CI runs them on the GPU
 # image's package set (no pydot) and, with the pass tests (FSDP2 and DTensor on gloo), on
 # the oldest versions pyproject.toml claims.
 COMPAT_TESTS := tests/graphswap/runtime tests/graphswap/train/test_build.py \
@@ -25,7 +26,8 @@ COMPAT_TESTS := tests/graphswap/runtime tests/graphswap/train/test_build.py \
 	tests/graphswap/hf/test_qwen3_moe.py \
 	tests/graphswap/rewriting/test_transforms.py tests/graphswap/rewriting/test_apply.py \
 	tests/graphswap/rewriting/test_rules.py tests/graphswap/planning/test_planner.py \
-	tests/graphswap/planning/test_measure.py tests/passes/test_infrastructure.py
+	tests/graphswap/planning/test_measure.py tests/passes/test_infrastructure.py \
+	tests/graphswap/_compat/test_old_pickles.py
 FLOOR_TESTS := $(COMPAT_TESTS) tests/passes
 # No network for the dry run where this machine allows a private network namespace.
 NO_NETWORK := $(shell unshare -n true 2>/dev/null && echo unshare -n)

@@ -10,12 +10,13 @@ the trainer and the ``graphswap`` command in :mod:`graphswap.train`.
 Importing this package has no side effects: it does not touch CUDA, query the
 platform, or import transformers model code. The names and module paths of 0.1.0
 that moved still work until 0.3, with a ``DeprecationWarning`` naming the new one
-(:mod:`graphswap._deprecated`).
+(:mod:`graphswap._compat`, whose finder on ``sys.meta_path`` answers for those paths
+only).
 """
 
 import sys
 
-from graphswap import _deprecated
+from graphswap import _compat
 from graphswap.errors import GraphswapError
 from graphswap.rewriting.apply import RewriteReport, rewrite, rewrite_report, unrewrite
 from graphswap.rewriting.rules import Rule, available_rules, register_rule
@@ -39,5 +40,6 @@ __all__ = [
 ]
 
 
-__getattr__ = _deprecated.module_getattr(__name__)
-sys.modules[__name__].__class__ = _deprecated.Package
+__getattr__ = _compat.module_getattr(__name__)
+sys.modules[__name__].__class__ = _compat.Package
+_compat.install()

@@ -9,7 +9,7 @@ The folder is the repository's top-level ``passes/`` (a layer of its own);
 ``graphswap/passes`` links to it, so it installs under graphswap and nowhere else.
 """
 
-from graphswap._deprecated import module_getattr
+from graphswap._compat import module_getattr
 from graphswap.passes.errors import (
     PassConflictError,
     PassNotImplementedError,
@@ -57,6 +57,6 @@ __all__ = [
 __getattr__ = module_getattr(__name__)  # 0.1.0's Plan and plan, renamed, until 0.3
 
 if __name__ == "passes":  # 0.1.0's top-level name, found in a source checkout: until 0.3
-    from graphswap._deprecated import moved_package
+    from graphswap._compat import moved_package
 
     moved_package(__name__)

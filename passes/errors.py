@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graphswap._deprecated import module_getattr
+from graphswap._compat import module_getattr
 from graphswap.errors import GraphswapError
 
 

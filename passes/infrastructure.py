@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from graphswap._deprecated import Renamed
+from graphswap._compat import Renamed
 from graphswap.errors import AlreadyTransformedError
 from graphswap.passes.activation_checkpointing import apply_activation_checkpointing
 from graphswap.passes.compile import apply_compile

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from graphswap.rewriting import rules
 
@@ -107,3 +108,13 @@ def test_every_public_name_has_an_api_entry(module: str) -> None:
         if not any(getattr(public, name) is obj for obj in documented)
     ]
     assert not missing, f"add a ':::' line to a page of docs/api/ for {module}: {missing}"
+
+
+def test_the_changelogs_latest_release_is_the_packages_version() -> None:
+    """Each release has its section, headed by its version and date, under an
+    ``Unreleased`` section for what comes next; the package says the same version."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    headings = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert headings[0] == "Unreleased"
+    released = [h for h in headings[1:] if re.fullmatch(r"\d+\.\d+\.\d+ — \d{4}-\d\d-\d\d", h)]
+    assert released and released[0].startswith(f"{version} — "), (version, headings)

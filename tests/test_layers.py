@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from graphswap import _deprecated
-
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
@@ -45,8 +43,6 @@ def test_every_module_is_placed_in_a_layer() -> None:
         for path in (ROOT / "graphswap").iterdir()
         if (path.suffix == ".py" and path.stem != "__init__") or (path / "__init__.py").is_file()
     }
-    # 0.1.0's module paths are shims that import graphswap._deprecated alone: no code.
-    modules -= set(_deprecated.MODULES)
     assert modules - placed == set(), "place these modules in pyproject.toml's layers contract"
     assert placed - modules == set(), "the contract names modules that do not exist"
 

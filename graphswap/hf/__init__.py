@@ -5,6 +5,6 @@
 (:mod:`~graphswap.hf.presets`). Importing it loads no model code.
 """
 
-from graphswap._deprecated import module_getattr
+from graphswap._compat import module_getattr
 
 __getattr__ = module_getattr(__name__)  # 0.1.0 names that moved, until 0.3

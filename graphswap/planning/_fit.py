@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphswap._deprecated import Renamed
+from graphswap._compat import Renamed
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.rope import context_window

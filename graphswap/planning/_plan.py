@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from graphswap._deprecated import Renamed
+from graphswap._compat import Renamed
 from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
 from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
 from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap

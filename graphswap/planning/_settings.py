@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from graphswap._deprecated import renamed_keywords
+from graphswap._compat import renamed_keywords
 from graphswap.hf.attention_kernels import (
     AttentionKernel,
     PlanSettingError,

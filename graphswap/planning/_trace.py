@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from graphswap._deprecated import Renamed
+from graphswap._compat import Renamed
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.planning.saved_tensors import (
     MetaModel,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from graphswap import _deprecated
+from graphswap import _compat
 from graphswap.errors import GraphswapError, GraphswapTypeError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.cache import cache_as_before
@@ -431,12 +431,12 @@ class AutoSwap:
 
     def format_report(self) -> str:
         """Deprecated (0.1.0's name), removed in 0.3: the report ``graphswap train`` prints."""
-        _deprecated.warn(
+        _compat.warn(
             "AutoSwap.format_report is deprecated:"
             " use graphswap.train.reports.format_auto_report(auto.to_dict())",
             inside=__name__,
         )
-        report = _deprecated.resolve("graphswap.train.reports:format_auto_report")
+        report = _compat.resolve("graphswap.train.reports:format_auto_report")
         return str(report(self.to_dict()))
 
 

@@ -11,7 +11,6 @@ can be undone exactly.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import fnmatch
 import itertools
@@ -26,6 +25,7 @@ import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from graphswap import _compat
 from graphswap.errors import (
     AlreadyTransformedError,
     GraphswapTypeError,
@@ -41,7 +41,6 @@ from graphswap.rewriting.graph import PrefetchGraphError, build_prefetch_graph, 
 from graphswap.rewriting.rules import (
     Rule,
     RuleContext,
-    _HierarchyValidator,
     available_rules,
     get_rule,
     qualified_name,
@@ -126,15 +125,6 @@ class _Applied:
 
 def _dead() -> None:
     """A model reference that is gone."""
-
-
-def _rule_of_today(applied: _Applied) -> _Applied:
-    """A replacement made by a built-in rule of 0.1.0, read from a pickle that version
-    wrote, with the rule registered under its name today: saved again, the report holds
-    no class of 0.1.0's, and loads after 0.3."""
-    if isinstance(applied.rule.validate, _HierarchyValidator):
-        return dataclasses.replace(applied, rule=get_rule(applied.rule.name))
-    return applied
 
 
 class _NoCacheInTraining:
@@ -257,7 +247,7 @@ class RewriteReport:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("_model")
-        state["_applied"] = tuple(_rule_of_today(applied) for applied in state["_applied"])
+        state["_applied"] = _compat.rules_of_today(state["_applied"], get_rule)  # 0.1.0's rules
         self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _dead)
 
     def check(self) -> None:

@@ -311,18 +311,6 @@ class _StackValidator:
             )
 
 
-class _HierarchyValidator:
-    """The validator of 0.1.0's ``qwen3_attn_swap`` and ``qwen3_moe_layer_swap`` (commit
-    ``7c4d51b``; ``_StackValidator`` now), which the report of a model rewritten and
-    pickled by 0.1.0 holds in its rules: the pickle finds it here, and the report puts
-    the rule registered under that name in its place (``RewriteReport.__setstate__``).
-    Delete in 0.3."""
-
-    rule_name: str
-    class_name: str
-    attr: str | None
-
-
 def _register_swap(
     what: str,
     attr: str | None,

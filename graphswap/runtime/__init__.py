@@ -3,7 +3,7 @@ the host pool, and the chunked projection and cross-entropy of the loss head. Th
 simulated accelerator is :mod:`graphswap.runtime.sim`, which this package does not
 import."""
 
-from graphswap._deprecated import module_getattr
+from graphswap._compat import module_getattr
 from graphswap.runtime._engines import (
     AcceleratorCopyEngine,
     CopyEngine,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from graphswap._deprecated import Renamed, warn
+from graphswap import _compat
 from graphswap.errors import GraphswapTypeError
 from graphswap.runtime._device import (
     Device,
@@ -99,13 +99,7 @@ class CopyEngine(abc.ABC):
         """An engine written for 0.1.0 implements ``loads``: it serves as ``reloads``,
         with a warning, until 0.3."""
         super().__init_subclass__(**kwargs)
-        if "loads" in vars(cls) and "reloads" not in vars(cls):
-            warn(
-                f"{cls.__qualname__}.loads: CopyEngine.loads is deprecated: implement"
-                " CopyEngine.reloads",
-                inside=__name__,
-            )
-            cls.reloads = vars(cls)["loads"]  # type: ignore[method-assign]
+        _compat.renamed_override(cls, "loads", "reloads")
 
     @abc.abstractmethod
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
@@ -121,7 +115,7 @@ class CopyEngine(abc.ABC):
         """Per ``(host, after)`` of ``items``, copy ``host`` into a new tensor of its dtype
         and shape on ``device`` after ``after``: one batch, in the order given."""
 
-    loads = Renamed("reloads")  # 0.1.0's name, until 0.3
+    loads = _compat.Renamed("reloads")  # 0.1.0's name, until 0.3
 
     @abc.abstractmethod
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:

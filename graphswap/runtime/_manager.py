@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from graphswap._deprecated import warn
+from graphswap import _compat
 from graphswap.errors import SwapSetupError
 from graphswap.runtime._context import _Context
 from graphswap.runtime._engines import CopyEngine
@@ -56,20 +56,6 @@ def _check_int(name: str, value: object, minimum: int, alternative: str = "") ->
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise SwapSetupError(f"{name} must be an int >= {minimum}{alternative}, got {value!r}")
     return value
-
-
-def _state_of_010(state: dict[str, Any]) -> dict[str, Any]:
-    """The state 0.1.0 pickled (commit ``7c4d51b``), as this version writes it: its groups
-    were ``"slots"`` and its options had ``trace``, the event log that tests read."""
-    warn(
-        "SwapManager(trace=) of graphswap 0.1.0 is gone, and with it the event log"
-        " manager.events (manager.stats counts the offloads, reloads and prefetch hits);"
-        " loading a SwapManager pickled by 0.1.0 is deprecated: save the loaded model"
-        " again with torch.save or pickle.dump",
-        inside=("graphswap", "torch", "pickle"),
-    )
-    options = {k: v for k, v in state["options"].items() if k != "trace"}
-    return {**state, "options": options, "groups": state["slots"]}
 
 
 def _check_bool(name: str, value: object) -> bool:
@@ -168,8 +154,7 @@ class SwapManager:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "slots" in state:  # pickled by 0.1.0, loaded with a warning until 0.3
-            state = _state_of_010(state)
+        state = _compat.manager_state(state)  # 0.1.0's, converted with a warning
         self.__init__(**state["options"])  # type: ignore[misc]
         for module, name, index, policy, module_type in state["groups"]:
             self._groups[module] = _Group(module, name, index, policy, module_type)

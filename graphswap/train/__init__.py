@@ -9,6 +9,6 @@ Nothing here is imported by the core (``graphswap.planning``, ``graphswap.rewrit
 ``graphswap --help`` does not load torch.
 """
 
-from graphswap._deprecated import module_getattr
+from graphswap._compat import module_getattr
 
 __getattr__ = module_getattr(__name__)  # 0.1.0 names that moved, until 0.3

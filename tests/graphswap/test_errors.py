@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import graphswap
-from graphswap import _deprecated, errors
+from graphswap import errors
 from graphswap.errors import GraphswapError
 from graphswap.runtime import _group, _handles
 
@@ -33,7 +33,7 @@ _ARGPARSE = (
     " error and exits 2, as for its own refusals; it never reaches a caller"
 )
 ALLOWED: dict[tuple[str, type[BaseException]], str] = {
-    ("graphswap._deprecated", AttributeError): (
+    ("graphswap._compat._attrs", AttributeError): (
         "a module's __getattr__ must raise AttributeError for a missing name: hasattr,"
         " getattr with a default and `from m import name` rely on it"
     ),
@@ -47,13 +47,13 @@ method) or ``StopIteration`` by hand."""
 
 
 def every_module() -> list[ModuleType]:
-    """Every module of the package, the pass plan's included, imported (0.1.0's shims
-    define nothing and warn)."""
+    """Every module of the package, the pass plan's included, imported (0.1.0's module
+    paths have no file: ``graphswap._compat`` makes them on import)."""
     modules = [graphswap]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for info in pkgutil.walk_packages(graphswap.__path__, "graphswap."):
-            if info.name not in _deprecated.MODULES and not info.name.endswith(".__main__"):
+            if not info.name.endswith(".__main__"):
                 modules.append(importlib.import_module(info.name))
     assert "graphswap.passes.errors" in {module.__name__ for module in modules}
     return modules

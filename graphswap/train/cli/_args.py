@@ -50,46 +50,13 @@ class Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-class DeprecatedAlias(Once):
-    """An option's name in an earlier release (``plan-memory --policy``), still accepted
-    with a warning on stderr naming the option to use instead (``new``)."""
-
-    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.new = new
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        print(
-            f"{parser.prog}: warning: {option_string} is deprecated and will be removed;"
-            f" use {self.new} {values}",
-            file=sys.stderr,
-        )
-        super().__call__(parser, namespace, values, option_string)
-
-
-def renamed_option(parser: argparse.ArgumentParser, flag: str, old: str, **kwargs: Any) -> None:
-    """A setting's flag, given at most once, and its 0.1.0 name (``old``) as a hidden
-    alias that warns; unset, the setting's default applies."""
-    parser.add_argument(flag, action=Once, default=None, **kwargs)
-    kwargs = {key: value for key, value in kwargs.items() if key == "type"}
-    dest = flag.removeprefix("--").replace("-", "_")
-    parser.add_argument(
-        old, dest=dest, action=DeprecatedAlias, new=flag, help=argparse.SUPPRESS, **kwargs
-    )
-
-
 def num_layers_option(parser: argparse.ArgumentParser) -> None:
-    """``--num-layers`` (0.1.0's ``--layers``), for the commands that build a model."""
-    renamed_option(
-        parser,
+    """``--num-layers``, for the commands that build a model; unset, the preset's or
+    config.json's count applies."""
+    parser.add_argument(
         "--num-layers",
-        "--layers",
+        action=Once,
+        default=None,
         type=positive_int,
         metavar="N",
         help="number of decoder layers (overrides the preset or config.json), as the trainer"

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from graphswap import _compat
 from graphswap.train.cli._args import num_layers_option, user_error
 
 DEFAULT_PRESET = "graph-default"
@@ -46,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "-o", "--output", metavar="FILE", help="write here instead of standard output"
     )
+    _compat.add_old_flags(parser, "graph")
     parser.set_defaults(run=run)
 
 

@@ -13,13 +13,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from graphswap import _compat
 from graphswap.train.cli._args import (
-    DeprecatedAlias,
     Once,
     num_layers_option,
     positive_float,
     positive_int,
-    renamed_option,
     user_error,
 )
 
@@ -90,19 +89,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     source.add_argument("--preset", choices=preset_names(), help="embedded model shape")
     # Each planner setting's flag is its config key with dashes (--seq-len: seq_len), so
-    # a refusal naming the setting names the flag; 0.1.0's flags stay as hidden aliases.
-    renamed_option(
-        parser,
+    # a refusal naming the setting names the flag.
+    parser.add_argument(
         "--seq-len",
-        "--seq",
+        action=Once,
+        default=None,
         type=positive_int,
         metavar="N",
         help="tokens (required unless --fit)",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--batch-size",
-        "--batch",
+        action=Once,
+        default=None,
         type=positive_int,
         metavar="B",
         help="sequences per batch (default 1)",
@@ -132,18 +131,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="ranks (GPUs) per node sharing its host memory (default: the profile's, 8)",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--swap-bandwidth-gbps",
-        "--bandwidth",
+        action=Once,
+        default=None,
         type=positive_float,
         metavar="GBPS",
         help="host link bandwidth per direction in GB/s (default: the profile's, 50)",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--swap-tflops",
-        "--tflops",
+        action=Once,
+        default=None,
         type=positive_float,
         metavar="T",
         help="sustained compute in TFLOP/s (default: the profile's, 400)",
@@ -178,10 +177,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default for float32, which flash and cudnn cannot run), cudnn, math; on cpu: flash "
         "(default) or math",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--tp-size",
-        "--tp",
+        action=Once,
+        default=None,
         type=positive_int,
         metavar="N",
         help="tensor-parallel ranks (attention heads sharded as graphswap train tp_size=N "
@@ -203,13 +202,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --loss-head chunked: tokens per chunk (default 1024)",
     )
     parser.add_argument(
-        "--policy",
-        dest="activation_swap",
-        action=DeprecatedAlias,
-        new="--activation-swap",
-        help=argparse.SUPPRESS,
-    )
-    parser.add_argument(
         "--activation-swap",
         action=Once,
         default=None,
@@ -220,38 +212,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "budget (per layer what to keep, swap and recompute within --activation-memory-budget) "
         "or none",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--activation-memory-budget",
-        "--budget",
+        action=Once,
+        default=None,
         type=memory_budget,
         metavar="MEMORY",
         help="--activation-swap budget (implied): the device peak to plan within (120GiB, "
         "80GB, bytes, or a fraction of the profile's memory such as 0.85); prints per layer "
         "the bytes kept, swapped and recomputed",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--swap-hide-margin",
-        "--hide-margin",
+        action=Once,
+        default=None,
         type=float,
         metavar="M",
         help="auto: share of each copy's window left free, in [0, 1) (default 0.1)",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--swap-offload-lag",
-        "--offload-lag",
+        action=Once,
+        default=None,
         type=int,
         metavar="N",
         help="the SwapManager's offload_lag: a module's copies to host are fenced when the "
         "forward N modules later begins (default: auto plans 1 and 2 and keeps the lower "
         "peak, the other modes 1)",
     )
-    renamed_option(
-        parser,
+    parser.add_argument(
         "--swap-prefetch-depth",
-        "--prefetch-depth",
+        action=Once,
+        default=None,
         type=int,
         metavar="N",
         help="the SwapManager's prefetch_depth: a module's tensors come back when backward "
@@ -309,6 +301,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also draw device memory over the step; with --fit, each mode's peak and step "
         "ratio over the sequence length, the memory as a line (needs matplotlib)",
     )
+    _compat.add_old_flags(parser, "plan-memory")
     parser.set_defaults(run=run)
 
 

@@ -2,7 +2,7 @@
 
 0.1.0 called it ``graphswap plan``, which read as the memory plan (``graphswap
 plan-memory``); that name runs it still, hidden from the command list and with a
-warning on stderr, until 0.3.
+warning on stderr (:func:`graphswap._compat.add_old_commands`), until 0.3.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from graphswap._deprecated import REMOVED_IN
+from graphswap import _compat
 from graphswap.train.cli._args import USER_ERROR, Once, user_error
 
 FORMATS = ("text", "dot", "json")
@@ -29,9 +29,6 @@ DESCRIPTION = (
     " to stderr."
 )
 
-DEPRECATED_NAME = "plan"
-"""The command's name in 0.1.0: accepted, unlisted, with a warning, until 0.3."""
-
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -41,10 +38,7 @@ def add_parser(subparsers: Any) -> None:
     )
     _add_arguments(parser)
     parser.set_defaults(run=run)
-    # No help=: argparse lists a sub-command only with one, so the old name stays unlisted.
-    old = subparsers.add_parser(DEPRECATED_NAME, description=DESCRIPTION)
-    _add_arguments(old)
-    old.set_defaults(run=run_deprecated)
+    _compat.add_old_commands(subparsers, "passes", _add_arguments, run, DESCRIPTION)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,16 +57,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings that override the file"
     )
-
-
-def run_deprecated(args: argparse.Namespace) -> int:
-    """``graphswap plan``: say the command's name now, then run it."""
-    print(
-        f"graphswap {DEPRECATED_NAME}: warning: graphswap {DEPRECATED_NAME} is deprecated and"
-        f" will be removed in {REMOVED_IN}; use graphswap passes",
-        file=sys.stderr,
-    )
-    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """``graphswap.planning`` exports the few names a user of the planner calls, what they
 return and what they raise (issue 31); the steps behind a plan are
 ``graphswap.planning.trace``'s. ``tests/test_docs.py`` checks that each has an API entry,
-``tests/graphswap/test_deprecated.py`` that 0.1.0's ``graphswap.planner`` paths still work."""
+``tests/graphswap/_compat/test_old_paths.py`` that 0.1.0's ``graphswap.planner`` paths
+still work."""
 
 from __future__ import annotations
 

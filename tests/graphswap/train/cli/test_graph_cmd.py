@@ -27,18 +27,6 @@ def run_graph(argv: list[str]) -> int:
     return args.run(args)
 
 
-def test_the_old_layers_flag_warns_and_writes_the_same_graph(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """0.1.0's ``--layers`` is ``--num-layers``, the trainer config's key, until 0.3."""
-    assert run_graph(["--format", "json", "--num-layers", "3"]) == 0
-    new = capsys.readouterr()
-    assert run_graph(["--format", "json", "--layers", "3"]) == 0
-    old = capsys.readouterr()
-    assert old.out == new.out and "deprecated" not in new.err
-    assert "--layers is deprecated and will be removed; use --num-layers 3" in old.err
-
-
 def test_json_with_layers(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_graph(["--format", "json", "--num-layers", "3"]) == 0
     out, err = capsys.readouterr()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphswap import rewrite
-from graphswap._deprecated import RENAMED_KEYWORDS
+from graphswap._compat._table import RENAMED_KEYWORDS
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import PRESETS
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
@@ -43,25 +43,6 @@ def test_a_model_source_is_required(graphswap_cmd) -> None:
     done = graphswap_cmd("plan-memory", "--seq-len", "64")
     assert done.returncode == 2
     assert "--model" in done.stderr and "--preset" in done.stderr
-
-
-def test_the_last_releases_policy_flag_still_plans_and_names_its_successor(
-    graphswap_cmd,
-) -> None:
-    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq-len", "64", "--policy", "layer")
-    assert done.returncode == 0, done.stderr
-    assert "activation_swap=layer" in done.stdout
-    assert done.stderr == (
-        "graphswap plan-memory: warning: --policy is deprecated and will be removed; use"
-        " --activation-swap layer\n"
-    )
-    both = ("--policy", "layer", "--activation-swap", "attention")
-    done = graphswap_cmd("plan-memory", "--preset", "tiny", "--seq-len", "64", *both)
-    assert done.returncode == 2
-    assert done.stderr.splitlines()[-1] == (
-        "graphswap plan-memory: error: --activation-swap attention: given twice (first"
-        " layer); give it once"
-    )
 
 
 def test_a_family_whose_attention_is_not_self_attn_is_planned(
@@ -678,39 +659,6 @@ def test_json_output_parses_and_counts_every_layer(console: Any) -> None:
         plan["tp_size"],
     ) == defaults
     assert any("aten._scaled_dot_product_flash_attention;" in a for a in plan["assumptions"])
-
-
-def test_the_old_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: ignore[no-untyped-def]
-    argv = (
-        "plan-memory",
-        "--preset",
-        "tiny",
-        "--num-layers",
-        "2",
-        "--device",
-        "cpu",
-        "--format",
-        "json",
-    )
-    old = graphswap_cmd(*argv, "--seq", "64", "--batch", "2", "--tp", "2")
-    new = graphswap_cmd(*argv, "--seq-len", "64", "--batch-size", "2", "--tp-size", "2")
-    assert old.returncode == new.returncode == 0
-    assert "--seq is deprecated and will be removed; use --seq-len 64" in old.stderr
-    assert "--tp is deprecated" in old.stderr and not new.stderr
-    assert old.stdout == new.stdout
-
-
-def test_the_old_budget_and_layers_flags_warn_and_plan_the_same(graphswap_cmd) -> None:  # type: ignore[no-untyped-def]
-    """0.1.0's ``--budget`` and ``--layers`` are the config keys' flags now."""
-    argv = ("plan-memory", "--preset", "tiny", "--seq-len", "256", "--device", "cpu")
-    old = graphswap_cmd(*argv, "--layers", "2", "--budget", "100GiB")
-    new = graphswap_cmd(*argv, "--num-layers", "2", "--activation-memory-budget", "100GiB")
-    assert old.returncode == new.returncode == 0, old.stderr
-    assert "--budget is deprecated and will be removed; use --activation-memory-budget" in (
-        old.stderr
-    )
-    assert "--layers is deprecated and will be removed; use --num-layers 2" in old.stderr
-    assert not new.stderr and old.stdout == new.stdout and "budget" in new.stdout
 
 
 def test_the_loss_head_the_step_runs_is_planned(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,5 @@
-"""``graphswap passes``: renders a checked pass plan, or exits non-zero with the reason;
-``graphswap plan``, its 0.1.0 name, runs it with a warning."""
+"""``graphswap passes``: renders a checked pass plan, or exits non-zero with the reason.
+Its 0.1.0 name, ``graphswap plan``: ``tests/graphswap/_compat/test_old_cli.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from graphswap.train.cli import _passes, main
+from graphswap.train.cli import _passes
 
 EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "train.yaml"
 
@@ -123,27 +123,3 @@ def test_console_script_runs_passes(console: Any) -> None:
     done = console.done()
     assert done.returncode == 2, done.stderr
     assert "activation_swap: attention excludes pp_size: 2" in done.stderr
-
-
-def test_the_0_1_name_plan_runs_the_command_with_a_warning(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """``graphswap plan`` until 0.3: the same output, a warning naming ``graphswap passes``
-    first on stderr, and errors under the name typed; unlisted in ``graphswap --help``."""
-    argv = ["--format", "json", "activation_swap=attention", "tp_size=2"]
-    assert run_passes(argv) == 0
-    new = capsys.readouterr()
-    assert main(["plan", *argv]) == 0
-    old = capsys.readouterr()
-    assert old.out == new.out
-    warning = (
-        "graphswap plan: warning: graphswap plan is deprecated and will be removed in 0.3;"
-        " use graphswap passes\n"
-    )
-    assert old.err == warning + new.err.replace("graphswap passes:", "graphswap plan:")
-    assert main(["plan", "activation_swap=attention", "compile=true"]) == 2
-    assert capsys.readouterr().err.startswith(f"{warning}graphswap plan: error: activation_swap")
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    listed = capsys.readouterr().out
-    assert "    passes " in listed and "    plan " not in listed

@@ -1,26 +1,11 @@
-"""The import paths of graphswap 0.1.0 that moved, kept working until 0.3.
+"""What moved since graphswap 0.1.0, as data: old module paths, old names, old keywords.
 
-Code written against 0.1.0 (``from graphswap.policy import ...``,
-``except graphswap.SwapIntegrityError:``, ``python -m graphswap.cli``) keeps running
-and is told the new name by a ``DeprecationWarning``. Each old module path is a
-two-line file at its old place that calls :func:`moved`; each old name that is not
-in its old module's successor is a row of :data:`NAMES`. Targets are imported by
-their dotted names through :mod:`importlib`, so this module imports nothing of
-graphswap's and the layer contract sees no import from a lower layer to a higher one.
-Delete this module, the shims and the ``__getattr__`` hooks that call it in 0.3.
+Each row says where the thing is now; the finder (:mod:`._finder`) and the attribute
+hooks (:mod:`._attrs`) read it. Targets are dotted strings, imported on use, so that
+nothing of graphswap's is imported here.
 """
 
 from __future__ import annotations
-
-import importlib
-import pkgutil
-import sys
-import types
-import warnings
-from collections.abc import Callable
-from typing import Any
-
-REMOVED_IN = "0.3"
 
 MODULES: dict[str, tuple[str, ...]] = {
     "graphswap.attention_kernels": ("graphswap.hf.attention_kernels",),
@@ -154,132 +139,9 @@ REMOVED: dict[str, str] = {
 }
 """Old paths with nothing at the same place: what to use instead, for the error."""
 
-
-_MISSING = object()
-
-
-def _dotted(target: str) -> str:
-    return target.replace(":", ".")
-
-
-def resolve(target: str) -> Any:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def warn(message: str, inside: str | tuple[str, ...] | None = None) -> None:
-    """A ``DeprecationWarning`` that points at the user's line: past this module, the
-    shims, the import machinery and the packages ``inside`` (the one whose function was
-    called; for an unpickled object, also torch and pickle, which called it), so
-    Python's default filter shows it in scripts."""
-    level, frame = 2, sys._getframe(1)
-    while frame is not None and (
-        frame.f_globals.get("__name__") in (__name__, "importlib", *MODULES, *PACKAGES)
-        or _bootstrap(frame)
-        or (inside is not None and frame.f_globals.get("__name__", "").startswith(inside))
-    ):
-        # warnings.warn leaves the import system's own frames out of the count itself.
-        level, frame = level + (not _bootstrap(frame)), frame.f_back
-    warnings.warn(f"{message} (removed in {REMOVED_IN})", DeprecationWarning, stacklevel=level)
-
-
-def renamed_keywords(caller: str, keywords: dict[str, Any], inside: str) -> dict[str, Any]:
-    """``keywords`` with each name of :data:`RENAMED_KEYWORDS` replaced by its new one,
-    warning once per old name used; an old name given beside its new one stays, for the
-    caller to refuse as unknown."""
-    renamed = {}
-    for name, value in keywords.items():
-        new = RENAMED_KEYWORDS.get(name)
-        if new is not None and new not in keywords:
-            warn(f"{caller}({name}=...) is deprecated: use {new}=", inside)
-            name = new
-        renamed[name] = value
-    return renamed
-
-
-def _bootstrap(frame: types.FrameType) -> bool:
-    return "importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename
-
-
-def _name(old: str, search: tuple[str, ...]) -> Any:
-    if old in NAMES:
-        warn(f"{old} is deprecated: use {_dotted(NAMES[old])}")
-        return resolve(NAMES[old])
-    if old in REMOVED:
-        raise AttributeError(f"{old} is gone since graphswap 0.1.0: use {REMOVED[old]}")
-    module, _, name = old.rpartition(".")
-    if not name.startswith("__"):
-        for new in search:
-            value = vars(importlib.import_module(new)).get(name, _MISSING)
-            if value is not _MISSING:
-                return value
-    raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-
-def module_getattr(module: str) -> Callable[[str], Any]:
-    """The ``__getattr__`` of a live module whose 0.1.0 names or submodules moved:
-    ``graphswap`` (its old names, its old modules as attributes), ``graphswap.runtime``,
-    ``graphswap.hf`` and ``graphswap.train`` (which were modules in 0.1.0), and
-    ``graphswap.passes`` (0.1.0's top-level ``passes``, whose ``Plan`` and ``plan`` were
-    renamed)."""
-
-    def __getattr__(name: str) -> Any:
-        old = f"{module}.{name}"
-        if old in MODULES:
-            return importlib.import_module(old)  # the shim warns
-        return _name(old, ())
-
-    return __getattr__
-
-
-class Renamed:
-    """A class attribute under its 0.1.0 name (``seq = Renamed("seq_len")``): reading it
-    warns, naming the new one, and reads that."""
-
-    def __init__(self, new: str) -> None:
-        self.new = new
-        self.message = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.message = f"{owner.__name__}.{name} is deprecated: use {owner.__name__}.{self.new}"
-
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        warn(self.message)
-        return getattr(obj, self.new)
-
-
-def moved(old: str) -> Callable[[str], Any]:
-    """Called by the shim at ``old``'s place: warn once, on import, and return the
-    shim's ``__getattr__``, which finds each old name in its new module."""
-    new = MODULES[old]
-    warn(f"{old} is deprecated: import from {new[0]}")
-    return lambda name: _name(f"{old}.{name}", new)
-
-
-def moved_package(old: str) -> None:
-    """Called by the package's ``__init__`` when it runs under its old top-level name:
-    warn, and make the old name and its submodules the new modules themselves. A second
-    copy would have classes of its own, and ``except passes.PassPlanError`` would miss the
-    errors graphswap raises."""
-    new = PACKAGES[old]
-    warn(f"{old} is deprecated: import from {new}")
-    package = importlib.import_module(new)
-    for info in pkgutil.iter_modules(package.__path__, f"{new}."):
-        importlib.import_module(info.name)
-    for name, module in list(sys.modules.items()):
-        if name == new or name.startswith(f"{new}."):
-            sys.modules[old + name.removeprefix(new)] = module
-
-
-class Package(types.ModuleType):
-    """``graphswap``'s module type: importing the old module path ``graphswap.rewrite``
-    must not replace the function ``graphswap.rewrite`` with that module, as the import
-    system would (it sets every imported submodule as an attribute of its package)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        old_module = f"{self.__name__}.{name}" in MODULES
-        if old_module and isinstance(value, types.ModuleType) and callable(self.__dict__.get(name)):
-            return
-        super().__setattr__(name, value)
+PICKLED: dict[str, str] = {
+    "graphswap.rules._HierarchyValidator": "graphswap._compat._pickles:HierarchyValidator",
+}
+"""Private classes that 0.1.0's pickles name at their old paths -> where the loader
+that reads them keeps them; found without a warning (the loader gives one where the
+object needs converting)."""

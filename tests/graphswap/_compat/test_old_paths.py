@@ -6,7 +6,7 @@ its new place: what code and scripts written against 0.1.0 do (issue 31, item 6)
 state ``AutoSwap.format_report`` and ``plan-memory --policy`` were released in) and
 just before the folders moved by layer (ba58bf6^). ``graphswap.errors`` and
 ``graphswap.runtime.profile`` are still where they were; the names 0.2 removed with no
-successor are in ``graphswap._deprecated.REMOVED`` or listed in the CHANGELOG.
+successor are in ``graphswap._compat._table.REMOVED`` or listed in the CHANGELOG.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 import graphswap
-from graphswap import _deprecated
-from graphswap._deprecated import MODULES, NAMES, REMOVED
+from graphswap import _compat
+from graphswap._compat._table import MODULES, NAMES, REMOVED
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 RELEASE: dict[str, str] = {
     "graphswap": "AlreadyTransformedError CheckpointPolicy MIN_SWAP_TENSOR_BYTES NoMatchError"
@@ -98,7 +98,7 @@ RELEASED_PATHS = sorted(
 
 
 def _forget(module: str) -> None:
-    """Unimport an old module path, so that importing it runs the shim (and warns) again."""
+    """Unimport an old module path, so that importing it makes the module (and warns) again."""
     sys.modules.pop(module, None)
     parent, _, child = module.rpartition(".")
     if isinstance(vars(sys.modules[parent]).get(child), types.ModuleType):
@@ -111,7 +111,7 @@ def _new_place(old: str) -> tuple[str, Any]:
     if old in MODULES:
         return MODULES[old][0], importlib.import_module(MODULES[old][0])
     if old in NAMES:
-        return NAMES[old].replace(":", "."), _deprecated.resolve(NAMES[old])
+        return NAMES[old].replace(":", "."), _compat.resolve(NAMES[old])
     module, _, name = old.rpartition(".")
     for new in MODULES[module]:
         value = vars(importlib.import_module(new)).get(name)
@@ -128,14 +128,14 @@ def test_an_old_path_warns_naming_the_new_one_and_is_the_same_object(old: str) -
         _forget(old)
         with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} .*{re.escape(new)}"):
             if old == "graphswap.rewrite":  # the attribute is the function, as in 0.1.0
-                shim = importlib.import_module(old)
-            else:  # `graphswap.policy` imports the shim; `import graphswap.policy` too
-                shim = getattr(importlib.import_module(module), name)
-        assert shim is sys.modules[old]
+                old_module = importlib.import_module(old)
+            else:  # `graphswap.policy` imports the module; `import graphswap.policy` too
+                old_module = getattr(importlib.import_module(module), name)
+        assert old_module is sys.modules[old]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             for released in RELEASE.get(old, "").split():
-                assert getattr(shim, released) is _new_place(f"{old}.{released}")[1], released
+                assert getattr(old_module, released) is _new_place(f"{old}.{released}")[1], released
         assert callable(graphswap.rewrite), "the old module path hid graphswap.rewrite"
         return
     if old in NAMES:
@@ -248,3 +248,45 @@ def test_the_deprecated_plan_builds_the_pass_plan() -> None:
     with pytest.warns(DeprecationWarning, match=r"graphswap\.passes\.pass_plan"):
         built = passes.plan(config)
     assert isinstance(built, passes.PassPlan) and built.names == ("swap",)
+
+
+def test_no_file_stands_at_an_old_path_and_each_is_served_by_the_finder() -> None:
+    """The package folders hold real modules only: 0.1.0's paths are made on import by
+    ``graphswap._compat``'s finder, which 0.3 deletes with the package."""
+    package = Path(graphswap.__file__).parent
+    for old in MODULES:
+        relative = Path(*old.split(".")[1:])
+        assert not (package / relative.with_suffix(".py")).exists(), old
+        assert not (package / relative).is_dir(), old
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = importlib.import_module(old)
+        assert module.__spec__ is not None and module.__spec__.origin == "graphswap._compat"
+
+
+def test_a_module_that_never_existed_is_still_not_found() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("graphswap.no_such_module")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("graphswap.cli.no_such_module")
+
+
+def test_renamed_kwargs_passes_the_new_name_and_warns_naming_it() -> None:
+    """The decorator a renamed keyword goes through (``_compat.renamed_kwargs``): the old
+    name warns at the caller's line and arrives under the new one; both at once is the
+    function's own refusal of an unexpected keyword."""
+
+    @_compat.renamed_kwargs(lag="offload_lag")
+    def plan(*, offload_lag: int = 1) -> int:
+        return offload_lag
+
+    with pytest.warns(
+        DeprecationWarning, match=r"plan\(lag=\.\.\.\) is deprecated: use offload_lag="
+    ) as caught:
+        assert plan(lag=3) == 3
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert plan(offload_lag=2) == 2
+    with pytest.raises(TypeError, match="lag"):
+        plan(lag=3, offload_lag=2)

@@ -1,5 +1,0 @@
-"""Deprecated: the 0.1.0 path of :mod:`graphswap.planning.measure`, removed in 0.3."""
-
-from graphswap._deprecated import moved
-
-__getattr__ = moved(__name__)
