@@ -142,6 +142,7 @@ def plan_auto_swap(
     *,
     state_shards: int = 1,
     device: torch.device | None = None,
+    activation_checkpointing: bool = False,
 ) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size``, the loss head and the ``swap_*``
@@ -156,7 +157,9 @@ def plan_auto_swap(
     parameters, gradients and optimizer state over, so that a rank's budget is weighed
     against its own share of them, not the whole model's. ``device``: where training
     runs, when the model is not there (built on meta to check the plan before a build;
-    default: the model's device)."""
+    default: the model's device). ``activation_checkpointing``: ``budget`` honours the
+    trainer's request to checkpoint every layer: it recomputes every whole layer and
+    plans how much of their inputs to swap."""
     param = next(model.parameters())
     device = param.device if device is None else device
     hf_config = model.config
@@ -191,6 +194,7 @@ def plan_auto_swap(
             max_host_bytes=host_budget(),
             profile=profile,
             state_shards=state_shards,
+            activation_checkpointing=activation_checkpointing,
         )
     except PlanSettingError as error:
         # The planner names a setting by its config key: the message starts with it.
@@ -209,6 +213,7 @@ def plan_auto_swap(
             else ""
         )
         + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
+        + (", activation_checkpointing: true" if activation_checkpointing else "")
     )
     return AutoSwap(plan, made_for=made_for, measured=measured)
 
