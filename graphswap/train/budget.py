@@ -28,7 +28,7 @@ from graphswap.hf import trl_head
 from graphswap.passes import InfrastructureResult, pass_plan
 from graphswap.passes.swap import apply_swap, plan_auto_swap, swap_engine
 from graphswap.planning.auto_swap import AutoSwap
-from graphswap.rewriting.apply import RewriteReport, rewrite_report, unrewrite
+from graphswap.rewriting.apply import RewriteReport, rewrite_report
 from graphswap.train.config import ConfigError, TrainerConfig
 
 __all__ = ["apply_budget"]
@@ -251,9 +251,7 @@ def _checkpointing_enable(
         getattr(hf_model, name)(*args, **kwargs)
         return
     options, every_n_layers, offload = _enable_options(name, args, kwargs)
-    _check_options(
-        {**options, "every_n_layers": every_n_layers, "offload": offload}, f"{name}()"
-    )
+    _check_options({**options, "every_n_layers": every_n_layers, "offload": offload}, f"{name}()")
     if auto.plan.recompute != ("layer",):
         recomputed = " and ".join(auto.plan.recompute) or "nothing"
         raise SwapExclusionError(

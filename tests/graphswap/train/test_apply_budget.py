@@ -203,9 +203,10 @@ def test_hf_trainer_with_checkpointing_trains_a_budget_plan_like_the_plain_run(
             assert_recomputed_whole_layers(result)
         return _finished(trainer)
 
-    assert_same(fit(model("tiny-llama"), tmp_path / "budget", True), fit(
-        model("tiny-llama"), tmp_path / "plain", False
-    ))
+    assert_same(
+        fit(model("tiny-llama"), tmp_path / "budget", True),
+        fit(model("tiny-llama"), tmp_path / "plain", False),
+    )
 
 
 def test_a_later_request_to_checkpoint_a_plan_made_without_it_is_refused() -> None:
