@@ -100,9 +100,10 @@ def apply_budget(
         )
     hf_model = _hf_model(model)
     checkpointed = _checkpointed_layers(hf_model)
-    requested = bool(checkpointed) or _checkpointing(args)
-    if args is not None and _checkpointing(args):
+    asked = _checkpointing(args)
+    if asked:
         _check_options(_checkpointing_kwargs(args), f"args.{_CHECKPOINTING_KWARGS}")
+    requested = asked or bool(checkpointed)
     sft = _is_sft_config(args)
     config = TrainerConfig(
         activation_swap="budget",
