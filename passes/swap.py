@@ -143,6 +143,7 @@ def plan_auto_swap(
     state_shards: int = 1,
     device: torch.device | None = None,
     autocast_dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
 ) -> AutoSwap:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size``, the loss head and the ``swap_*``
@@ -159,7 +160,10 @@ def plan_auto_swap(
     runs, when the model is not there (built on meta to check the plan before a build;
     default: the model's device). ``autocast_dtype``: the dtype the step computes in
     under ``torch.autocast`` (a trainer's ``bf16``/``fp16`` around fp32 weights);
-    default: autocast's on the device if it is on here, else none."""
+    default: autocast's on the device if it is on here, else none.
+    ``activation_checkpointing``: ``budget`` honours the
+    trainer's request to checkpoint every layer: it recomputes every whole layer and
+    plans how much of their inputs to swap."""
     param = next(model.parameters())
     device = param.device if device is None else device
     if autocast_dtype is None:
@@ -197,6 +201,7 @@ def plan_auto_swap(
             max_host_bytes=host_budget(),
             profile=profile,
             state_shards=state_shards,
+            activation_checkpointing=activation_checkpointing,
         )
     except PlanSettingError as error:
         # The planner names a setting by its config key: the message starts with it.
@@ -217,6 +222,7 @@ def plan_auto_swap(
             else ""
         )
         + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
+        + (", activation_checkpointing: true" if activation_checkpointing else "")
     )
     return AutoSwap(plan, made_for=made_for, measured=measured)
 

@@ -27,6 +27,7 @@ PUBLIC_MODULES = (
     "graphswap.runtime.sim",
     "graphswap.planning",
     "graphswap.planning.trace",
+    "graphswap.train.budget",
 )
 
 

@@ -10,7 +10,10 @@ cheapest first, each traced for real (the trace runs the recompute in backward, 
 its time and its memory come from the same run the clock checks), and at each level
 two swaps: ``auto`` (what hides) and ``layer`` (everything, stalls included). The
 fastest option whose peak is within the budget wins; past the first level whose
-``auto`` fits, the levels only cost more, so the search stops there.
+``auto`` fits, the levels only cost more, so the search stops there. A trainer that
+checkpoints every layer (its ``activation_checkpointing``) is honoured by weighing the
+whole-layer level alone (:data:`CHECKPOINTED_LEVELS`): graphswap owns the recompute it
+asked for, and decides only how much of the layers' inputs to swap.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +133,10 @@ def resolve_memory_budget(
     return budget
 
 
+CHECKPOINTED_LEVELS: tuple[tuple[RecomputeKind, ...], ...] = (("layer",),)
+"""The levels weighed when the trainer checkpoints every layer: at least the whole layer,
+as its activation checkpointing recomputes it, with the layer's inputs kept or swapped."""
+
 BUDGET_SWAPS = ("auto", "layer")
 """The swaps tried at each recompute level: what hides, and everything."""
 
@@ -191,11 +198,14 @@ def plan_budget(
     schedule: SwapSchedule,
     baseline: Replay | None = None,
     known: Mapping[tuple[tuple[RecomputeKind, ...], str], MemoryPlan] | None = None,
+    levels: Sequence[tuple[RecomputeKind, ...]] = RECOMPUTE_LEVELS,
 ) -> MemoryPlan:
     """The fastest plan whose device peak is at most ``budget`` bytes; ``traces(kinds)``
     is the step with ``kinds`` recomputed in every layer. Raises :class:`BudgetError`
     naming the smallest budget a plan meets when none fits. ``known``: plans already made
-    with ``schedule``, by recompute level and swap (a fit's ``auto`` and ``layer``)."""
+    with ``schedule``, by recompute level and swap (a fit's ``auto`` and ``layer``).
+    ``levels``: the recompute levels weighed, cheapest first (:data:`CHECKPOINTED_LEVELS`
+    where the trainer checkpoints every layer)."""
     plain = traces(())
     if baseline is None:
         baseline = replay_without_swap(plain, schedule)
@@ -203,7 +213,7 @@ def plan_budget(
     plain_backward = _backward_seconds(plain)
     options: list[BudgetOption] = []
     best: tuple[float, MemoryPlan, StepTrace, BudgetOption] | None = None
-    if baseline.timeline.peak_bytes <= budget:
+    if () in levels and baseline.timeline.peak_bytes <= budget:
         keep = (known or {}).get(((), "none")) or plan_step(
             config, plain, activation_swap="none", schedule=schedule, baseline=baseline
         )
@@ -211,7 +221,7 @@ def plan_budget(
         options.append(option)
         best = (keep.timeline.step_seconds, keep, plain, option)
     else:
-        for kinds in RECOMPUTE_LEVELS:
+        for kinds in levels:
             trace = plain if not kinds else traces(kinds)
             fits_hidden = False
             for swap in BUDGET_SWAPS:
@@ -256,7 +266,7 @@ def plan_budget(
         recompute=option.recompute,
         budget_swap=option.swap,
         budget_options=tuple(options),
-        assumptions=chosen.assumptions + _budget_assumptions(option),
+        assumptions=chosen.assumptions + _budget_assumptions(option, levels),
     )
 
 
@@ -271,13 +281,22 @@ def _with_recompute(layer: LayerPlan, trace: StepTrace, seconds: float) -> Layer
     )
 
 
-def _budget_assumptions(option: BudgetOption) -> tuple[str, ...]:
+def _budget_assumptions(
+    option: BudgetOption, levels: Sequence[tuple[RecomputeKind, ...]]
+) -> tuple[str, ...]:
+    if tuple(levels) == RECOMPUTE_LEVELS:
+        tried = (
+            "recompute levels tried cheapest first (nothing, the norms, the norms and what lies"
+            " between the feed-forward block's matmuls, that and its down projections, the"
+            " norms and the whole block, the whole layer; in every layer)"
+        )
+    else:
+        tried = "recompute levels tried: " + ", ".join(
+            " and ".join(kinds) or "nothing" for kinds in levels
+        )
     return (
-        "budget: recompute levels tried cheapest first (nothing, the norms, the norms and "
-        "what lies between the feed-forward block's matmuls, that and its down projections, "
-        "the norms and the whole block, the whole layer; in every layer), each traced with "
-        "the recompute running "
-        "in backward; at each, the swap of what hides (auto) and of everything (layer); the "
-        "fastest option whose device peak is within the budget is kept"
+        f"budget: {tried}, each traced with the recompute running in backward; at each, the"
+        " swap of what hides (auto) and of everything (layer); the fastest option whose device"
+        " peak is within the budget is kept"
         f" (here: recompute {' and '.join(option.recompute) or 'nothing'}, swap {option.swap})",
     )

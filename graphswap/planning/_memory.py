@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from graphswap.hf.attention_kernels import PlanSettingError
-from graphswap.planning._budget import BudgetError, plan_budget
+from graphswap.planning._budget import CHECKPOINTED_LEVELS, BudgetError, plan_budget
 from graphswap.planning._plan import (
     DEFAULT_PROFILE,
     MemoryPlan,
@@ -25,7 +25,7 @@ from graphswap.planning._plan import (
 from graphswap.planning._settings import StepShape, SwapSchedule, check_int, split_settings
 from graphswap.planning._trace import StepTrace
 from graphswap.planning._trace_cache import trace_once
-from graphswap.planning._units import RecomputeKind
+from graphswap.planning._units import RECOMPUTE_LEVELS, RecomputeKind
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.runtime.policy import SwapPolicy, swap_large_activations
 from graphswap.runtime.profile import DeviceProfile
@@ -42,6 +42,7 @@ def plan_memory(
     profile: str | DeviceProfile = DEFAULT_PROFILE,
     optimizer: bool = True,
     activation_memory_budget: int | None = None,
+    activation_checkpointing: bool = False,
     **settings: Any,
 ) -> MemoryPlan:
     """Trace one training step of ``config`` on meta and predict it for one rank, with
@@ -64,12 +65,22 @@ def plan_memory(
     and backward after ``zero_grad``; no optimizer state on the device).
     ``activation_memory_budget``: with ``budget``, the device peak (bytes) to plan
     within; with the chunked head, ``loss_head_chunk_size`` is the largest chunk the
-    plan may take (:func:`_budget_with_head`). A bad setting raises
+    plan may take (:func:`_budget_with_head`). ``activation_checkpointing``: with
+    ``budget``, the trainer checkpoints every layer (its own ``activation_checkpointing``);
+    the plan honours it by recomputing every whole layer, and decides how much of their
+    inputs to swap. A bad setting raises
     :class:`PlanSettingError` (naming the config's key) or :class:`ProfileError` before
     any model is built.
     """
     check_mode(activation_swap)
     check_budget(activation_swap, activation_memory_budget)
+    if activation_checkpointing and activation_swap != "budget":
+        raise PlanSettingError(
+            "activation_checkpointing",
+            True,
+            f"is honoured by activation_swap: budget only, which owns recompute; not by"
+            f" {activation_swap}, whose swap it would handle a second time",
+        )
     shape_settings, schedule, figures = split_settings("plan_memory", settings)
     resolved = resolve_profile(profile, **figures)
     if "seq_len" not in shape_settings:
@@ -84,7 +95,10 @@ def plan_memory(
 
     if activation_swap == "budget":
         assert activation_memory_budget is not None
-        return _budget_with_head(config, shape, trace, activation_memory_budget, schedule)
+        levels = CHECKPOINTED_LEVELS if activation_checkpointing else RECOMPUTE_LEVELS
+        return _budget_with_head(
+            config, shape, trace, activation_memory_budget, schedule, levels=levels
+        )
     return plan_step(config, trace(shape), activation_swap=activation_swap, schedule=schedule)
 
 
@@ -101,6 +115,8 @@ def _budget_with_head(
     trace: Callable[[StepShape, tuple[RecomputeKind, ...]], StepTrace],
     budget: int,
     schedule: SwapSchedule,
+    *,
+    levels: Sequence[tuple[RecomputeKind, ...]] = RECOMPUTE_LEVELS,
 ) -> MemoryPlan:
     """The budget's plan, the loss head one of its decisions: with the chunked head, each
     chunk size weighed (largest first) is planned at every recompute level, and the
@@ -117,7 +133,11 @@ def _budget_with_head(
         at = dataclasses.replace(shape, loss_head_chunk_size=size)
         try:
             plan = plan_budget(
-                config, functools.partial(trace, at), budget=budget, schedule=schedule
+                config,
+                functools.partial(trace, at),
+                budget=budget,
+                schedule=schedule,
+                levels=levels,
             )
         except BudgetError:
             if best is None and size == sizes[-1]:

@@ -25,7 +25,10 @@ _FIXES = {
     "activation_checkpointing": "activation_checkpointing: false (transformers' Trainer and"
     " TRL: gradient_checkpointing=False, which TRL's SFTConfig turns on by default;"
     " activation_checkpointing=False from transformers 5.23 on; by hand: call"
-    " graphswap.unrewrite(model) before enabling gradient checkpointing)",
+    " graphswap.unrewrite(model) before enabling gradient checkpointing); to keep"
+    " checkpointing, let graphswap own the recompute: activation_swap: budget (with a"
+    " trainer: graphswap.train.budget.apply_budget(model, budget, args), which takes the"
+    " trainer's checkpointing as whole layers recomputed inside the swap)",
     "activation_offloading": "leave the other offloader out (TRL: activation_offloading=False;"
     " graphswap already copies what the wrapped modules save to host)",
 }

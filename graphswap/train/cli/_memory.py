@@ -223,6 +223,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the bytes kept, swapped and recomputed",
     )
     parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="with --activation-swap budget: the trainer checkpoints every layer (TRL's "
+        "SFTConfig default, graphswap.train.budget.apply_budget honours it), so the plan "
+        "recomputes every whole layer and weighs only how much of their inputs to swap",
+    )
+    parser.add_argument(
         "--swap-hide-margin",
         action=Once,
         default=None,
@@ -344,6 +351,12 @@ def _refusal(args: argparse.Namespace) -> str | None:
             f"--activation-memory-budget {budget} is read by --activation-swap budget only (it"
             f" would change nothing for --activation-swap {mode}); drop one of them"
         )
+    if args.activation_checkpointing and (args.fit is not None or mode != "budget"):
+        return (
+            "--activation-checkpointing is honoured by --activation-swap budget alone (the"
+            " mode that owns recompute), and --fit weighs every mode; plan with"
+            " --activation-memory-budget MEMORY and --seq-len N, or drop it"
+        )
     margin = args.swap_hide_margin
     if margin is not None and mode not in ("auto", "budget") and args.fit is None:
         return (
@@ -446,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
                 config,
                 profile=profile,
                 activation_swap=_mode(args),
+                activation_checkpointing=args.activation_checkpointing,
                 activation_memory_budget=None
                 if budget is None
                 else resolve_memory_budget(

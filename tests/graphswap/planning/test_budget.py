@@ -220,6 +220,27 @@ def test_a_roomy_budget_keeps_everything() -> None:
     assert plan.step_ratio == 1.0
 
 
+def test_a_trainer_that_checkpoints_gets_whole_layers_whatever_the_budget() -> None:
+    """The trainer's request to checkpoint every layer is honoured as the whole-layer
+    level, the only one weighed, even where a roomy budget would recompute nothing; it is
+    a decision of the budget mode alone."""
+    config = preset_config("tiny-llama", attn_implementation="sdpa")
+    settings = {"seq_len": 256, "dtype": torch.float32, "device": "cpu"}
+    plan = plan_memory(
+        config,
+        activation_swap="budget",
+        activation_memory_budget=1 << 40,
+        activation_checkpointing=True,
+        **settings,
+    )
+    assert plan.recompute == ("layer",)
+    assert [option.recompute for option in plan.budget_options] == [("layer",)]
+    assert all(layer.recomputed == ("",) for layer in plan.layers)
+    assert "recompute levels tried: layer" in " ".join(plan.assumptions)
+    with pytest.raises(PlanSettingError, match="activation_checkpointing=True: is honoured by"):
+        plan_memory(config, activation_swap="auto", activation_checkpointing=True, **settings)
+
+
 def test_recompute_wrapper_keeps_the_module_and_undoes_exactly() -> None:
     norm = torch.nn.LayerNorm(8)
     counted: list[tuple[int, int]] = []

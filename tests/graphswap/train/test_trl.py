@@ -175,6 +175,7 @@ def test_trls_default_gradient_checkpointing_is_refused_naming_the_setting(
     message = str(info.value)
     assert "excludes activation_checkpointing: 'model.layers.0'" in message
     assert "gradient_checkpointing=False" in message and "SFTConfig" in message
+    assert "activation_swap: budget" in message and "apply_budget(model, budget, args)" in message
 
 
 def test_trls_activation_offloading_on_a_rewritten_model_is_refused() -> None:

@@ -681,3 +681,12 @@ def test_a_chunk_size_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[s
         _args("--preset", "tiny", "--seq-len", "64", "--loss-head-chunk-size", "0")
     assert caught.value.code == 2
     assert "--loss-head-chunk-size" in capsys.readouterr().err
+
+
+def test_the_trainers_checkpointing_plans_whole_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--activation-checkpointing`` reaches the budget plan: a budget that needs no
+    recompute still recomputes every whole layer, as a checkpointing trainer runs it."""
+    argv = ("--device", "cpu", "--activation-memory-budget", "100GiB")
+    free = _plan(capsys, *argv, layers=2)
+    checkpointed = _plan(capsys, *argv, "--activation-checkpointing", layers=2)
+    assert (free["recompute"], checkpointed["recompute"]) == ([], ["layer"])

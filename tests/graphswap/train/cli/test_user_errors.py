@@ -402,6 +402,25 @@ def test_passes_rejects_what_train_rejects(
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [["--seq-len", "8"], ["--fit", "80GB", "--activation-memory-budget", "60GiB"]],
+    ids=["no-budget", "fit"],
+)
+@pytest.mark.usefixtures("no_model_built")
+def test_plan_memory_honours_checkpointing_in_a_budget_plan_only(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run(
+        ["plan-memory", "--preset", "tiny", "--activation-checkpointing", *argv], capsys
+    )
+    assert code == 2
+    assert err.splitlines()[-1].startswith(
+        "graphswap plan-memory: error: --activation-checkpointing is honoured by"
+        " --activation-swap budget alone"
+    )
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--seq-len", "8", "--activation-memory-budget", "1e400"], "is not a finite number"),
