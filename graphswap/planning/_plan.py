@@ -238,6 +238,9 @@ class MemoryPlan:
     """``budget``: the swap it pairs them with (``none``, ``auto`` or ``layer``)."""
     budget_options: tuple[Any, ...] = ()
     """``budget``: every option weighed (:class:`~graphswap.planning._budget.BudgetOption`)."""
+    lora_rank: int | None = None
+    """The rank of the LoRA adapters that train (the base weights frozen); ``None``:
+    every parameter trains."""
 
     # 0.1.0's names of the settings, now the trainer config's keys (one spelling per
     # setting), readable until 0.3.
@@ -299,6 +302,7 @@ class MemoryPlan:
             "tp_size": self.tp_size,
             "loss_head": self.loss_head,
             "loss_head_chunk_size": self.loss_head_chunk_size,
+            "lora_rank": self.lora_rank,
             "activation_swap": self.activation_swap,
             "policy": self.policy,
             "profile": dataclasses.asdict(self.profile),
@@ -531,6 +535,7 @@ def plan_step(
         tp_size=saved.tp,
         loss_head=trace.loss_head,
         loss_head_chunk_size=trace.loss_head_chunk_size,
+        lora_rank=trace.lora_rank,
         activation_swap=activation_swap,
         policy="none" if scope is None else trace.policy,
         profile=profile,

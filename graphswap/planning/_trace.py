@@ -162,6 +162,9 @@ class StepTrace:
     recomputed_bytes: tuple[int, ...] = ()
     """Per decoder layer, the storage bytes its recomputed submodules saved and dropped
     (what the runtime's ``stats.recomputed_bytes`` counts); empty: none anywhere."""
+    lora_rank: int | None = None
+    """The rank of the LoRA adapters that trained, the base weights frozen; ``None``:
+    every parameter trained."""
 
     seq = Renamed("seq_len")  # 0.1.0's names, until 0.3
     batch = Renamed("batch_size")
@@ -403,6 +406,7 @@ def trace_step(
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=storage_bytes(state),
         optimizer=optimizer,
+        lora_rank=meta.lora_rank,
         recomputed=meta.recomputed,
         recomputed_bytes=tuple(meta.recompute_counts.get(i, (0, 0))[1] for i in range(len(layers)))
         if meta.recomputed
