@@ -63,8 +63,8 @@ _ASSUMPTIONS = (
     "assume uniform routing (no dropped tokens)",
     "device memory: storage bytes of every tensor the step makes (activations, logits and "
     "loss, gradients, reloads in flight, optimizer temporaries) on top of parameters, "
-    "buffers and AdamW state (2 x the parameters, in their dtype); no allocator rounding or "
-    "fragmentation",
+    "buffers and AdamW state (2 x the parameters that train, in their dtype); no allocator "
+    "rounding or fragmentation",
     "saved bytes are storage bytes, deduplicated by storage; parameters and their views "
     "are not activations and are left out",
 )
