@@ -23,8 +23,9 @@ from graphswap.errors import NoMatchError
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The modules a LoRA fine-tune usually adapts: every projection of the attention and of a
-dense feed-forward block (a mixture of experts' experts are parameters, not modules, and
-stay frozen, as PEFT leaves them)."""
+dense feed-forward block. A mixture of experts' fused experts are parameters, not linear
+layers, and stay frozen here (PEFT adapts them as ``target_parameters``, which
+:func:`lora_settings` refuses)."""
 
 _FLOAT32_ADAPTERS = (torch.bfloat16, torch.float16)
 """Base dtypes whose adapters PEFT keeps in float32 (``get_peft_model``'s
@@ -77,6 +78,18 @@ def lora_settings(model: nn.Module) -> dict[str, Any] | None:
             " target_modules names their projections); graphswap plans adapters on linear"
             " layers only: name the attention's projections alone in target_modules"
             " (q_proj, k_proj, v_proj, o_proj)"
+        )
+    others = [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and ".lora_A." not in name and ".lora_B." not in name
+    ]
+    if others:
+        raise NoMatchError(
+            f"{type(model).__name__} trains {len(others)} parameters besides LoRA adapters on"
+            f" linear layers (first {others[0]!r}: modules_to_save, an adapted embedding, a"
+            " trained bias); graphswap plans adapters on linear layers alone: drop them from"
+            " the LoraConfig"
         )
     targets = sorted({fqn.rpartition(".")[2] for fqn, m in model.named_modules() if _adapted(m)})
     return {

@@ -134,7 +134,8 @@ def test_the_plan_of_a_lora_step_is_the_clocked_peft_step(
 
 def test_a_peft_model_other_than_linear_lora_is_refused_by_name() -> None:
     """The planner traces LoRA on linear layers: PEFT's adapters on a mixture of experts'
-    fused expert parameters, or another PEFT method, are refused naming what to change."""
+    fused expert parameters, another PEFT method, or a layer trained whole
+    (``modules_to_save``) are refused naming what to change."""
     peft = pytest.importorskip("peft")
     experts = peft.get_peft_model(
         build_model(preset_config("tiny")),
@@ -148,4 +149,10 @@ def test_a_peft_model_other_than_linear_lora_is_refused_by_name() -> None:
     )
     with pytest.raises(NoMatchError, match="IA3, not LoRA"):
         lora_settings(ia3)
+    saved = peft.get_peft_model(
+        build_model(preset_config("tiny-llama")),
+        peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    )
+    with pytest.raises(NoMatchError, match="besides LoRA adapters on linear layers"):
+        lora_settings(saved)
     assert lora_settings(build_model(preset_config("tiny-llama"))) is None
