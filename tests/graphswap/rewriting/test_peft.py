@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import graphswap
+from graphswap.errors import AlreadyTransformedError
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import preset_config
 from graphswap.rewriting.apply import rewrite, rewrite_report, unrewrite
@@ -112,5 +113,5 @@ def test_a_rewritten_peft_model_refuses_a_second_rewrite() -> None:
     """Wrapping wrappers is refused through the PeftModel as on the model itself."""
     net = peft_model(fresh("tiny-llama"))
     graphswap.rewrite(net, "layer_swap")
-    with pytest.raises(graphswap.AlreadyTransformedError, match="unrewrite"):
+    with pytest.raises(AlreadyTransformedError, match="unrewrite"):
         graphswap.rewrite(net, "attn_swap")
