@@ -91,12 +91,28 @@ def lora_settings(model: nn.Module) -> dict[str, Any] | None:
             " trained bias); graphswap plans adapters on linear layers alone: drop them from"
             " the LoraConfig"
         )
-    targets = sorted({fqn.rpartition(".")[2] for fqn, m in model.named_modules() if _adapted(m)})
+    adapted = [(fqn, m) for fqn, m in model.named_modules() if _adapted(m)]
+    for fqn, module in adapted:
+        base = module.base_layer.weight.dtype
+        found = next(iter(module.lora_A.values())).weight.dtype
+        if found != adapter_dtype(base):
+            raise NoMatchError(
+                f"{fqn}'s adapter is {found} over {base} weights; graphswap plans PEFT's"
+                f" default, {adapter_dtype(base)} adapters (get_peft_model's"
+                " autocast_adapter_dtype=True): make the PeftModel with it"
+            )
+    targets = sorted({fqn.rpartition(".")[2] for fqn, _ in adapted})
     return {
         "lora_rank": config.r,
         "lora_target_modules": tuple(targets),
         "lora_dropout": float(getattr(config, "lora_dropout", 0.0)),
     }
+
+
+def adapter_dtype(base: torch.dtype) -> torch.dtype:
+    """The dtype PEFT gives the adapters of weights in ``base``: float32 over bfloat16
+    and float16 (``autocast_adapter_dtype``), else ``base``."""
+    return torch.float32 if base in _FLOAT32_ADAPTERS else base
 
 
 def _adapted(module: nn.Module) -> bool:
@@ -112,7 +128,7 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Linear, rank: int, dropout: float) -> None:
         super().__init__()
         weight = base.weight
-        dtype = torch.float32 if weight.dtype in _FLOAT32_ADAPTERS else weight.dtype
+        dtype = adapter_dtype(weight.dtype)
         self.base_layer = base
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(

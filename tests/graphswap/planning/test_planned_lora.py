@@ -134,8 +134,9 @@ def test_the_plan_of_a_lora_step_is_the_clocked_peft_step(
 
 def test_a_peft_model_other_than_linear_lora_is_refused_by_name() -> None:
     """The planner traces LoRA on linear layers: PEFT's adapters on a mixture of experts'
-    fused expert parameters, another PEFT method, or a layer trained whole
-    (``modules_to_save``) are refused naming what to change."""
+    fused expert parameters, another PEFT method, a layer trained whole
+    (``modules_to_save``), or bfloat16 adapters (the planner's are PEFT's default, float32
+    over bfloat16) are refused naming what to change."""
     peft = pytest.importorskip("peft")
     experts = peft.get_peft_model(
         build_model(preset_config("tiny")),
@@ -155,4 +156,11 @@ def test_a_peft_model_other_than_linear_lora_is_refused_by_name() -> None:
     )
     with pytest.raises(NoMatchError, match="besides LoRA adapters on linear layers"):
         lora_settings(saved)
+    bf16 = peft.get_peft_model(
+        build_model(preset_config("tiny-llama")).to(torch.bfloat16),
+        peft.LoraConfig(r=4, target_modules=["q_proj"]),
+        autocast_adapter_dtype=False,
+    )
+    with pytest.raises(NoMatchError, match="autocast_adapter_dtype=True"):
+        lora_settings(bf16)
     assert lora_settings(build_model(preset_config("tiny-llama"))) is None
