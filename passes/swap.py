@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from graphswap.errors import NoMatchError
 from graphswap.hf import trl_head
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
+from graphswap.hf.lora import lora_settings
 from graphswap.passes.errors import PassPostconditionError, PassSettingError
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
@@ -188,6 +190,8 @@ def plan_auto_swap(
         if trl_head.installed(model):
             # SFTTrainer's own head, which the model already runs: plan the step it runs.
             planned["loss_head"] = "trl"
+        # A PeftModel trains its adapters alone: plan that step.
+        planned.update(lora_settings(model) or {})
         plan = plan_memory(
             hf_config,
             **planned,
@@ -209,6 +213,10 @@ def plan_auto_swap(
             f"{error.setting}: {error.value} {error.detail}"
             f" (activation_swap: {config.activation_swap})"
         ) from error
+    except NoMatchError as error:
+        raise PassSettingError(
+            f"activation_swap: {config.activation_swap} plans the step the model trains: {error}"
+        ) from error
     dtype = str(param.dtype).removeprefix("torch.")
     if autocast_dtype is not None:
         dtype += f" under {str(autocast_dtype).removeprefix('torch.')} autocast"
@@ -221,6 +229,7 @@ def plan_auto_swap(
             if plan.loss_head_chunk_size is not None
             else ""
         )
+        + (f", lora_rank: {plan.lora_rank}" if plan.lora_rank is not None else "")
         + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
         + (", activation_checkpointing: true" if activation_checkpointing else "")
     )

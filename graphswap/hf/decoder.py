@@ -14,6 +14,7 @@ from torch import nn
 
 from graphswap.errors import HierarchyError, NoMatchError
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.hf.lora import peft_inner
 
 
 @dataclass(frozen=True)
@@ -31,14 +32,16 @@ def decoder_classes(model: nn.Module, *, rule: str) -> DecoderClasses:
     layers, lists one class per kind of layer).
 
     Declared, not found in the tree: a subclass or a wrapper put in the model's place
-    does not become a target. A model that declares none, or holds no decoder stack,
-    raises :class:`NoMatchError` (for ``rule``) listing the module types it holds.
+    does not become a target. A PEFT model (``get_peft_model``'s) declares those of the
+    model it holds (:func:`graphswap.hf.lora.peft_inner`). A model that declares none, or
+    holds no decoder stack, raises :class:`NoMatchError` (for ``rule``) listing the module
+    types it holds.
     """
     try:
         decoder_layers(model)
     except HierarchyError as error:
         raise NoMatchError(_undeclared(rule, model, f"no decoder stack ({error})")) from None
-    root = type(model)
+    root = type(peft_inner(model)[1])
     records = getattr(root, "_can_record_outputs", None) or {}
     layers = _record_classes(records.get("hidden_states"))
     attention = _record_classes(records.get("attentions"))

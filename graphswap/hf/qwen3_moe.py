@@ -16,6 +16,7 @@ import torch.fx
 from torch import nn
 
 from graphswap.errors import HierarchyError
+from graphswap.hf.lora import peft_inner
 
 MODEL_TYPE = "qwen3_moe"
 """The family's ``model_type`` in a Hugging Face config."""
@@ -25,9 +26,10 @@ MODELING = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 
 def qwen3_moe_class(root: nn.Module, class_name: str, *, rule: str) -> type:
     """Qwen3-MoE's class ``class_name``, once ``root`` is a Qwen3-MoE model (or a traced
-    one): a ``rule`` that targets its classes by name refuses any other model, naming
-    what it got."""
+    one, or a PEFT model holding one): a ``rule`` that targets its classes by name
+    refuses any other model, naming what it got."""
     module = importlib.import_module(MODELING)
+    root = peft_inner(root)[1]
     if not isinstance(root, (module.Qwen3MoePreTrainedModel, torch.fx.GraphModule)):
         raise HierarchyError(
             f"{rule} rewrites a Qwen3-MoE model (Qwen3MoeModel or a head class such as"

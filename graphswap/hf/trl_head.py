@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from graphswap.errors import LossHeadError
+from graphswap.hf.lora import peft_inner
 
 FORWARD_KWARGS = {"fused_lm_head": True}
 """What ``SFTTrainer`` passes the model's forward so that the fused head runs."""
@@ -44,9 +45,11 @@ def install(model: nn.Module) -> None:
 
 def installed(model: nn.Module) -> bool:
     """``model`` runs TRL's fused head: ``SFTTrainer`` installed it (``add_fused_lm_head``
-    binds its forward to the instance)."""
+    binds its forward to the instance; with ``peft_config``, to the model inside the
+    ``PeftModel``)."""
+    inner = peft_inner(model)[1]
     # Its name and module are the model's own forward's (functools.wraps): its code is not.
-    code = getattr(getattr(model.__dict__.get("forward"), "__func__", None), "__code__", None)
+    code = getattr(getattr(inner.__dict__.get("forward"), "__func__", None), "__code__", None)
     return code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename
 
 

@@ -128,9 +128,11 @@ class FitResult:
     parameter_bytes: int
     """One rank's share of the parameters."""
     gradient_bytes: int
-    """One rank's share of the gradients (the parameters' size and dtype)."""
+    """One rank's share of the gradients (the trained parameters' size and dtype: with
+    LoRA, the adapters')."""
     optimizer_state_bytes: int
-    """One rank's share of AdamW's two moments (twice the parameters, in their dtype)."""
+    """One rank's share of AdamW's two moments (twice the trained parameters, in their
+    dtype)."""
     buffer_bytes: int
     """The model's buffers (replicated)."""
     max_host_bytes: int
@@ -144,6 +146,9 @@ class FitResult:
     """The lengths planned: every multiple of the step up to ``max_seq``, or fewer where
     the state and what the embedding and the head save (which no mode swaps or recomputes)
     exceed the memory at the next one: no mode fits there, nor at any longer length."""
+    lora_rank: int | None = None
+    """The rank of the LoRA adapters that train (what the gradients and AdamW state
+    count); ``None``: every parameter trains."""
     max_step_ratio: float | None = None
     """The step ratio each mode's :attr:`ModeFit.seq_len_at_max_step_ratio` keeps within;
     ``None``: not asked."""
@@ -182,6 +187,7 @@ class FitResult:
             "seq_step": self.seq_step,
             "max_seq": self.max_seq,
             "state_shards": self.state_shards,
+            "lora_rank": self.lora_rank,
             "parameter_bytes": self.parameter_bytes,
             "gradient_bytes": self.gradient_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes,
@@ -304,8 +310,9 @@ def _state(
             "its config names no max_position_embeddings, the longest length to search; "
             "plan one seq_len at a time",
         )
-    params = [p for p in first.model.parameters() if p.requires_grad]
-    share = -(-storage_bytes(params) // schedule.state_shards)
+    shards = schedule.state_shards
+    params = list(first.model.parameters())
+    trained = -(-storage_bytes([p for p in params if p.requires_grad]) // shards)
     return FitResult(
         memory_bytes=memory,
         profile=profile,
@@ -313,15 +320,16 @@ def _state(
         seq_step=shape.seq_len,
         max_seq=max(shape.seq_len, window),
         state_shards=schedule.state_shards,
-        parameter_bytes=share,
-        gradient_bytes=share,
-        optimizer_state_bytes=2 * share,
+        parameter_bytes=-(-storage_bytes(params) // shards),
+        gradient_bytes=trained,
+        optimizer_state_bytes=2 * trained,
         buffer_bytes=storage_bytes(list(first.model.buffers())),
         max_host_bytes=profile.host_budget_bytes
         if schedule.max_host_bytes is None
         else schedule.max_host_bytes,
         modes=(),
         traced=(),
+        lora_rank=first.lora_rank,
     )
 
 

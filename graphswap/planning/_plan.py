@@ -63,8 +63,8 @@ _ASSUMPTIONS = (
     "assume uniform routing (no dropped tokens)",
     "device memory: storage bytes of every tensor the step makes (activations, logits and "
     "loss, gradients, reloads in flight, optimizer temporaries) on top of parameters, "
-    "buffers and AdamW state (2 x the parameters, in their dtype); no allocator rounding or "
-    "fragmentation",
+    "buffers and AdamW state (2 x the parameters that train, in their dtype); no allocator "
+    "rounding or fragmentation",
     "saved bytes are storage bytes, deduplicated by storage; parameters and their views "
     "are not activations and are left out",
 )
@@ -240,6 +240,9 @@ class MemoryPlan:
     """``budget``: the swap it pairs them with (``none``, ``auto`` or ``layer``)."""
     budget_options: tuple[Any, ...] = ()
     """``budget``: every option weighed (:class:`~graphswap.planning._budget.BudgetOption`)."""
+    lora_rank: int | None = None
+    """The rank of the LoRA adapters that train (the base weights frozen); ``None``:
+    every parameter trains."""
 
     # 0.1.0's names of the settings, now the trainer config's keys (one spelling per
     # setting), readable until 0.3.
@@ -302,6 +305,7 @@ class MemoryPlan:
             "tp_size": self.tp_size,
             "loss_head": self.loss_head,
             "loss_head_chunk_size": self.loss_head_chunk_size,
+            "lora_rank": self.lora_rank,
             "activation_swap": self.activation_swap,
             "policy": self.policy,
             "profile": dataclasses.asdict(self.profile),
@@ -537,6 +541,7 @@ def plan_step(
         tp_size=saved.tp,
         loss_head=trace.loss_head,
         loss_head_chunk_size=trace.loss_head_chunk_size,
+        lora_rank=trace.lora_rank,
         activation_swap=activation_swap,
         policy="none" if scope is None else trace.policy,
         profile=profile,

@@ -69,6 +69,16 @@ class StepShape:
     the last decoder layer."""
     loss_head_chunk_size: int = DEFAULT_CHUNK_SIZE
     """``chunked``: tokens per chunk of the head."""
+    lora_rank: int | None = None
+    """The rank of the LoRA adapters that train (PEFT's ``r``); ``None``: every parameter
+    trains. With it the base weights are frozen: no gradient, no AdamW state, and no
+    weight gradient computed in backward (:func:`graphswap.hf.lora.inject_lora`)."""
+    lora_target_modules: tuple[str, ...] | None = None
+    """With ``lora_rank``: the linear layers adapted, by name (PEFT's
+    ``target_modules``); ``None``: :data:`~graphswap.hf.lora.LORA_TARGET_MODULES`."""
+    lora_dropout: float | None = None
+    """With ``lora_rank``: the adapters' dropout (PEFT's ``lora_dropout``), which saves a
+    dropped copy of each adapted layer's input; ``None``: 0."""
     kernel: AttentionKernel | None = field(init=False, repr=False, compare=False)
     """The sdpa kernel the step runs (``None``: eager attention), resolved once."""
 
@@ -87,6 +97,7 @@ class StepShape:
                 self.autocast_dtype,
                 "must be bfloat16, float16, or unset (no autocast)",
             )
+        _check_lora(self)
         kernel = resolve_attention_kernel(
             self.attn_implementation,
             device=self.device,
@@ -94,6 +105,39 @@ class StepShape:
             attn_kernel=self.attn_kernel,
         )
         object.__setattr__(self, "kernel", kernel)
+
+
+def _check_lora(shape: StepShape) -> None:
+    """The LoRA settings are a step's: a rank of at least 1, and targets and dropout only
+    with it (else they would change nothing). A list of targets is kept as a tuple, so
+    that the shape stays hashable (the trace cache's key)."""
+    targets, dropout = shape.lora_target_modules, shape.lora_dropout
+    if shape.lora_rank is None:
+        for name, value in (("lora_target_modules", targets), ("lora_dropout", dropout)):
+            if value is not None:
+                raise PlanSettingError(
+                    name, value, "applies to the LoRA step only; set lora_rank or drop it"
+                )
+        return
+    check_int("lora_rank", shape.lora_rank, 1, "the LoRA adapters' rank (PEFT's r)")
+    if targets is not None:
+        if (
+            not isinstance(targets, (list, tuple))
+            or not targets
+            or not all(isinstance(t, str) and t for t in targets)
+        ):
+            raise PlanSettingError(
+                "lora_target_modules",
+                shape.lora_target_modules,
+                "must be a non-empty list of linear layer names (q_proj, v_proj, ...)",
+            )
+        object.__setattr__(shape, "lora_target_modules", tuple(targets))
+    if dropout is not None and (
+        isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1
+    ):
+        raise PlanSettingError(
+            "lora_dropout", dropout, "must be a number in [0, 1): the adapters' dropout"
+        )
 
 
 @dataclass(frozen=True)

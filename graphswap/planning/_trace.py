@@ -164,6 +164,9 @@ class StepTrace:
     (what the runtime's ``stats.recomputed_bytes`` counts); empty: none anywhere."""
     autocast_dtype: torch.dtype | None = None
     """The dtype the step computed in under autocast; ``None``: no autocast."""
+    lora_rank: int | None = None
+    """The rank of the LoRA adapters that trained, the base weights frozen; ``None``:
+    every parameter trained."""
 
     seq = Renamed("seq_len")  # 0.1.0's names, until 0.3
     batch = Renamed("batch_size")
@@ -406,6 +409,7 @@ def trace_step(
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=storage_bytes(state),
         optimizer=optimizer,
+        lora_rank=meta.lora_rank,
         recomputed=meta.recomputed,
         recomputed_bytes=tuple(meta.recompute_counts.get(i, (0, 0))[1] for i in range(len(layers)))
         if meta.recomputed

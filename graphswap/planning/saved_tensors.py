@@ -32,6 +32,7 @@ from graphswap.hf import trl_head
 from graphswap.hf.attention_kernels import AttentionKernel, FusedAttentionMode, PlanSettingError
 from graphswap.hf.checkpoints import build_model, decoder_layers, eager_only
 from graphswap.hf.decoder import attention_child, decoder_classes, head_sharding_problem
+from graphswap.hf.lora import LORA_TARGET_MODULES, inject_lora
 from graphswap.hf.loss_head import LossHead
 from graphswap.planning._autocast import AutocastTrace
 from graphswap.planning._settings import StepShape
@@ -369,6 +370,9 @@ class MetaModel:
     """The head its loss runs (installed on ``model``, but for ``full``)."""
     loss_head_chunk_size: int | None = None
     """``chunked``: tokens per chunk."""
+    lora_rank: int | None = None
+    """The rank of the LoRA adapters installed, every other parameter frozen; ``None``:
+    no adapters."""
 
     recomputed: tuple[tuple[str, ...], ...] = ()
     """Per decoder layer, the submodules recompute-wrapped (paths in the layer); empty:
@@ -522,6 +526,8 @@ def build_meta_model(
                 tp_size,
                 f"shards attention heads, which this model's cannot be: {problem}; use 1",
             )
+    if shape.lora_rank is not None:
+        _install_lora(model, shape.lora_rank, shape)
     _install_loss_head(model, shape)
     ids = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long, device="meta")
     chunk_size = shape.loss_head_chunk_size if shape.loss_head == "chunked" else None
@@ -534,6 +540,7 @@ def build_meta_model(
         ids,
         shape.loss_head,
         chunk_size,
+        shape.lora_rank,
         autocast=None
         if shape.autocast_dtype is None
         else AutocastTrace(shape.device, shape.autocast_dtype),
@@ -552,6 +559,16 @@ def build_meta_model(
                 rerun_to_input_width=reruns_down_projections(recompute, name),
             )
     return meta
+
+
+def _install_lora(model: torch.nn.Module, rank: int, shape: StepShape) -> None:
+    """The step of a LoRA fine-tune: the base weights frozen, adapters of the shape's
+    rank on its target modules, as ``get_peft_model`` puts them."""
+    targets = shape.lora_target_modules or LORA_TARGET_MODULES
+    try:
+        inject_lora(model, rank, targets, shape.lora_dropout or 0.0)
+    except NoMatchError as error:
+        raise PlanSettingError("lora_target_modules", ",".join(targets), str(error)) from None
 
 
 def _count_recompute(

@@ -48,6 +48,14 @@ def memory_size(text: str) -> int:
     return value
 
 
+def module_names(text: str) -> tuple[str, ...]:
+    """``q_proj,v_proj``: module names, for ``--lora-target-modules``."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected names separated by commas, got {text!r}")
+    return names
+
+
 def memory_budget(text: str) -> str:
     """``--activation-memory-budget``: bytes, a size, or a fraction of the profile's
     memory, read as ``activation_memory_budget`` is."""
@@ -200,6 +208,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="TOKENS",
         default=None,
         help="with --loss-head chunked: tokens per chunk (default 1024)",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        metavar="R",
+        default=None,
+        help="plan a LoRA fine-tune (PEFT): adapters of rank R on --lora-target-modules train,"
+        " every other weight is frozen (no gradient, no AdamW state, no weight gradient in "
+        "backward)",
+    )
+    parser.add_argument(
+        "--lora-target-modules",
+        type=module_names,
+        metavar="NAMES",
+        default=None,
+        help="with --lora-rank: the linear layers adapted, comma-separated (default "
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)",
+    )
+    parser.add_argument(
+        "--lora-dropout",
+        type=float,
+        metavar="P",
+        default=None,
+        help="with --lora-rank: the adapters' dropout (default 0)",
     )
     parser.add_argument(
         "--activation-swap",
@@ -554,6 +586,12 @@ def _loss_head(plan: Mapping[str, Any]) -> str:
     return plan["loss_head"] if size is None else f"{plan['loss_head']}:{size}"
 
 
+def _lora(plan: Mapping[str, Any]) -> str:
+    """`` lora_rank=R`` for a LoRA step's plan; nothing for a full fine-tune's."""
+    rank = plan.get("lora_rank")
+    return "" if rank is None else f" lora_rank={rank}"
+
+
 def settings_line(plan: Mapping[str, Any]) -> str:
     profile = plan["profile"]
     margin = (
@@ -569,7 +607,7 @@ def settings_line(plan: Mapping[str, Any]) -> str:
         f"seq_len={plan['seq_len']} batch_size={plan['batch_size']} dtype={plan['dtype']} "
         f"{autocast}device={plan['device']} "
         f"attn_implementation={plan['attn_implementation']}{kernel} "
-        f"tp_size={plan['tp_size']} loss_head={_loss_head(plan)} "
+        f"tp_size={plan['tp_size']} loss_head={_loss_head(plan)}{_lora(plan)} "
         f"activation_swap={plan['activation_swap']} "
         f"policy={plan['policy']} profile={profile['name']} {_link(profile)} "
         f"compute={profile['tflops']:g} TFLOP/s hbm={profile['hbm_gbps']:g} GB/s "
@@ -752,12 +790,15 @@ def format_fit(fit: Mapping[str, Any]) -> str:
     lines = [
         f"fit in {format_bytes(memory)} ({fit['profile']['name']}), "
         f"batch_size {fit['batch_size']}, "
-        f"sequences in steps of {fit['seq_step']} up to {fit['max_seq']}, state_shards {shards}",
+        f"sequences in steps of {fit['seq_step']} up to {fit['max_seq']}, state_shards {shards}"
+        + ("" if fit.get("lora_rank") is None else f", LoRA rank {fit['lora_rank']}"),
         f"per rank before activations: parameters {format_bytes(fit['parameter_bytes'])} + "
         f"gradients {format_bytes(fit['gradient_bytes'])} + AdamW state "
         f"{format_bytes(fit['optimizer_state_bytes'])} + buffers "
         f"{format_bytes(fit['buffer_bytes'])} = {format_bytes(fit['state_bytes'])}",
     ]
+    if fit.get("lora_rank") is not None:
+        lines.append("gradients and AdamW state: the LoRA adapters' only (base weights frozen)")
     if not fit["state_fits"]:
         needed = fit["shards_needed"]
         fix = (

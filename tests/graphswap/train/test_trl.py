@@ -82,11 +82,12 @@ def sft(
     *,
     checkpointing: bool | None = False,
     prepare: Callable[[Any], None] | None = None,
+    peft_config: Any = None,
     **settings: Any,
 ) -> list[float]:
     """The losses of ``STEPS`` SFTTrainer steps; ``checkpointing`` None keeps TRL's
-    default, ``prepare`` is given the trainer before it trains, ``settings`` override
-    other SFTConfig values."""
+    default, ``prepare`` is given the trainer before it trains, ``peft_config`` is
+    SFTTrainer's (a LoRA fine-tune), ``settings`` override other SFTConfig values."""
     if checkpointing is not None:
         settings[CHECKPOINTING] = checkpointing
     args = trl.SFTConfig(
@@ -104,7 +105,11 @@ def sft(
         **settings,
     )
     trainer = trl.SFTTrainer(
-        model=net, args=args, train_dataset=dataset(), processing_class=tokenizer()
+        model=net,
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer(),
+        peft_config=peft_config,
     )
     if prepare is not None:
         prepare(trainer)
@@ -338,3 +343,110 @@ def test_a_model_sft_trainer_holds_is_planned_for_its_head_unasked(
     assert result.auto_swap is not None and result.auto_swap.plan.loss_head == "trl"
     assert "loss_head: trl" in result.auto_swap.made_for
     result.auto_swap.check()
+
+
+LORA_TARGETS = {
+    "tiny-llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "tiny": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+"""Every projection of Llama; Qwen3-MoE's attention (PEFT adapts its fused experts as
+parameters, which the planner does not model)."""
+LORA = {"lora_rank": 8}
+
+
+def lora_config(preset: str) -> Any:
+    """SFTTrainer's ``peft_config``: rank 8 on ``preset``'s :data:`LORA_TARGETS`."""
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=8, target_modules=list(LORA_TARGETS[preset]))
+
+
+@pytest.fixture(scope="module")
+def plain_lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    """Per preset, the fp32 SFTTrainer LoRA run without swap (computed once)."""
+    return {
+        preset: sft(
+            model(preset, "none"),
+            tmp_path_factory.mktemp(f"lora-{preset}"),
+            bf16=False,
+            peft_config=lora_config(preset),
+        )
+        for preset in LORA_TARGETS
+    }
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_sft_trainer_with_peft_config_trains_a_budget_plan_like_the_plain_lora_run(
+    preset: str, plain_lora: dict[str, list[float]], tmp_path: Path
+) -> None:
+    """SFTTrainer wraps the model with PEFT (peft_config); the passes applied to the
+    PeftModel it holds plan its LoRA step unasked, at the smallest budget any plan of
+    that step meets (SFTTrainer's config: Qwen3-MoE's router logits on): the losses of
+    the plain LoRA run, bit for bit, and the bytes the plan says."""
+    from graphswap.hf.lora import lora_settings
+    from graphswap.passes import apply_model_infrastructure
+    from graphswap.planning import PlanSettingError
+
+    applied: list[Any] = []
+
+    def rewrite(trainer: Any) -> None:
+        step = lora_settings(trainer.model)
+        assert step is not None and step["lora_rank"] == 8 and step["lora_dropout"] == 0
+        assert sorted(step["lora_target_modules"]) == sorted(LORA_TARGETS[preset])
+        with pytest.raises(PlanSettingError) as info:
+            _planned(
+                trainer.model.config,
+                activation_swap="budget",
+                activation_memory_budget=1,
+                loss_head="trl",
+                **step,
+            )
+        budget = info.value.smallest.peak_bytes  # type: ignore[attr-defined]
+        settings = TrainerConfig(
+            activation_swap="budget", activation_memory_budget=budget, seq_len=SEQ, batch_size=BATCH
+        )
+        applied.append(apply_model_infrastructure(trainer.model, settings))
+
+    torch.manual_seed(0)
+    losses = sft(
+        build_model(preset_config(preset)),
+        tmp_path,
+        bf16=False,
+        prepare=rewrite,
+        peft_config=lora_config(preset),
+    )
+    assert losses == plain_lora[preset]
+    [result] = applied
+    plan = result.auto_swap.plan
+    assert plan.lora_rank == 8 and plan.loss_head == "trl" and plan.recompute
+    assert "lora_rank: 8" in result.auto_swap.made_for
+    stats = result.report.manager.stats
+    assert stats.recomputed_bytes == STEPS * plan.recomputed_bytes > 0
+    assert stats.offloaded_bytes == STEPS * plan.swapped_bytes
+    result.auto_swap.check()
+
+
+def test_a_lora_plan_counts_the_adapters_state_and_peaks_as_the_clocked_peft_step() -> None:
+    """A plan of the LoRA step holds AdamW state for the adapters alone, and its peak is
+    the clocked run's of a PeftModel under TRL's head (within 3%), below the plan of full
+    fine-tuning."""
+    from graphswap.planning._trace import storage_bytes
+
+    peft = pytest.importorskip("peft")
+    config = preset_config("tiny-llama")
+    targets = LORA_TARGETS["tiny-llama"]
+    full = _planned(config, activation_swap="none", loss_head="trl")
+    lora = _planned(
+        config, activation_swap="none", loss_head="trl", lora_target_modules=targets, **LORA
+    )
+    torch.manual_seed(0)
+    net = build_model(config)
+    trl.trainer.utils.add_fused_lm_head(net, outputs=("log_probs", "entropy", "is_top1"))
+    net = peft.get_peft_model(net, lora_config("tiny-llama"))
+    adapters = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+    ids = torch.randint(2, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    measured = _clocked_peak(net, ids, fused_lm_head=True)
+    assert lora.timeline.peak_bytes == pytest.approx(measured, rel=0.03)
+    assert lora.timeline.peak_bytes < full.timeline.peak_bytes
+    held = storage_bytes([*net.parameters(), *net.buffers()])
+    assert lora.timeline.base_bytes == held + 2 * adapters  # AdamW's moments: the adapters'
+    assert full.timeline.base_bytes > held + 2 * adapters

@@ -690,3 +690,21 @@ def test_the_trainers_checkpointing_plans_whole_layers(capsys: pytest.CaptureFix
     free = _plan(capsys, *argv, layers=2)
     checkpointed = _plan(capsys, *argv, "--activation-checkpointing", layers=2)
     assert (free["recompute"], checkpointed["recompute"]) == ([], ["layer"])
+
+
+def test_a_lora_step_is_planned_with_the_adapters_state(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--lora-rank plans the LoRA step: the AdamW state is the adapters' (a few KiB
+    here), the settings line says so; --lora-target-modules narrows what is adapted."""
+    full = _plan(capsys, "--device", "cpu")
+    lora = _plan(capsys, "--device", "cpu", "--lora-rank", "8")
+    attention = _plan(
+        capsys, "--device", "cpu", "--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"
+    )
+    assert (full["lora_rank"], lora["lora_rank"]) == (None, 8)
+    held = [plan["timeline"]["base_bytes"] for plan in (full, lora, attention)]
+    assert held[0] > held[1] > held[2]
+    args = _args("--preset", "tiny", "--num-layers", "1", "--seq-len", "512", "--lora-rank", "8")
+    assert args.run(args) == 0
+    assert " loss_head=full lora_rank=8 " in capsys.readouterr().out

@@ -206,6 +206,11 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         "--model ",
     ),
     (
+        "plan-memory-lora-dropout-without-rank",
+        lambda p: ["plan-memory", "--preset", "tiny", "--seq-len", "8", "--lora-dropout", "0.1"],
+        "--lora-dropout 0.1: applies to the LoRA step only; set lora_rank or drop it",
+    ),
+    (
         "plan-memory-unknown-profile",
         lambda p: ["plan-memory", "--preset", "tiny", "--seq-len", "8", "--profile", "a100"],
         "--profile a100: unknown device profile 'a100'; presets: h100, h200",
