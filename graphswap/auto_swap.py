@@ -1,4 +1,4 @@
-"""Deprecated: the 0.1.0 path of :mod:`graphswap.planning.auto_swap`, removed in 0.3."""
+"""Deprecated: the 0.1.0 path of :mod:`graphswap.passes.plan_executor`, removed in 0.3."""
 
 from graphswap._deprecated import moved
 

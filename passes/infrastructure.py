@@ -32,8 +32,8 @@ from graphswap.rewriting.transforms import find_transforms
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from graphswap.passes.plan_executor import AutoSwap
     from graphswap.passes.settings import PassSettings
-    from graphswap.planning.auto_swap import AutoSwap
     from graphswap.rewriting.apply import RewriteReport
 
 

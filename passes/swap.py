@@ -15,10 +15,10 @@ from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
 from graphswap.passes.errors import PassPostconditionError, PassSettingError
+from graphswap.passes.plan_executor import AutoSwap, measure_copy_bandwidth
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning._budget import resolve_memory_budget
-from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
     CopyEngine,

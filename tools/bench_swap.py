@@ -335,7 +335,7 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
 
 def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> Any:
     """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
-    from graphswap.planning.auto_swap import AutoSwap
+    from graphswap.passes.plan_executor import AutoSwap
 
     plan = _plan_memory(args, config, seq, device, activation_swap="auto", **_link_model(args))
     return AutoSwap(plan, made_for=_made_for(args, seq))
@@ -362,8 +362,8 @@ def _budget_swap(
     how that budget was set. Where no plan meets the fraction, the plan within the smallest
     peak any plan reaches: the mode still runs its deepest recompute, which is what the
     check is for."""
+    from graphswap.passes.plan_executor import AutoSwap
     from graphswap.planning import PlanSettingError
-    from graphswap.planning.auto_swap import AutoSwap
 
     def plan_within(budget: int) -> Any:
         return _plan_memory(
