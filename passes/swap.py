@@ -19,6 +19,8 @@ from graphswap.passes.plan_executor import AutoSwap, measure_copy_bandwidth
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning._budget import resolve_memory_budget
+from graphswap.planning._registry import STRATEGIES, memory_strategy
+from graphswap.planning.saved_tensors import ATTENTION_SCOPE
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
     CopyEngine,
@@ -47,10 +49,6 @@ _PLANNED_KEYS = (
 )
 """The config's keys the planner takes as they are: the planner spells them alike."""
 
-PLANNED_MODES = ("auto", "budget")
-"""The modes carried out from a plan of the model's shape (:func:`plan_auto_swap`)."""
-
-
 def apply_swap(
     model: nn.Module,
     *,
@@ -68,7 +66,7 @@ def apply_swap(
         raise PassSettingError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
         )
-    if (activation_swap in PLANNED_MODES) != (auto is not None):
+    if STRATEGIES[activation_swap].executes_plan != (auto is not None):
         raise PassSettingError(
             "apply_swap: a plan (auto=) goes with activation_swap: auto or budget, and only"
             " there; make one with plan_auto_swap, or drop auto= for the other modes"
@@ -108,7 +106,7 @@ def verify_swap(
     attention = decoder_classes(model, rule=SWAP_RULES["attention"]).attention
     for index, layer in enumerate(layers):
         name, module = f"{fqn}.{index}", layer
-        if activation_swap == "attention":
+        if STRATEGIES[activation_swap].scope == ATTENTION_SCOPE:
             # The attention child, wrapped or not, whatever the family names it.
             child = next(
                 (
@@ -169,7 +167,7 @@ def plan_auto_swap(
             measured = measure_copy_bandwidth(device)
             bandwidth = measured.gbps
         budget = None
-        if config.activation_swap == "budget":
+        if memory_strategy(config.activation_swap).takes_budget:
             budget = resolve_memory_budget(
                 config.activation_memory_budget,
                 _device_memory(device, profile),

@@ -1,28 +1,14 @@
-"""``plan_memory``: the planner's entry, a step traced and planned in one swap mode.
-
-Apart from :mod:`graphswap.planning._plan` (one step's plan, ``plan_step``) and
-:mod:`graphswap.planning._budget` (the ``budget`` choice, which plans each option with
-``plan_step``), so that both are below it and neither imports the other back.
-"""
+"""``plan_memory``: the planner's entry, a step traced and planned by one memory
+strategy (:mod:`graphswap.planning._registry` finds it by the config's name)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from graphswap.hf.attention_kernels import PlanSettingError
-from graphswap.planning._budget import BudgetError, plan_budget
-from graphswap.planning._plan import (
-    DEFAULT_PROFILE,
-    MemoryPlan,
-    SwapMode,
-    check_mode,
-    plan_step,
-    resolve_profile,
-)
-from graphswap.planning._settings import StepShape, SwapSchedule, check_int, split_settings
+from graphswap.planning._plan import DEFAULT_PROFILE, MemoryPlan, SwapMode, resolve_profile
+from graphswap.planning._registry import memory_strategy
+from graphswap.planning._settings import StepShape, split_settings
 from graphswap.planning._trace import StepTrace
 from graphswap.planning._trace_cache import trace_once
 from graphswap.planning._units import RecomputeKind
@@ -64,12 +50,12 @@ def plan_memory(
     and backward after ``zero_grad``; no optimizer state on the device).
     ``activation_memory_budget``: with ``budget``, the device peak (bytes) to plan
     within; with the chunked head, ``loss_head_chunk_size`` is the largest chunk the
-    plan may take (:func:`_budget_with_head`). A bad setting raises
+    plan may take (:meth:`~graphswap.planning._budget.BudgetStrategy.plan`). A bad setting raises
     :class:`PlanSettingError` (naming the config's key) or :class:`ProfileError` before
     any model is built.
     """
-    check_mode(activation_swap)
-    check_budget(activation_swap, activation_memory_budget)
+    strategy = memory_strategy(activation_swap)
+    strategy.check_budget(activation_memory_budget)
     shape_settings, schedule, figures = split_settings("plan_memory", settings)
     resolved = resolve_profile(profile, **figures)
     if "seq_len" not in shape_settings:
@@ -79,70 +65,7 @@ def plan_memory(
 
     def trace(at: StepShape, recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
         # Built every time (milliseconds), so that its checks run; the trace is made once.
-        meta = build_meta_model(config, at, activation_swap=activation_swap, recompute=recompute)
+        meta = build_meta_model(config, at, activation_swap=strategy.name, recompute=recompute)
         return trace_once(meta, at, recompute, resolved, chosen_policy, optimizer=optimizer)
 
-    if activation_swap == "budget":
-        assert activation_memory_budget is not None
-        return _budget_with_head(config, shape, trace, activation_memory_budget, schedule)
-    return plan_step(config, trace(shape), activation_swap=activation_swap, schedule=schedule)
-
-
-CHUNK_SIZES_WEIGHED = 4
-"""``budget`` with the chunked head weighs the configured chunk size and up to three
-halvings of it, none below :data:`SMALLEST_CHUNK`."""
-SMALLEST_CHUNK = 128
-"""Tokens: below this a chunk's projection no longer runs a GPU at its matrix rate."""
-
-
-def _budget_with_head(
-    config: PretrainedConfig,
-    shape: StepShape,
-    trace: Callable[[StepShape, tuple[RecomputeKind, ...]], StepTrace],
-    budget: int,
-    schedule: SwapSchedule,
-) -> MemoryPlan:
-    """The budget's plan, the loss head one of its decisions: with the chunked head, each
-    chunk size weighed (largest first) is planned at every recompute level, and the
-    fastest plan within ``budget`` kept. A smaller chunk lowers the head's peak, which can
-    let a cheaper level meet the budget; it costs no FLOPs. Weighing stops at a plan that
-    recomputes nothing (none is faster), and the smallest chunk's refusal is raised when
-    no size fits, since it names the smallest peak."""
-    sizes = [shape.loss_head_chunk_size]
-    if shape.loss_head == "chunked":
-        while len(sizes) < CHUNK_SIZES_WEIGHED and sizes[-1] // 2 >= SMALLEST_CHUNK:
-            sizes.append(sizes[-1] // 2)
-    best: MemoryPlan | None = None
-    for size in sizes:
-        at = dataclasses.replace(shape, loss_head_chunk_size=size)
-        try:
-            plan = plan_budget(
-                config, functools.partial(trace, at), budget=budget, schedule=schedule
-            )
-        except BudgetError:
-            if best is None and size == sizes[-1]:
-                raise  # the smallest chunk's refusal: it names the smallest peak
-            continue
-        if best is None or plan.timeline.step_seconds < best.timeline.step_seconds:
-            best = plan
-        if not plan.recompute:
-            break
-    assert best is not None, "the last size either planned or raised"
-    return best
-
-
-def check_budget(activation_swap: str, activation_memory_budget: int | None) -> None:
-    """``budget`` needs a budget in bytes > 0; the other modes take none."""
-    if activation_swap == "budget":
-        check_int(
-            "activation_memory_budget",
-            activation_memory_budget,
-            1,
-            "the device peak in bytes that activation_swap: budget plans within",
-        )
-    elif activation_memory_budget is not None:
-        raise PlanSettingError(
-            "activation_memory_budget",
-            activation_memory_budget,
-            f"is planned within by activation_swap: budget only, not {activation_swap}",
-        )
+    return strategy.plan(config, shape, trace, schedule, activation_memory_budget)
