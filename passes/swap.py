@@ -20,6 +20,7 @@ from graphswap.passes.specs import SWAP_RULES
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning._budget import resolve_memory_budget
 from graphswap.planning._registry import STRATEGIES, memory_strategy
+from graphswap.planning._settings import step_settings
 from graphswap.planning.saved_tensors import ATTENTION_SCOPE
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
@@ -48,6 +49,7 @@ _PLANNED_KEYS = (
     "loss_head_chunk_size",
 )
 """The config's keys the planner takes as they are: the planner spells them alike."""
+
 
 def apply_swap(
     model: nn.Module,
@@ -177,18 +179,26 @@ def plan_auto_swap(
         if trl_head.installed(model):
             # SFTTrainer's own head, which the model already runs: plan the step it runs.
             planned["loss_head"] = "trl"
+        shape, schedule, figures = step_settings(
+            "plan_memory",
+            {
+                **planned,
+                "dtype": param.dtype,
+                "attn_implementation": attn,
+                "device": "cuda" if device.type == "cuda" else "cpu",
+                "max_host_bytes": host_budget(),
+                "state_shards": state_shards,
+            },
+        )
         plan = plan_memory(
             hf_config,
-            **planned,
+            shape,
+            schedule=schedule,
             swap_bandwidth_gbps=bandwidth,
-            dtype=param.dtype,
-            attn_implementation=attn,
-            device="cuda" if device.type == "cuda" else "cpu",
             activation_swap=config.activation_swap,
             activation_memory_budget=budget,
-            max_host_bytes=host_budget(),
             profile=profile,
-            state_shards=state_shards,
+            **figures,
         )
     except PlanSettingError as error:
         # The planner names a setting by its config key: the message starts with it.

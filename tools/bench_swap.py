@@ -175,16 +175,18 @@ def _plan_memory(
     flash on CPU); ``swap``: the swap mode, its link model and other settings, when not
     attention."""
     from graphswap.planning import plan_memory
+    from graphswap.planning.trace import StepShape, SwapSchedule
 
-    return plan_memory(
-        config,
+    shape = StepShape(
         seq_len=seq,
         batch_size=args.batch,
         dtype=getattr(torch, args.dtype),
         attn_implementation=args.attn,
         device="cuda" if device.type == "cuda" else "cpu",
-        **swap,
     )
+    margin = swap.pop("swap_hide_margin", None)
+    schedule = SwapSchedule() if margin is None else SwapSchedule(swap_hide_margin=margin)
+    return plan_memory(config, shape, schedule=schedule, **swap)
 
 
 def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> dict[str, int]:
