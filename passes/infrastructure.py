@@ -24,16 +24,17 @@ from graphswap.passes.loss_head import apply_loss_head, resize_loss_head
 from graphswap.passes.mesh import Meshes, resolve_meshes
 from graphswap.passes.pass_plan import PassPlan, pass_plan_of
 from graphswap.passes.specs import pass_specs
-from graphswap.passes.swap import PLANNED_MODES, apply_swap, plan_auto_swap, swap_engine
+from graphswap.passes.swap import apply_swap, plan_auto_swap, swap_engine
 from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
+from graphswap.planning._registry import memory_strategy
 from graphswap.rewriting.loss_head import loss_head_chunk_size
 from graphswap.rewriting.transforms import find_transforms
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from graphswap.passes.plan_executor import AutoSwap
     from graphswap.passes.settings import PassSettings
-    from graphswap.planning.auto_swap import AutoSwap
     from graphswap.rewriting.apply import RewriteReport
 
 
@@ -69,7 +70,7 @@ class _Run:
 
 def _swap(run: _Run) -> None:
     config = run.config
-    if config.activation_swap in PLANNED_MODES:
+    if memory_strategy(config.activation_swap).executes_plan:
         shards = run.meshes.dp_shard
         run.auto_swap = plan_auto_swap(
             run.model, config, state_shards=1 if shards is None else shards.size()

@@ -25,7 +25,7 @@ Face decoder family, by the classes the model declares."""
 
 SWAP_RULES: Mapping[str, str] = SWAP_MODE_RULES
 """The registered rule behind each ``activation_swap`` mode (``auto`` runs the layer
-rule with a planned policy per layer, see ``graphswap.planning.auto_swap``)."""
+rule with a planned policy per layer, see ``graphswap.passes.plan_executor``)."""
 
 CANONICAL_ORDER: tuple[str, ...] = (
     "pipeline_parallel",

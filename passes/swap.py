@@ -17,10 +17,13 @@ from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
 from graphswap.hf.lora import lora_settings
 from graphswap.passes.errors import PassPostconditionError, PassSettingError
+from graphswap.passes.plan_executor import AutoSwap, measure_copy_bandwidth
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning._budget import resolve_memory_budget
-from graphswap.planning.auto_swap import AutoSwap, measure_copy_bandwidth
+from graphswap.planning._registry import STRATEGIES, memory_strategy
+from graphswap.planning._settings import step_settings
+from graphswap.planning.saved_tensors import ATTENTION_SCOPE
 from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
     CopyEngine,
@@ -49,9 +52,6 @@ _PLANNED_KEYS = (
 )
 """The config's keys the planner takes as they are: the planner spells them alike."""
 
-PLANNED_MODES = ("auto", "budget")
-"""The modes carried out from a plan of the model's shape (:func:`plan_auto_swap`)."""
-
 
 def apply_swap(
     model: nn.Module,
@@ -70,7 +70,7 @@ def apply_swap(
         raise PassSettingError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
         )
-    if (activation_swap in PLANNED_MODES) != (auto is not None):
+    if STRATEGIES[activation_swap].executes_plan != (auto is not None):
         raise PassSettingError(
             "apply_swap: a plan (auto=) goes with activation_swap: auto or budget, and only"
             " there; make one with plan_auto_swap, or drop auto= for the other modes"
@@ -110,7 +110,7 @@ def verify_swap(
     attention = decoder_classes(model, rule=SWAP_RULES["attention"]).attention
     for index, layer in enumerate(layers):
         name, module = f"{fqn}.{index}", layer
-        if activation_swap == "attention":
+        if STRATEGIES[activation_swap].scope == ATTENTION_SCOPE:
             # The attention child, wrapped or not, whatever the family names it.
             child = next(
                 (
@@ -180,7 +180,7 @@ def plan_auto_swap(
             measured = measure_copy_bandwidth(device)
             bandwidth = measured.gbps
         budget = None
-        if config.activation_swap == "budget":
+        if memory_strategy(config.activation_swap).takes_budget:
             budget = resolve_memory_budget(
                 config.activation_memory_budget,
                 _device_memory(device, profile),
@@ -192,20 +192,28 @@ def plan_auto_swap(
             planned["loss_head"] = "trl"
         # A PeftModel trains its adapters alone: plan that step.
         planned.update(lora_settings(model) or {})
+        shape, schedule, figures = step_settings(
+            "plan_memory",
+            {
+                **planned,
+                "dtype": param.dtype,
+                "autocast_dtype": autocast_dtype,
+                "attn_implementation": attn,
+                "device": "cuda" if device.type == "cuda" else "cpu",
+                "max_host_bytes": host_budget(),
+                "state_shards": state_shards,
+            },
+        )
         plan = plan_memory(
             hf_config,
-            **planned,
+            shape,
+            schedule=schedule,
             swap_bandwidth_gbps=bandwidth,
-            dtype=param.dtype,
-            autocast_dtype=autocast_dtype,
-            attn_implementation=attn,
-            device="cuda" if device.type == "cuda" else "cpu",
             activation_swap=config.activation_swap,
             activation_memory_budget=budget,
-            max_host_bytes=host_budget(),
             profile=profile,
-            state_shards=state_shards,
             activation_checkpointing=activation_checkpointing,
+            **figures,
         )
     except PlanSettingError as error:
         # The planner names a setting by its config key: the message starts with it.

@@ -175,16 +175,18 @@ def _plan_memory(
     flash on CPU); ``swap``: the swap mode, its link model and other settings, when not
     attention."""
     from graphswap.planning import plan_memory
+    from graphswap.planning.trace import StepShape, SwapSchedule
 
-    return plan_memory(
-        config,
+    shape = StepShape(
         seq_len=seq,
         batch_size=args.batch,
         dtype=getattr(torch, args.dtype),
         attn_implementation=args.attn,
         device="cuda" if device.type == "cuda" else "cpu",
-        **swap,
     )
+    margin = swap.pop("swap_hide_margin", None)
+    schedule = SwapSchedule() if margin is None else SwapSchedule(swap_hide_margin=margin)
+    return plan_memory(config, shape, schedule=schedule, **swap)
 
 
 def _plan(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> dict[str, int]:
@@ -335,7 +337,7 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
 
 def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> Any:
     """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
-    from graphswap.planning.auto_swap import AutoSwap
+    from graphswap.passes.plan_executor import AutoSwap
 
     plan = _plan_memory(args, config, seq, device, activation_swap="auto", **_link_model(args))
     return AutoSwap(plan, made_for=_made_for(args, seq))
@@ -362,8 +364,8 @@ def _budget_swap(
     how that budget was set. Where no plan meets the fraction, the plan within the smallest
     peak any plan reaches: the mode still runs its deepest recompute, which is what the
     check is for."""
+    from graphswap.passes.plan_executor import AutoSwap
     from graphswap.planning import PlanSettingError
-    from graphswap.planning.auto_swap import AutoSwap
 
     def plan_within(budget: int) -> Any:
         return _plan_memory(

@@ -32,7 +32,7 @@ from typing import Any
 from graphswap.hf.presets import preset_config
 from graphswap.planning import PlanSettingError, fit_sequence, plan_memory
 from graphswap.planning.saved_tensors import build_meta_model
-from graphswap.planning.trace import StepShape, SwapChoice, replay, trace_step
+from graphswap.planning.trace import StepShape, SwapChoice, SwapSchedule, replay, trace_step
 from graphswap.runtime.profile import device_profile
 
 MODELS = ("qwen3-30b-a3b", "llama-3.1-8b")
@@ -131,11 +131,10 @@ def _head_rows(name: str) -> list[dict[str, Any]]:
         def plan(mode: str, head: str = head) -> Any:
             return plan_memory(
                 preset_config(name),
-                seq_len=AT,
-                state_shards=SHARDS,
+                StepShape(seq_len=AT, loss_head=head),
+                schedule=SwapSchedule(state_shards=SHARDS),
                 activation_swap=mode,
                 activation_memory_budget=budget if mode == "budget" else None,
-                loss_head=head,
             )
 
         row: dict[str, Any] = {

@@ -27,6 +27,7 @@ import torch
 from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.presets import preset_config
 from graphswap.planning import plan_memory
+from graphswap.planning.trace import StepShape
 from graphswap.rewriting.loss_head import chunk_loss_head
 from graphswap.runtime.profile import device_profile
 from graphswap.runtime.sim import SimulatedAccelerator
@@ -73,18 +74,16 @@ def measure(config: Any, head: str, seq: int, batch: int, chunk: int) -> StepTim
 
 
 def predict(config: Any, head: str, seq: int, batch: int, chunk: int) -> StepTimeline:
-    plan = plan_memory(
-        config,
+    shape = StepShape(
         seq_len=seq,
         batch_size=batch,
         dtype=torch.float32,
         attn_implementation="sdpa",
         device="cpu",
-        activation_swap="none",
-        profile="h200",
         loss_head=head,
         loss_head_chunk_size=chunk,
     )
+    plan = plan_memory(config, shape, activation_swap="none", profile="h200")
     return plan.timeline
 
 

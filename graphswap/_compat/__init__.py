@@ -6,7 +6,8 @@ this name: the finder that serves 0.1.0's module paths (:func:`install`, called 
 ``graphswap/__init__``), the ``__getattr__`` of the packages whose names moved
 (:func:`module_getattr`), renamed class attributes (:class:`Renamed`, and
 :func:`renamed_override` for a method a subclass implements), renamed keywords
-(:func:`renamed_keywords`, :func:`renamed_kwargs`), the command line's old flags and
+(:func:`renamed_keywords`, :func:`renamed_kwargs`), ``plan_memory``'s flat keywords
+(:func:`flat_settings`), the command line's old flags and
 command (:func:`add_old_flags`, :func:`add_old_commands`) and the loaders of 0.1.0's
 pickles (:func:`manager_state`, :func:`rules_of_today`). The table of what moved where
 is :mod:`._table`. Nothing here imports the rest of graphswap (targets are dotted
@@ -24,6 +25,7 @@ from graphswap._compat._attrs import (
 )
 from graphswap._compat._cli import add_old_commands, add_old_flags
 from graphswap._compat._finder import install
+from graphswap._compat._flat_settings import flat_settings
 from graphswap._compat._pickles import manager_state, rules_of_today
 from graphswap._compat._warn import REMOVED_IN, resolve, warn
 
@@ -33,6 +35,7 @@ __all__ = [
     "Renamed",
     "add_old_commands",
     "add_old_flags",
+    "flat_settings",
     "install",
     "manager_state",
     "module_getattr",

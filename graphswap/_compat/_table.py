@@ -9,7 +9,7 @@ from __future__ import annotations
 
 MODULES: dict[str, tuple[str, ...]] = {
     "graphswap.attention_kernels": ("graphswap.hf.attention_kernels",),
-    "graphswap.auto_swap": ("graphswap.planning.auto_swap",),
+    "graphswap.auto_swap": ("graphswap.passes.plan_executor",),
     "graphswap.cli": ("graphswap.train.cli",),
     "graphswap.config": ("graphswap.train.config",),
     "graphswap.decoder": ("graphswap.hf.decoder",),
@@ -19,6 +19,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "graphswap.planner": ("graphswap.planning",),
     "graphswap.policy": ("graphswap.runtime.policy",),
     "graphswap.preflight": ("graphswap.train.preflight",),
+    "graphswap.planning.auto_swap": ("graphswap.passes.plan_executor",),
     "graphswap.presets": ("graphswap.hf.presets",),
     "graphswap.rewrite": ("graphswap.rewriting.apply",),
     "graphswap.rules": ("graphswap.rewriting.rules",),

@@ -14,14 +14,16 @@ real runtime reports.
 
 ``auto`` swaps, per layer, the tensors whose copies still hide in both windows
 (:mod:`graphswap.planning._auto`); the plan is data (per layer, which saves by their
-index in the layer's forward), which :mod:`graphswap.planning.auto_swap` carries out at run
-time. :func:`fit_sequence` finds the longest sequence each mode fits in a device's
-memory (:mod:`graphswap.planning._fit`).
+index in the layer's forward), which the swap pass's executor
+(:mod:`graphswap.passes.plan_executor`) carries out at run time. :func:`fit_sequence`
+finds the longest sequence each mode fits in a device's memory
+(:mod:`graphswap.planning._fit`).
 
 ``__all__`` is what a user of the planner calls, what it returns and what it raises;
 the steps behind a plan (a trace replayed per choice) are :mod:`graphswap.planning.trace`.
 """
 
+from graphswap._compat import module_getattr
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.planning._fit import FitResult, ModeFit, fit_sequence
 from graphswap.planning._memory import plan_memory
@@ -40,3 +42,5 @@ __all__ = [
     "fit_sequence",
     "plan_memory",
 ]
+
+__getattr__ = module_getattr(__name__)  # auto_swap, moved to the swap pass, until 0.3

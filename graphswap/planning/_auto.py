@@ -159,8 +159,46 @@ def plan_auto(
     d2h_rate = (1 - hide_margin) * trace.profile.d2h_gbps * 1e9
     h2d_rate = (1 - hide_margin) * trace.profile.h2d_gbps * 1e9
 
-    forward: list[list[_Timed]] = []
     offload_ends: dict[int, float] = {}
+    forward = _offloads_that_hide(timed, times, d2h_rate, host_budget, offload_ends)
+    backward = _reloads_that_hide(forward, times, h2d_rate, offload_ends)
+
+    chosen_sets = [sorted(items, key=lambda i: i.first) for items in backward] + [[]]
+    dropped = 0
+    while True:
+        plan = [[i.candidate for i in items] for items in chosen_sets]
+        replayed = replay(
+            trace,
+            swap_choice(trace, plan),
+            offload_lag=offload_lag,
+            prefetch_depth=prefetch_depth,
+            state_shards=state_shards,
+            host_budget=host_budget,
+        )
+        stalled = [
+            g
+            for g, group in enumerate(replayed.groups)
+            if (group.forward_stall or group.backward_stall) and chosen_sets[g]
+        ]
+        if not stalled:
+            return AutoPlan(tuple(tuple(cs) for cs in plan), replayed, times, dropped)
+        for g in stalled:
+            smallest = min(chosen_sets[g], key=lambda i: (i.candidate.nbytes, -i.first))
+            chosen_sets[g].remove(smallest)
+            dropped += 1
+
+
+def _offloads_that_hide(
+    timed: Sequence[Sequence[_Timed]],
+    times: StepTimes,
+    d2h_rate: float,
+    host_budget: int | None,
+    offload_ends: dict[int, float],
+) -> list[list[_Timed]]:
+    """Forward, layer by layer, largest first: per layer the candidates whose offloads
+    still meet its fence on the queue left by the layers before, within the host
+    budget; ``offload_ends`` receives each chosen offload's end."""
+    forward: list[list[_Timed]] = []
     queue = 0.0
     host = 0
     for g, pool in enumerate(timed):
@@ -187,10 +225,20 @@ def plan_auto(
         assert free is not None
         queue = free
         host += sum(t.host for t in chosen)
+    return forward
 
-    backward: list[list[_Timed]] = [[] for _ in timed]
+
+def _reloads_that_hide(
+    forward: Sequence[Sequence[_Timed]],
+    times: StepTimes,
+    h2d_rate: float,
+    offload_ends: dict[int, float],
+) -> list[list[_Timed]]:
+    """Backward, layer by layer from the last: of each layer's ``forward`` choice, the
+    largest whose reloads, first needed first back, still meet their unpacks."""
+    backward: list[list[_Timed]] = [[] for _ in forward]
     queue = 0.0
-    for g in range(len(timed) - 1, -1, -1):
+    for g in range(len(forward) - 1, -1, -1):
         trigger = times.groups[g].trigger_seconds
         if trigger is None:
             continue
@@ -212,27 +260,4 @@ def plan_auto(
         free = reloads(backward[g])
         assert free is not None
         queue = free
-
-    chosen_sets = [sorted(items, key=lambda i: i.first) for items in backward] + [[]]
-    dropped = 0
-    while True:
-        plan = [[i.candidate for i in items] for items in chosen_sets]
-        replayed = replay(
-            trace,
-            swap_choice(trace, plan),
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
-            host_budget=host_budget,
-        )
-        stalled = [
-            g
-            for g, group in enumerate(replayed.groups)
-            if (group.forward_stall or group.backward_stall) and chosen_sets[g]
-        ]
-        if not stalled:
-            return AutoPlan(tuple(tuple(cs) for cs in plan), replayed, times, dropped)
-        for g in stalled:
-            smallest = min(chosen_sets[g], key=lambda i: (i.candidate.nbytes, -i.first))
-            chosen_sets[g].remove(smallest)
-            dropped += 1
+    return backward

@@ -19,6 +19,7 @@ asked for, and decides only how much of the layers' inputs to swap.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -26,11 +27,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from graphswap.hf.attention_kernels import PlanSettingError
-from graphswap.planning._plan import LayerPlan, MemoryPlan, plan_step
+from graphswap.planning._plan import LayerPlan, MemoryPlan
 from graphswap.planning._replay import Replay, replay_without_swap
-from graphswap.planning._settings import SwapSchedule
+from graphswap.planning._settings import DEFAULT_SCHEDULE, StepShape, SwapSchedule, check_int
+from graphswap.planning._strategy import (
+    STEP_STRATEGIES,
+    MemoryStrategy,
+    Traces,
+    from_name_refusal,
+)
 from graphswap.planning._trace import Event, StepTrace
 from graphswap.planning._units import RECOMPUTE_LEVELS, RecomputeKind
+from graphswap.planning.saved_tensors import LAYER_SCOPE
 from graphswap.runtime.timeline import backward_label
 
 if TYPE_CHECKING:
@@ -214,8 +222,8 @@ def plan_budget(
     options: list[BudgetOption] = []
     best: tuple[float, MemoryPlan, StepTrace, BudgetOption] | None = None
     if () in levels and baseline.timeline.peak_bytes <= budget:
-        keep = (known or {}).get(((), "none")) or plan_step(
-            config, plain, activation_swap="none", schedule=schedule, baseline=baseline
+        keep = (known or {}).get(((), "none")) or STEP_STRATEGIES["none"].plan_step(
+            config, plain, schedule, baseline
         )
         option = BudgetOption((), "none", keep.timeline.peak_bytes, keep.step_ratio)
         options.append(option)
@@ -230,12 +238,8 @@ def plan_budget(
                 # Every option is timed against the plain step (the chosen plan's
                 # baseline is replaced by it below): a recomputed level's own step
                 # without swap would be replayed for nothing.
-                plan = (known or {}).get((kinds, swap)) or plan_step(
-                    config,
-                    trace,
-                    activation_swap=swap,  # type: ignore[arg-type]
-                    schedule=schedule,
-                    baseline=baseline,
+                plan = (known or {}).get((kinds, swap)) or STEP_STRATEGIES[swap].plan_step(
+                    config, trace, schedule, baseline
                 )
                 seconds = plan.timeline.step_seconds
                 option = BudgetOption(kinds, swap, plan.timeline.peak_bytes, seconds / base_seconds)
@@ -300,3 +304,122 @@ def _budget_assumptions(
         " peak is within the budget is kept"
         f" (here: recompute {' and '.join(option.recompute) or 'nothing'}, swap {option.swap})",
     )
+
+
+CHUNK_SIZES_WEIGHED = 4
+"""``budget`` with the chunked head weighs the configured chunk size and up to three
+halvings of it, none below :data:`SMALLEST_CHUNK`."""
+SMALLEST_CHUNK = 128
+"""Tokens: below this a chunk's projection no longer runs a GPU at its matrix rate."""
+
+
+class BudgetStrategy(MemoryStrategy):
+    """``budget``: per layer what to keep, swap and recompute, and the loss head's chunk,
+    within ``activation_memory_budget`` at the least predicted step time
+    (:func:`plan_budget`)."""
+
+    name = "budget"
+    scope = LAYER_SCOPE
+    names_saves = True
+    executes_plan = True
+    takes_budget = True
+    recomputes = True
+    weighs_others = True
+
+    def __init__(self, levels: Sequence[tuple[RecomputeKind, ...]] = RECOMPUTE_LEVELS) -> None:
+        self.levels = tuple(levels)
+        """The recompute levels weighed, cheapest first (:data:`CHECKPOINTED_LEVELS`
+        where the trainer checkpoints every layer)."""
+
+    def __repr__(self) -> str:
+        if self.levels == RECOMPUTE_LEVELS:
+            return "BudgetStrategy()"
+        return f"BudgetStrategy(levels={self.levels!r})"
+
+    def checkpointed(self) -> BudgetStrategy:
+        """The trainer checkpoints every layer: weigh the whole-layer level alone
+        (:data:`CHECKPOINTED_LEVELS`); graphswap owns that recompute and decides only how
+        much of the layers' inputs to swap."""
+        return BudgetStrategy(CHECKPOINTED_LEVELS)
+
+    def check_budget(self, budget: int | None) -> None:
+        """``budget`` needs a budget in bytes > 0."""
+        check_int(
+            "activation_memory_budget",
+            budget,
+            1,
+            "the device peak in bytes that activation_swap: budget plans within",
+        )
+
+    def plan(
+        self,
+        config: PretrainedConfig,
+        shape: StepShape,
+        traces: Traces,
+        schedule: SwapSchedule,
+        budget: int | None,
+    ) -> MemoryPlan:
+        """The budget's plan, the loss head one of its decisions: with the chunked head,
+        each chunk size weighed (largest first) is planned at every recompute level, and
+        the fastest plan within ``budget`` kept. A smaller chunk lowers the head's peak,
+        which can let a cheaper level meet the budget; it costs no FLOPs. Weighing stops
+        at a plan that recomputes nothing (none is faster), and the smallest chunk's
+        refusal is raised when no size fits, since it names the smallest peak."""
+        assert budget is not None, "check_budget refused a missing budget"
+        sizes = [shape.loss_head_chunk_size]
+        if shape.loss_head == "chunked":
+            while len(sizes) < CHUNK_SIZES_WEIGHED and sizes[-1] // 2 >= SMALLEST_CHUNK:
+                sizes.append(sizes[-1] // 2)
+        best: MemoryPlan | None = None
+        for size in sizes:
+            at = dataclasses.replace(shape, loss_head_chunk_size=size)
+            try:
+                plan = plan_budget(
+                    config,
+                    functools.partial(traces, at),
+                    budget=budget,
+                    schedule=schedule,
+                    levels=self.levels,
+                )
+            except BudgetError:
+                if best is None and size == sizes[-1]:
+                    raise  # the smallest chunk's refusal: it names the smallest peak
+                continue
+            if best is None or plan.timeline.step_seconds < best.timeline.step_seconds:
+                best = plan
+            if not plan.recompute:
+                break
+        assert best is not None, "the last size either planned or raised"
+        return best
+
+    def fit_plan(
+        self,
+        config: PretrainedConfig,
+        trace: StepTrace,
+        levels: Callable[[tuple[RecomputeKind, ...]], StepTrace],
+        schedule: SwapSchedule,
+        baseline: Replay,
+        memory: int,
+        made: Mapping[tuple[tuple[RecomputeKind, ...], str], MemoryPlan],
+    ) -> MemoryPlan:
+        """The fit's budget is its memory: the fastest plan within it, the others' plans
+        reused (raises :class:`BudgetError` when none fits)."""
+        return plan_budget(
+            config,
+            levels,
+            budget=memory,
+            schedule=schedule,
+            baseline=baseline,
+            known=made,
+            levels=self.levels,
+        )
+
+    def plan_step(
+        self,
+        config: PretrainedConfig,
+        trace: StepTrace,
+        schedule: SwapSchedule = DEFAULT_SCHEDULE,
+        baseline: Replay | None = None,
+    ) -> MemoryPlan:
+        """Refused: a budget's plan weighs a trace per recompute level, not one."""
+        from_name_refusal(self.name)

@@ -29,17 +29,16 @@ from graphswap._compat import Renamed
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.rope import context_window
-from graphswap.planning._budget import BudgetError, BudgetOption, plan_budget
+from graphswap.planning._budget import BudgetError, BudgetOption
 from graphswap.planning._lengths import TraceLengths
 from graphswap.planning._plan import (
     DEFAULT_PROFILE,
     SWAP_MODES,
     MemoryPlan,
     SwapMode,
-    check_mode,
-    plan_step,
     resolve_profile,
 )
+from graphswap.planning._registry import STRATEGIES, memory_strategy
 from graphswap.planning._replay import replay_without_swap, state_bytes
 from graphswap.planning._settings import StepShape, SwapSchedule, check_int, split_settings
 from graphswap.planning._trace import BlockKind, StepTrace, storage_bytes
@@ -237,7 +236,7 @@ def fit_sequence(
     and :attr:`FitResult.modes` is empty (see :attr:`FitResult.shards_needed`).
     """
     for mode in modes:
-        check_mode(mode)
+        memory_strategy(mode)
     _check_max_step_ratio(max_step_ratio)
     shape_settings, schedule, figures = split_settings("fit_sequence", settings)
     resolved = resolve_profile(profile, **figures)
@@ -395,29 +394,18 @@ def _plan_length(
     if _floor_bytes(trace, schedule.state_shards) > memory:
         return False
     baseline = replay_without_swap(trace, schedule)
-    made = {}
-    for mode, scan in scans.items():
-        if mode == "budget":
+    made: dict[tuple[tuple[RecomputeKind, ...], str], MemoryPlan] = {}
+    # Those that weigh others' plans last, to reuse them (stable: the modes' order else).
+    for mode in sorted(scans, key=lambda m: STRATEGIES[m].weighs_others):
+        try:
+            plan = STRATEGIES[mode].fit_plan(
+                config, trace, lambda kinds: grid(kinds)(seq), schedule, baseline, memory, made
+            )
+        except BudgetError as error:
+            scans[mode].miss(seq, error.smallest)
             continue
-        plan = made[(), mode] = plan_step(
-            config, trace, activation_swap=mode, schedule=schedule, baseline=baseline
-        )
-        scan.add(plan, memory)
-    if "budget" not in scans:
-        return True
-    try:
-        budgeted = plan_budget(
-            config,
-            lambda kinds: grid(kinds)(seq),
-            budget=memory,
-            schedule=schedule,
-            baseline=baseline,
-            known=made,  # type: ignore[arg-type]
-        )
-    except BudgetError as error:
-        scans["budget"].miss(seq, error.smallest)
-    else:
-        scans["budget"].add(budgeted, memory)
+        made[(), mode] = plan
+        scans[mode].add(plan, memory)
     return True
 
 

@@ -7,25 +7,16 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from graphswap._compat import Renamed
 from graphswap.hf.attention_kernels import EAGER_ASSUMPTION, PlanSettingError
-from graphswap.planning._auto import SwapCandidate, layer_candidates, plan_auto
-from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap
-from graphswap.planning._settings import (
-    DEFAULT_SCHEDULE,
-    SwapSchedule,
-)
+from graphswap.planning._auto import SwapCandidate
+from graphswap.planning._replay import Replay
+from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import StepTrace
-from graphswap.planning._windows import StepTimes, group_of, step_times
-from graphswap.planning.saved_tensors import (
-    ATTENTION_SCOPE,
-    EMBED,
-    HEAD,
-    LAYER_SCOPE,
-    SavedTensor,
-)
+from graphswap.planning._windows import StepTimes, step_times
+from graphswap.planning.saved_tensors import EMBED, HEAD, LAYER_SCOPE, SavedTensor
 from graphswap.runtime.profile import DeviceProfile, device_profile
 from graphswap.runtime.timeline import StepTimeline
 
@@ -42,15 +33,6 @@ layer's attention, whole layers, per layer the saves whose copies hide (``auto``
 per layer what to keep, swap and recompute under ``activation_memory_budget``
 (``budget``)."""
 SWAP_MODES: tuple[SwapMode, ...] = get_args(SwapMode)
-
-_SCOPES = {
-    "none": None,
-    "attention": ATTENTION_SCOPE,
-    "layer": LAYER_SCOPE,
-    "auto": LAYER_SCOPE,
-    "budget": LAYER_SCOPE,
-}
-"""Which modules each mode wraps."""
 
 _ASSUMPTIONS = (
     "one steady-state training step: forward, loss.backward(), AdamW step (foreach on cuda, "
@@ -149,10 +131,6 @@ class LayerPlan:
         return "hides" if self.hides else "STALLS"
 
 
-_AUTO_LAGS = (1, 2)
-"""The offload lags ``auto`` plans at when the lag is not set: a layer's copies get one or
-two later layers' forward to finish; the lag with the lower peak is kept."""
-
 _LAYER_SUMMARY_FIELDS = tuple(
     f for f in dataclasses.fields(LayerPlan) if f.name not in ("saved_tensors", "swapped_saves")
 )
@@ -230,8 +208,8 @@ class MemoryPlan:
     auto_dropped: int = 0
     """``auto``: tensors the verifying replays took back from the simulated choice."""
     swap_offload_lag_chosen: bool = False
-    """``auto``: the plan chose ``swap_offload_lag`` (of :data:`_AUTO_LAGS`), the user did
-    not."""
+    """``auto``: the plan chose ``swap_offload_lag`` (of
+    :data:`~graphswap.planning._strategy.AUTO_LAGS`), the user did not."""
     activation_memory_budget: int | None = None
     """``budget``: the device peak the plan keeps within, in bytes."""
     recompute: tuple[str, ...] = ()
@@ -387,14 +365,6 @@ def _swapped_saves(chosen: Sequence[SwapCandidate]) -> tuple[SavedTensor, ...]:
     return tuple(sorted((save for c in chosen for save in c.saves), key=lambda s: s.index))
 
 
-def check_mode(activation_swap: object) -> None:
-    """``activation_swap`` is one of :data:`SWAP_MODES`."""
-    if activation_swap not in SWAP_MODES:
-        raise PlanSettingError(
-            "activation_swap", activation_swap, f"must be one of {', '.join(SWAP_MODES)}"
-        )
-
-
 def resolve_profile(
     profile: str | DeviceProfile,
     *,
@@ -423,72 +393,57 @@ def resolve_profile(
     return resolved.with_figures(**overrides) if overrides else resolved
 
 
-def plan_step(
+class StepStrategy(Protocol):
+    """What :func:`assemble_plan` reads of the strategy that decided a step
+    (:class:`~graphswap.planning._strategy.MemoryStrategy`)."""
+
+    @property
+    def name(self) -> SwapMode: ...
+    @property
+    def scope(self) -> str | None: ...
+    @property
+    def names_saves(self) -> bool: ...
+
+    def assumptions(
+        self, offload_lag: int, prefetch_depth: int, lag_chosen: bool
+    ) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What a strategy decided for one traced step: the input of :func:`assemble_plan`."""
+
+    chosen: Sequence[Sequence[SwapCandidate]]
+    """Per decoder layer, the storages swapped (read where the strategy names saves)."""
+    replayed: Replay
+    """The step with the decision's swap, replayed under the clock contract."""
+    offload_lag: int
+    """The ``SwapManager``'s ``offload_lag`` the decision was made at."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """The strategy's own :class:`MemoryPlan` fields (``auto``'s margin, its drops)."""
+
+
+def host_budget_of(trace: StepTrace, schedule: SwapSchedule) -> int:
+    """The host pool's cap a plan is made against: the schedule's ``max_host_bytes``,
+    else the profile's node's share."""
+    cap = schedule.max_host_bytes
+    return trace.profile.host_budget_bytes if cap is None else cap
+
+
+def assemble_plan(
     config: PretrainedConfig,
     trace: StepTrace,
-    *,
-    activation_swap: SwapMode,
-    schedule: SwapSchedule = DEFAULT_SCHEDULE,
-    baseline: Replay | None = None,
+    strategy: StepStrategy,
+    decision: StepDecision,
+    schedule: SwapSchedule,
+    baseline: Replay,
 ) -> MemoryPlan:
-    """The plan of ``activation_swap`` on a traced step, with the policy it was traced
-    with and ``schedule``; ``baseline``: the step replayed without swap, when already at
-    hand."""
-    check_mode(activation_swap)
-    if activation_swap == "budget":
-        raise PlanSettingError(
-            "activation_swap",
-            "budget",
-            "is planned from a trace per recompute level: use plan_memory or plan_budget",
-        )
-    saved = trace.saved
-    scope = _SCOPES[activation_swap]
-    max_host_bytes = schedule.max_host_bytes
-    host_budget = trace.profile.host_budget_bytes if max_host_bytes is None else max_host_bytes
-    offload_lag, prefetch_depth = schedule.swap_offload_lag, schedule.swap_prefetch_depth
-    queues = {"prefetch_depth": prefetch_depth, "state_shards": schedule.state_shards}
-    lag = schedule.lag()
-    if baseline is None:
-        baseline = replay_without_swap(trace, schedule)
-    candidates = layer_candidates(saved)
-    per_layer: list[Sequence[SwapCandidate]] = [candidates[layer.name] for layer in saved.layers]
-    auto_fields: dict[str, Any] = {}
-    if activation_swap == "auto":
-        lags = _AUTO_LAGS if offload_lag is None else (offload_lag,)
-        plans = [
-            plan_auto(
-                trace,
-                per_layer,
-                offload_lag=candidate,
-                hide_margin=schedule.swap_hide_margin,
-                host_budget=host_budget,
-                **queues,
-            )
-            for candidate in lags
-        ]
-        best = min(range(len(lags)), key=lambda i: plans[i].replay.timeline.peak_bytes)
-        auto, lag = plans[best], lags[best]
-        chosen: list[Sequence[SwapCandidate]] = list(auto.chosen)
-        replayed = auto.replay
-        auto_fields = {
-            "swap_hide_margin": float(schedule.swap_hide_margin),
-            "auto_dropped": auto.dropped,
-            "swap_offload_lag_chosen": offload_lag is None,
-            **_auto_fields(per_layer, saved.layers),
-        }
-    elif scope is None:
-        chosen = [[] for _ in per_layer]
-        replayed = baseline
-    else:
-        chosen = per_layer
-        swaps = frozenset(
-            i
-            for i, s in enumerate(trace.saves)
-            if s.save.policy_swaps and group_of(s, scope) is not None
-        )
-        replayed = replay(
-            trace, SwapChoice(scope, swaps), offload_lag=lag, host_budget=host_budget, **queues
-        )
+    """The :class:`MemoryPlan` of ``strategy``'s ``decision`` on a traced step: per layer
+    its bytes, copies, windows and stalls, and the step's timelines and assumptions."""
+    saved, scope, lag = trace.saved, strategy.scope, decision.offload_lag
+    prefetch_depth = schedule.swap_prefetch_depth
+    host_budget = host_budget_of(trace, schedule)
+    replayed = decision.replayed
     windows = None
     if scope is not None:
         windows = step_times(trace, scope, offload_lag=lag, prefetch_depth=prefetch_depth).groups
@@ -500,9 +455,9 @@ def plan_step(
         kept = i == len(saved.layers) - 1
         saved_bytes, swappable = by_scope.get(layer.name, (0, 0))
         moved: tuple[SavedTensor, ...] = ()
-        if activation_swap in _PLANNED_MODES:
-            swappable = sum(c.nbytes for c in chosen[i])
-            moved = () if kept else _swapped_saves(chosen[i])
+        if strategy.names_saves:
+            swappable = sum(c.nbytes for c in decision.chosen[i])
+            moved = () if kept else _swapped_saves(decision.chosen[i])
         elif scope is None:
             swappable = 0
         group = replayed.groups[i]
@@ -542,7 +497,7 @@ def plan_step(
         loss_head=trace.loss_head,
         loss_head_chunk_size=trace.loss_head_chunk_size,
         lora_rank=trace.lora_rank,
-        activation_swap=activation_swap,
+        activation_swap=strategy.name,
         policy="none" if scope is None else trace.policy,
         profile=profile,
         swap_offload_lag=lag,
@@ -558,10 +513,10 @@ def plan_step(
         baseline=baseline.timeline,
         assumptions=(_ASSUMPTIONS if trace.optimizer else _NO_OPTIMIZER_ASSUMPTIONS)
         + _trace_assumptions(trace, config)
-        + _swap_assumptions(activation_swap, lag, prefetch_depth, offload_lag is None)
-        + _host_assumptions(activation_swap, trace, host_budget, max_host_bytes is None)
+        + strategy.assumptions(lag, prefetch_depth, schedule.swap_offload_lag is None)
+        + _host_assumptions(scope, trace, host_budget, schedule.max_host_bytes is None)
         + _shard_assumptions(schedule.state_shards),
-        **auto_fields,
+        **decision.fields,
     )
 
 
@@ -570,66 +525,10 @@ def _forward_seconds(times: StepTimes, layer: int) -> float:
     return window.exit_seconds - window.enter_seconds
 
 
-def _auto_fields(
-    candidates: Sequence[Sequence[SwapCandidate]], layers: Sequence[Any]
-) -> dict[str, Any]:
-    """What ``layer`` would have swapped, for the report of what ``auto`` chose."""
-    swapped = [
-        (c.nbytes, layer.name)
-        for layer, cs in zip(layers[:-1], candidates[:-1], strict=True)
-        for c in cs
-    ]
-    smallest = min(swapped, default=None)
-    return {
-        "layer_swappable_bytes": sum(nbytes for nbytes, _ in swapped),
-        "smallest_swappable": None if smallest is None else (smallest[1], smallest[0]),
-    }
-
-
-def _swap_assumptions(
-    activation_swap: SwapMode, offload_lag: int, prefetch_depth: int, lag_chosen: bool
-) -> tuple[str, ...]:
-    if activation_swap == "none":
-        return ()
-    copies = (
-        f"copies: a module's offloads run on one device-to-host queue after the compute that "
-        f"made them and must be done when the forward {offload_lag} module(s) later begins "
-        f"(swap_offload_lag {offload_lag}; compute waits there); its reloads are issued, "
-        f"first-needed first, when backward reaches the module {prefetch_depth} link(s) later "
-        f"(swap_prefetch_depth {prefetch_depth}) and run on one host-to-device queue, both "
-        "directions at once; the last module in forward order keeps its tensors",
-    )
-    if activation_swap == "attention":
-        return copies
-    whole = (
-        "layer and auto: the swapped bytes count a storage only when every save of it is in "
-        "one layer and the policy swaps the first (later saves share its copy, as in the "
-        "runtime; the rotary cos/sin, saved by every layer, stay)",
-    )
-    if activation_swap == "layer":
-        return copies + whole
-    return (
-        copies
-        + whole
-        + (
-            "auto: per layer, largest first, the tensors whose offload meets its fence and whose "
-            "reload meets its unpack and whose host buffer fits the host budget, both queues "
-            "simulated at (1 - margin) of the link; then replayed at the full link, dropping a "
-            "stalling layer's smallest until none stalls"
-            + (
-                f"; planned at swap_offload_lag {' and '.join(map(str, _AUTO_LAGS))}, keeping "
-                f"{offload_lag}, whose peak is lower"
-                if lag_chosen
-                else ""
-            ),
-        )
-    )
-
-
 def _host_assumptions(
-    activation_swap: SwapMode, trace: StepTrace, host_budget: int, from_node: bool
+    scope: str | None, trace: StepTrace, host_budget: int, from_node: bool
 ) -> tuple[str, ...]:
-    if activation_swap == "none":
+    if scope is None:  # nothing is swapped: no host pool
         return ()
     profile = trace.profile
     budget = (

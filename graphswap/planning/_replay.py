@@ -151,226 +151,358 @@ def replay(
     state and work are divided over that many ranks (FSDP-style). ``host_budget``: the
     host pool's cap (``max_host_bytes``), None for none; buffers are pinned on a CUDA
     device, as the runtime's engine pins them there."""
-    profile = trace.profile
-    pinned = trace.device == "cuda"
-    d2h_rate = profile.d2h_gbps * 1e9
-    h2d_rate = profile.h2d_gbps * 1e9
-    layers = trace.num_layers
-    scope = choice.scope
-    swaps = choice.swaps
-    saves = trace.saves
-    groups = [None if scope is None else group_of(save, scope) for save in saves]
-    kept_group = layers - 1 if layers > 1 else -1
-    activation = BlockKind.ACTIVATION
-    sizes = [
-        nbytes if kind is activation else -(-nbytes // state_shards)
-        for nbytes, kind in trace.blocks
-    ]
-    holders = [0] * len(sizes)
-    handles: list[_Entry | None] = [_KEPT] * len(saves)
-    consumed = [-1] * len(saves)
-    entries: list[dict[int, _Entry]] = [{} for _ in range(layers)]
-    in_flight: collections.deque[_Entry] = collections.deque()
-    begun = [False] * layers
-    forward_stall = [0.0] * layers
-    backward_stall = [0.0] * layers
-    offloaded = [0] * layers
-    reloaded = [0] * layers
-    refused = [0] * layers
-    host = host_peak = 0
-    stalls: dict[str, float] = {}
+    return StepReplay(
+        trace,
+        choice,
+        offload_lag=offload_lag,
+        prefetch_depth=prefetch_depth,
+        state_shards=state_shards,
+        host_budget=host_budget,
+    ).run()
 
-    base = state_bytes(trace, state_shards)
-    mem = peak = base
-    t = d2h = h2d = compute = d2h_busy = h2d_busy = 0.0
-    label = EMBED_LABEL
-    peak_label, peak_seconds = label, 0.0
-    memory: list[tuple[float, int]] = [(0.0, base)]
-    last_seq = 0
-    batch = _Batch()
 
-    def changed() -> None:
-        nonlocal peak, peak_label, peak_seconds
-        memory.append((t, mem))
-        if mem > peak:
-            peak, peak_label, peak_seconds = mem, label, t
+class StepReplay:
+    """One step replayed as the runtime's ``SwapManager`` runs it, on a clock.
 
-    def drop(block: int) -> None:
-        nonlocal mem
-        holders[block] -= 1
-        if holders[block] == 0:
-            mem -= sizes[block]
-            memory.append((t, mem))  # a drop never raises the peak
+    Its words are the runtime's: a wrapped module's forward *offloads* the storages its
+    policy swaps (one device-to-host queue); a module ``offload_lag`` later *fences*
+    them (compute waits for the copies, then their sources are *freed*); backward
+    entering a module *prefetches* the ``prefetch_depth`` modules before it, each
+    storage *reloaded* on one host-to-device queue; an unpack *waits* for its reload;
+    autograd *releases* a save, and a storage's last release frees its host buffer and
+    its reloads. Every state field below is the replay's, per step."""
 
-    def wait(end: float, stall: list[float], group: int) -> None:
-        nonlocal t
-        if end > t:
-            stalls[label] = stalls.get(label, 0.0) + (end - t)
-            stall[group] += end - t
-            t = end
+    def __init__(
+        self,
+        trace: StepTrace,
+        choice: SwapChoice,
+        *,
+        offload_lag: int,
+        prefetch_depth: int,
+        state_shards: int = 1,
+        host_budget: int | None = None,
+    ) -> None:
+        profile, layers, scope = trace.profile, trace.num_layers, choice.scope
+        self.trace = trace
+        """The traced step: its events, saves and blocks."""
+        self.scope = scope
+        """The wrapped modules' scope (``None``: nothing wrapped)."""
+        self.swaps = choice.swaps
+        """The saves the policy swaps, by index into the trace's saves."""
+        self.offload_lag = offload_lag
+        """The ``SwapManager``'s: a module's offloads are fenced that many modules later."""
+        self.prefetch_depth = prefetch_depth
+        """The ``SwapManager``'s: modules reloaded ahead of the one backward enters."""
+        self.state_shards = state_shards
+        """Ranks the state and the optimizer's work are divided over."""
+        self.host_budget = host_budget
+        """The host pool's cap (``max_host_bytes``); ``None``: none."""
+        self.pinned = trace.device == "cuda"
+        """Host buffers are pinned (their size classes are powers of two)."""
+        self.d2h_rate = profile.d2h_gbps * 1e9
+        """Offload bytes per second."""
+        self.h2d_rate = profile.h2d_gbps * 1e9
+        """Reload bytes per second."""
+        self.groups = [None if scope is None else group_of(save, scope) for save in trace.saves]
+        """Per save, the wrapped module it is saved in (``None``: outside every one)."""
+        self.kept_group = layers - 1 if layers > 1 else -1
+        """The module kept on device: the last in forward order."""
+        activation = BlockKind.ACTIVATION
+        self.sizes = [
+            nbytes if kind is activation else -(-nbytes // state_shards)
+            for nbytes, kind in trace.blocks
+        ]
+        """Per block, its bytes on this rank (the state's: one shard)."""
+        self.holders = [0] * len(self.sizes)
+        """Per block, what holds its device memory (references, kept saves, an offload)."""
+        self.handles: list[_Entry | None] = [_KEPT] * len(trace.saves)
+        """Per save, the offload autograd holds instead of the tensor (``None``: kept)."""
+        self.consumed = [-1] * len(trace.saves)
+        """Per save, the reload generation its unpack consumed."""
+        self.entries: list[dict[int, _Entry]] = [{} for _ in range(layers)]
+        """Per module, its offloads by block."""
+        self.in_flight: collections.deque[_Entry] = collections.deque()
+        """Offloads whose sources are not yet freed, in issue order."""
+        self.begun = [False] * layers
+        """Per module, its backward has begun (its prefetch was issued)."""
+        self.forward_stall = [0.0] * layers
+        """Per module, compute's wait for its offloads."""
+        self.backward_stall = [0.0] * layers
+        """Per module, compute's wait for its reloads."""
+        self.offloaded = [0] * layers
+        """Per module, bytes offloaded."""
+        self.reloaded = [0] * layers
+        """Per module, bytes reloaded."""
+        self.refused = [0] * layers
+        """Per module, bytes the host budget kept on device."""
+        self.host = 0
+        """Host pool bytes held now."""
+        self.host_peak = 0
+        """The most host pool bytes held at once."""
+        self.stalls: dict[str, float] = {}
+        """Compute's waits per timeline label."""
+        self.base = state_bytes(trace, state_shards)
+        """Device bytes before the step: the state's shard and the buffers."""
+        self.mem = self.base
+        """Device bytes held now."""
+        self.peak = self.base
+        """The most device bytes held at once."""
+        self.t = 0.0
+        """The compute stream's clock."""
+        self.d2h = 0.0
+        """When the device-to-host queue is free."""
+        self.h2d = 0.0
+        """When the host-to-device queue is free."""
+        self.compute = 0.0
+        """Compute seconds run."""
+        self.d2h_busy = 0.0
+        """Seconds the device-to-host queue copied."""
+        self.h2d_busy = 0.0
+        """Seconds the host-to-device queue copied."""
+        self.label = EMBED_LABEL
+        """The timeline label the step is in."""
+        self.peak_label = EMBED_LABEL
+        """The label the peak fell in."""
+        self.peak_seconds = 0.0
+        """When the peak fell."""
+        self.memory: list[tuple[float, int]] = [(0.0, self.base)]
+        """Device bytes over the step: (seconds, bytes) at every change."""
+        self.last_seq = 0
+        """The module sequence number of the last forward entered."""
+        self.batch = _Batch()
+        """The offloads issued since the last module boundary."""
 
-    def release_source(entry: _Entry) -> None:
+    def _changed(self) -> None:
+        self.memory.append((self.t, self.mem))
+        if self.mem > self.peak:
+            self.peak, self.peak_label, self.peak_seconds = self.mem, self.label, self.t
+
+    def free(self, block: int) -> None:
+        """One holder of ``block`` lets go; the last frees its device memory."""
+        self.holders[block] -= 1
+        if self.holders[block] == 0:
+            self.mem -= self.sizes[block]
+            self.memory.append((self.t, self.mem))  # a drop never raises the peak
+
+    def wait(self, end: float, stall: list[float], group: int) -> None:
+        """Compute waits for a copy that ends at ``end``, counted as ``group``'s stall."""
+        if end > self.t:
+            label = self.label
+            self.stalls[label] = self.stalls.get(label, 0.0) + (end - self.t)
+            stall[group] += end - self.t
+            self.t = end
+
+    def free_source(self, entry: _Entry) -> None:
+        """An offloaded storage's device source is freed (once)."""
         if entry.source_held:
             entry.source_held = False
-            drop(entry.block)
+            self.free(entry.block)
 
-    def boundary(seq: int) -> None:
-        nonlocal batch
-        batch = _Batch()
-        limit = seq - offload_lag
+    def fence(self, seq: int) -> None:
+        """A module boundary: offloads of modules ``offload_lag`` or more back are waited
+        for and their sources freed; then the finished ones, in issue order."""
+        self.batch = _Batch()
+        limit = seq - self.offload_lag
+        in_flight = self.in_flight
         while in_flight:
             entry = in_flight[0]
             if entry.group + 1 <= limit:
-                wait(entry.offload_end, forward_stall, entry.group)
-            elif entry.batch.end > t:
+                self.wait(entry.offload_end, self.forward_stall, entry.group)
+            elif entry.batch.end > self.t:
                 break
-            release_source(entry)
+            self.free_source(entry)
             in_flight.popleft()
 
-    def load(entry: _Entry) -> None:
-        nonlocal mem, h2d, h2d_busy
-        mem += entry.nbytes
+    def reload(self, entry: _Entry) -> None:
+        """Issue ``entry``'s reload: a destination allocated, a copy queued after its
+        offload."""
+        self.mem += entry.nbytes
         entry.dsts += 1
-        changed()
-        seconds = entry.nbytes / h2d_rate
-        h2d = max(h2d, t, entry.offload_end) + seconds
-        h2d_busy += seconds
-        reloaded[entry.group] += entry.nbytes
-        entry.load_end = h2d
+        self._changed()
+        seconds = entry.nbytes / self.h2d_rate
+        self.h2d = max(self.h2d, self.t, entry.offload_end) + seconds
+        self.h2d_busy += seconds
+        self.reloaded[entry.group] += entry.nbytes
+        entry.load_end = self.h2d
         entry.active = True
         entry.waiting = entry.refs
         entry.gen += 1
 
-    def backward_begins(group: int) -> None:
-        boundary(last_seq)
-        for target in range(group - 1, max(group - 1 - prefetch_depth, -1), -1):
-            for entry in reversed(entries[target].values()):
+    def prefetch(self, group: int) -> None:
+        """Backward enters ``group``: a boundary, then the reloads of the
+        ``prefetch_depth`` modules before it, each's in reverse saving order."""
+        self.fence(self.last_seq)
+        for target in range(group - 1, max(group - 1 - self.prefetch_depth, -1), -1):
+            for entry in reversed(self.entries[target].values()):
                 if not entry.active and entry.refs:
-                    load(entry)
+                    self.reload(entry)
 
-    # The members as locals, the commonest first: an enum member's lookup costs several
-    # times the comparison, and a fit replays some 40,000 events a few hundred times.
-    alloc, free, compute_event, pack, unpack, release, label_event = (
-        Event.ALLOC,
-        Event.FREE,
-        Event.COMPUTE,
-        Event.PACK,
-        Event.UNPACK,
-        Event.RELEASE,
-        Event.LABEL,
-    )
-    append = memory.append
-    optimizer = False
-    for event, payload in trace.events:
-        if event is alloc:
-            holders[payload] += 1
-            mem += sizes[payload]
-            append((t, mem))
-            if mem > peak:
-                peak, peak_label, peak_seconds = mem, label, t
-        elif event is free:
-            holders[payload] -= 1
-            if holders[payload] == 0:
-                mem -= sizes[payload]
+    def offload(self, group: int, block: int) -> _Entry | None:
+        """The policy swaps a save of ``block`` in ``group``'s forward: its storage is
+        copied to host, unless the host budget refuses its buffer (``None``: kept)."""
+        nbytes = self.sizes[block]
+        buffer = size_class(nbytes, pinned=self.pinned)
+        if self.host_budget is not None and self.host + buffer > self.host_budget:
+            self.refused[group] += nbytes
+            return None
+        self.host += buffer
+        self.host_peak = max(self.host_peak, self.host)
+        seconds = nbytes / self.d2h_rate
+        self.d2h = max(self.d2h, self.t) + seconds
+        self.d2h_busy += seconds
+        self.offloaded[group] += nbytes
+        entry = _Entry(group, block, nbytes, buffer, self.d2h, self.batch)
+        self.entries[group][block] = entry
+        self.holders[block] += 1
+        self.in_flight.append(entry)
+        return entry
+
+    def pack(self, index: int) -> None:
+        """Autograd saves ``index``: kept, or handed an offload (a storage's first swapped
+        save in a module offloads it; later saves share that copy)."""
+        traced = self.trace.saves[index]
+        block, group = traced.block, self.groups[index]
+        entry = None
+        if group is not None and block is not None and not traced.save.parameter:
+            entry = self.entries[group].get(block)
+            if entry is None and index in self.swaps and group != self.kept_group:
+                entry = self.offload(group, block)
+        if entry is None:
+            if block is not None:
+                self.holders[block] += 1
+        else:
+            entry.refs += 1
+            self.handles[index] = entry
+
+    def unpack(self, index: int) -> None:
+        """Autograd unpacks ``index``: the first unpack of a module prefetches; a swapped
+        save waits for its reload (issued now if it was not)."""
+        group = self.groups[index]
+        if group is not None and not self.begun[group]:
+            self.begun[group] = True
+            self.prefetch(group)
+        entry = self.handles[index]
+        if entry is not None:
+            if not entry.active:
+                self.reload(entry)
+            self.wait(entry.load_end, self.backward_stall, entry.group)
+            self.consumed[index] = entry.gen
+            entry.waiting -= 1
+            if entry.waiting == 0:
+                entry.active = False
+
+    def release(self, index: int) -> None:
+        """Autograd releases the swapped save ``index`` (:meth:`run` frees a kept one's
+        block): the offload's last release frees its source, its host buffer and its
+        reloads."""
+        entry = self.handles[index]
+        assert entry is not None, "a kept save's release frees its block in run()"
+        entry.refs -= 1
+        if entry.active and self.consumed[index] != entry.gen:
+            entry.waiting -= 1
+            if entry.waiting == 0:
+                entry.active = False
+                self.wait(entry.load_end, self.backward_stall, entry.group)
+        if entry.refs == 0:
+            if entry.source_held:
+                self.wait(entry.offload_end, self.forward_stall, entry.group)
+                self.free_source(entry)
+            self.host -= entry.host
+            entry.host = 0
+            if entry.dsts:
+                self.mem -= entry.nbytes * entry.dsts
+                entry.dsts = 0
+                self._changed()
+
+    def run(self) -> Replay:
+        """Play every event of the step; the :class:`Replay` it makes."""
+        # The members as locals, the commonest first: an enum member's lookup costs several
+        # times the comparison, and a fit replays some 40,000 events a few hundred times.
+        alloc, free, compute_event, pack, unpack, release, label_event = (
+            Event.ALLOC,
+            Event.FREE,
+            Event.COMPUTE,
+            Event.PACK,
+            Event.UNPACK,
+            Event.RELEASE,
+            Event.LABEL,
+        )
+        holders, sizes, append, scope = self.holders, self.sizes, self.memory.append, self.scope
+        shards, handles, saves = self.state_shards, self.handles, self.trace.saves
+        # The clock, the memory and its peak as locals in the loop, the fields in the
+        # methods: handed over around each call (a pack moves no memory, only reads the
+        # clock).
+        t, mem, peak, compute, optimizer = self.t, self.mem, self.peak, 0.0, False
+        for event, payload in self.trace.events:
+            if event is alloc:
+                holders[payload] += 1
+                mem += sizes[payload]
                 append((t, mem))
-        elif event is compute_event:
-            seconds = payload / state_shards if optimizer else payload
-            t += seconds
-            compute += seconds
-        elif event is pack:
-            traced = saves[payload]
-            block = traced.block
-            group = groups[payload]
-            entry = None
-            if group is not None and block is not None and not traced.save.parameter:
-                entry = entries[group].get(block)
-                if entry is None and payload in swaps and group != kept_group:
-                    nbytes = sizes[block]
-                    buffer = size_class(nbytes, pinned=pinned)
-                    if host_budget is not None and host + buffer > host_budget:
-                        refused[group] += nbytes
-                    else:
-                        host += buffer
-                        host_peak = max(host_peak, host)
-                        seconds = nbytes / d2h_rate
-                        d2h = max(d2h, t) + seconds
-                        d2h_busy += seconds
-                        offloaded[group] += nbytes
-                        entry = _Entry(group, block, nbytes, buffer, d2h, batch)
-                        entries[group][block] = entry
-                        holders[block] += 1
-                        in_flight.append(entry)
-            if entry is None:
-                if block is not None:
-                    holders[block] += 1
-            else:
-                entry.refs += 1
-                handles[payload] = entry
-        elif event is unpack:
-            group = groups[payload]
-            if group is not None and not begun[group]:
-                begun[group] = True
-                backward_begins(group)
-            entry = handles[payload]
-            if entry is not None:
-                if not entry.active:
-                    load(entry)
-                wait(entry.load_end, backward_stall, entry.group)
-                consumed[payload] = entry.gen
-                entry.waiting -= 1
-                if entry.waiting == 0:
-                    entry.active = False
-        elif event is release:
-            entry = handles[payload]
-            if entry is None:
+                if mem > peak:
+                    peak, self.peak_label, self.peak_seconds = mem, self.label, t
+            elif event is free:
+                holders[payload] -= 1
+                if holders[payload] == 0:
+                    mem -= sizes[payload]
+                    append((t, mem))
+            elif event is compute_event:
+                seconds = payload / shards if optimizer else payload
+                t += seconds
+                compute += seconds
+            elif event is pack:
+                self.t = t
+                self.pack(payload)
+            elif event is release and handles[payload] is None:
+                # A kept save: its release frees its block like any reference (the
+                # commonest release, handled here rather than in release()).
                 block = saves[payload].block
                 if block is not None:
-                    drop(block)
-                continue
-            entry.refs -= 1
-            if entry.active and consumed[payload] != entry.gen:
-                entry.waiting -= 1
-                if entry.waiting == 0:
-                    entry.active = False
-                    wait(entry.load_end, backward_stall, entry.group)
-            if entry.refs == 0:
-                if entry.source_held:
-                    wait(entry.offload_end, forward_stall, entry.group)
-                    release_source(entry)
-                host -= entry.host
-                entry.host = 0
-                if entry.dsts:
-                    mem -= entry.nbytes * entry.dsts
-                    entry.dsts = 0
-                    changed()
-        elif event is label_event:
-            label = payload
-            optimizer = label == OPTIMIZER_LABEL
-        elif scope is not None and payload[0] == scope:  # ENTER or EXIT
-            seq = payload[1] + 1
-            if event is Event.ENTER:
-                last_seq = seq
-            boundary(seq)
-    timeline = StepTimeline(
-        step_seconds=max(t, d2h, h2d),
-        compute_seconds=compute,
-        stalls=stalls,
-        d2h_seconds=d2h_busy,
-        h2d_seconds=h2d_busy,
-        base_bytes=base,
-        peak_bytes=peak,
-        peak_label=peak_label,
-        peak_seconds=peak_seconds,
-        memory=memory,
-    )
-    return Replay(
-        timeline,
-        tuple(
-            GroupReplay(offloaded[g], reloaded[g], forward_stall[g], backward_stall[g], refused[g])
-            for g in range(layers)
-        ),
-        host_peak,
-    )
+                    holders[block] -= 1
+                    if holders[block] == 0:
+                        mem -= sizes[block]
+                        append((t, mem))
+            elif event is unpack or event is release:
+                self.t, self.mem, self.peak = t, mem, peak
+                (self.unpack if event is unpack else self.release)(payload)
+                t, mem, peak = self.t, self.mem, self.peak
+            elif event is label_event:
+                self.label = payload
+                optimizer = payload == OPTIMIZER_LABEL
+            elif scope is not None and payload[0] == scope:  # ENTER or EXIT
+                seq = payload[1] + 1
+                if event is Event.ENTER:
+                    self.last_seq = seq
+                self.t, self.mem, self.peak = t, mem, peak
+                self.fence(seq)
+                t, mem, peak = self.t, self.mem, self.peak
+        self.t, self.mem, self.peak, self.compute = t, mem, peak, compute
+        return self.result()
+
+    def result(self) -> Replay:
+        """The step as replayed so far: its timeline and each module's copies."""
+        timeline = StepTimeline(
+            step_seconds=max(self.t, self.d2h, self.h2d),
+            compute_seconds=self.compute,
+            stalls=self.stalls,
+            d2h_seconds=self.d2h_busy,
+            h2d_seconds=self.h2d_busy,
+            base_bytes=self.base,
+            peak_bytes=self.peak,
+            peak_label=self.peak_label,
+            peak_seconds=self.peak_seconds,
+            memory=self.memory,
+        )
+        groups = tuple(
+            GroupReplay(
+                self.offloaded[g],
+                self.reloaded[g],
+                self.forward_stall[g],
+                self.backward_stall[g],
+                self.refused[g],
+            )
+            for g in range(self.trace.num_layers)
+        )
+        return Replay(timeline, groups, self.host_peak)
 
 
 def replay_without_swap(trace: StepTrace, schedule: SwapSchedule) -> Replay:

@@ -212,3 +212,15 @@ def split_settings(
 
 DEFAULT_SCHEDULE = SwapSchedule()
 """The ``SwapManager``'s own defaults, no host budget set and the state on one device."""
+
+
+def step_settings(
+    caller: str, settings: Mapping[str, Any]
+) -> tuple[StepShape, SwapSchedule, dict[str, Any]]:
+    """Flat settings under the config's keys, as the trainer config, the CLI and the swap
+    pass hold them, made at that edge into the step's shape, its schedule and the
+    profile's overrides (``seq_len`` required), each checked once."""
+    shape_settings, schedule, figures = split_settings(caller, settings)
+    if "seq_len" not in shape_settings:
+        raise PlanSettingError("seq_len", None, "is required: the tokens per sequence to plan")
+    return StepShape(**shape_settings), schedule, figures

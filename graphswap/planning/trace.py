@@ -11,9 +11,9 @@ under a :class:`SwapSchedule`; :func:`replay` plays the runtime's schedule over 
 """
 
 from graphswap.planning._auto import layer_candidates, swap_choice
-from graphswap.planning._plan import plan_step
 from graphswap.planning._replay import SwapChoice, replay
 from graphswap.planning._settings import StepShape, SwapSchedule
+from graphswap.planning._strategy import plan_step
 from graphswap.planning._trace import StepTrace, trace_step
 
 __all__ = [

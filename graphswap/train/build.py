@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from graphswap.passes import InfrastructureResult
-    from graphswap.planning.auto_swap import AutoSwap
+    from graphswap.passes.plan_executor import AutoSwap
     from graphswap.runtime import SwapManager
 
 

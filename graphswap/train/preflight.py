@@ -29,9 +29,9 @@ from graphswap.hf.checkpoints import (
 )
 from graphswap.passes import SWAP_RULES, PassPlan, PassRequirementError
 from graphswap.passes.pass_plan import pass_plan_of
+from graphswap.passes.plan_executor import check_measurable
 from graphswap.passes.swap import plan_auto_swap
 from graphswap.passes.tensor_parallel import check_head_layout, check_heads_divisible
-from graphswap.planning.auto_swap import check_measurable
 from graphswap.rewriting.rules import check_rule
 from graphswap.train.build import trainer_hf_config
 from graphswap.train.config import ConfigError, TrainerConfig

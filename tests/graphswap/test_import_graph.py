@@ -52,7 +52,7 @@ def import_graph() -> nx.DiGraph:
 def test_modules_import_without_a_cycle() -> None:
     graph = import_graph()
     assert graph.has_edge("graphswap.runtime._forward", "graphswap.runtime._handles")
-    assert graph.has_edge("graphswap.planning._memory", "graphswap.planning._budget")
+    assert graph.has_edge("graphswap.planning._registry", "graphswap.planning._budget")
     cycles = list(nx.simple_cycles(graph))
     assert cycles == [], f"import cycles among graphswap modules: {cycles}"
 

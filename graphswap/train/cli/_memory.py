@@ -441,7 +441,13 @@ def run(args: argparse.Namespace) -> int:
     )
     from graphswap.planning._budget import resolve_memory_budget
     from graphswap.planning._fit import DEFAULT_SEQ_STEP
-    from graphswap.planning._settings import PROFILE_FIGURES, SCHEDULE_FIELDS, SHAPE_FIELDS
+    from graphswap.planning._registry import memory_strategy
+    from graphswap.planning._settings import (
+        PROFILE_FIGURES,
+        SCHEDULE_FIELDS,
+        SHAPE_FIELDS,
+        step_settings,
+    )
     from graphswap.runtime.profile import device_profile
 
     refusal = _refusal(args)
@@ -487,17 +493,25 @@ def run(args: argparse.Namespace) -> int:
             data = fit.to_dict()
         else:
             budget = args.activation_memory_budget
-            plan = plan_memory(
-                config,
-                profile=profile,
-                activation_swap=_mode(args),
-                activation_checkpointing=args.activation_checkpointing,
-                activation_memory_budget=None
+            strategy = memory_strategy(_mode(args))
+            budget_bytes = (
+                None
                 if budget is None
                 else resolve_memory_budget(
                     budget, profile.memory_bytes, device=f"the {profile.name} profile"
-                ),
-                **settings,
+                )
+            )
+            strategy.check_budget(budget_bytes)
+            shape, schedule, figures = step_settings("plan_memory", settings)
+            plan = plan_memory(
+                config,
+                shape,
+                schedule=schedule,
+                profile=profile,
+                activation_swap=strategy.name,
+                activation_memory_budget=budget_bytes,
+                activation_checkpointing=args.activation_checkpointing,
+                **figures,
             )
             data = plan.to_dict()
     except PlanSettingError as error:

@@ -26,8 +26,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from graphswap import rewrite
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import PRESETS
+from graphswap.passes.plan_executor import AutoSwap
 from graphswap.planning import MemoryPlan
-from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import StepShape, plan_step, trace_step

@@ -17,13 +17,13 @@ import torch
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.passes import PassSettingError
-from graphswap.planning import MemoryPlan
-from graphswap.planning.auto_swap import (
+from graphswap.passes.plan_executor import (
     AutoSwap,
     AutoSwapMismatchError,
     AutoSwapMismatchWarning,
     AutoSwapPolicy,
 )
+from graphswap.planning import MemoryPlan
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import trace_saved_tensors
 from graphswap.planning.trace import StepShape, StepTrace, plan_step
@@ -398,7 +398,7 @@ def test_measure_needs_a_cuda_device() -> None:
 
 @pytest.mark.cuda
 def test_measure_times_the_host_link_each_way() -> None:
-    from graphswap.planning.auto_swap import measure_copy_bandwidth
+    from graphswap.passes.plan_executor import measure_copy_bandwidth
 
     measured = measure_copy_bandwidth(torch.device("cuda"))
     assert measured.device_to_host_gbps > 0 and measured.host_to_device_gbps > 0

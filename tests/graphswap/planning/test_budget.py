@@ -22,9 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphswap
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
+from graphswap.passes.plan_executor import AutoSwapMismatchError, AutoSwapMismatchWarning
 from graphswap.planning import PlanSettingError, plan_memory
 from graphswap.planning._budget import read_memory_budget, resolve_memory_budget
-from graphswap.planning.auto_swap import AutoSwapMismatchError, AutoSwapMismatchWarning
 from graphswap.planning.trace import StepShape
 from graphswap.runtime import is_recompute_wrapped, recompute_wrapper, unwrap_recompute
 from graphswap.train.build import build, from_config

@@ -23,13 +23,13 @@ from transformers import PretrainedConfig
 import graphswap
 from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.presets import qwen3_moe_config
+from graphswap.passes.plan_executor import AutoSwap
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.passes.swap import apply_swap
 from graphswap.planning import MemoryPlan, SwapMode
 from graphswap.planning._budget import BudgetError, plan_budget
 from graphswap.planning._settings import DEFAULT_HIDE_MARGIN
 from graphswap.planning._units import RECOMPUTE_LEVELS, RecomputeKind
-from graphswap.planning.auto_swap import AutoSwap
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import StepShape, StepTrace, SwapSchedule, plan_step, trace_step
 from graphswap.runtime import SwapManager

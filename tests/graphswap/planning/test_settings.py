@@ -58,6 +58,10 @@ def test_the_old_keywords_warn_naming_the_new_one_and_plan_the_same() -> None:
             ("tp", "tp_size"),
             ("offload_lag", "swap_offload_lag"),
         )
+    ] + [
+        "plan_memory(seq=..., batch=..., tp=..., offload_lag=..., device=..., dtype=...) is"
+        " deprecated: pass the step as plan_memory(config, StepShape(...),"
+        " schedule=SwapSchedule(...)) (graphswap.planning.trace) (removed in 0.3)"
     ]
     assert all(w.filename == __file__ for w in caught), "the warning points at the caller"
     new = plan_memory(config, seq_len=64, batch_size=2, tp_size=1, swap_offload_lag=1, **SMALL)

@@ -18,7 +18,7 @@ import graphswap
 from graphswap.errors import SwapExclusionError
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import preset_config
-from graphswap.planning.auto_swap import AutoSwapMismatchWarning
+from graphswap.passes.plan_executor import AutoSwapMismatchWarning
 from graphswap.rewriting.apply import rewrite_report
 from graphswap.train.build import from_config
 from graphswap.train.config import TrainerConfig

@@ -1,4 +1,8 @@
-"""``activation_swap: auto`` at run time: a plan's per-layer choice, carried out.
+"""The executor of ``auto`` and ``budget`` plans: a plan's per-layer choice, carried out.
+
+It sits with the swap pass, above the planner: it installs what a
+:class:`~graphswap.planning.MemoryPlan` decided (the saves swapped, the recompute level)
+through the rewrite's rules and the runtime's wrappers, and checks every step against it.
 
 The plan (:func:`graphswap.planning.plan_memory` with ``activation_swap="auto"`` or
 ``"budget"``) lists, per decoder layer, every save of its forward with its shape and
@@ -36,6 +40,7 @@ from graphswap.errors import GraphswapError, GraphswapTypeError, HierarchyError
 from graphswap.hf.attention_kernels import PlanSettingError
 from graphswap.hf.cache import cache_as_before
 from graphswap.hf.checkpoints import decoder_layers
+from graphswap.planning._registry import STRATEGIES
 from graphswap.planning._units import reruns_down_projections, saves_matmuls
 from graphswap.rewriting.rules import Rule, RuleContext, get_rule
 from graphswap.runtime import (
@@ -215,7 +220,8 @@ class AutoSwap:
     def __init__(
         self, plan: MemoryPlan, *, made_for: str, measured: CopyBandwidth | None = None
     ) -> None:
-        if plan.activation_swap not in ("auto", "budget"):
+        strategy = STRATEGIES.get(plan.activation_swap)
+        if strategy is None or not strategy.executes_plan:
             raise PlanSettingError(
                 "activation_swap",
                 plan.activation_swap,
@@ -386,7 +392,7 @@ class AutoSwap:
                     "recomputed": ",".join(layer.recomputed) or "-",
                     "recomputed_bytes": layer.recomputed_bytes,
                 }
-                if self.plan.activation_swap == "budget"
+                if STRATEGIES[self.plan.activation_swap].recomputes
                 else {}
             ),
         }
