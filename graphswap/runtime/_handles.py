@@ -24,7 +24,7 @@ that reads changed bytes is always caught.
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -89,6 +89,10 @@ class Saver(Protocol):
     def backward_begins(self, _grad: object = None) -> None:
         """Backward reached the forward: prefetch the forwards before it."""
 
+    def reload_missed(self, entry: _Entry) -> int:
+        """An unpack found no reload of ``entry`` issued: reload it and the forward's other
+        due storages as one batch; how many (under the context's lock)."""
+
 
 Kept = tuple[torch.Tensor, int, Saver]
 """A saved tensor that stays on device: ``(alias, version, forward)``, a detached alias
@@ -100,10 +104,11 @@ built without a Python call: most tensors a decoder layer saves are kept."""
 class _Entry(_Offload):
     """One storage copied to host: shared by every handle that aliases it.
 
-    With the built-in engine (``CopyEngine._fills_records``) the entry is its own offload
-    record: the engine writes the copy's fields into it (``_offload_into``), and
-    ``offload`` is None; with another engine ``offload`` is the ``Copy`` it returned.
-    ``copy()`` is the offload either way.
+    The entry is its own offload record: the built-in engine (``CopyEngine._fills_records``)
+    writes the copy's fields into it (``_offload_into``), so a swapped storage costs one
+    object, not two. With another engine the entry is a ``_ForeignEntry``, which holds the
+    ``Copy`` that engine returned. ``copy()`` is the offload either way, the one place the
+    two are told apart (the class, chosen once by ``_forward._Forward.offload``).
 
     ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
     that tensor covers its storage contiguously (the usual case: its reload is then
@@ -127,7 +132,6 @@ class _Entry(_Offload):
         "host",
         "name",
         "nbytes",
-        "offload",
         "prefetched",
         "refs",
         "released",
@@ -149,7 +153,6 @@ class _Entry(_Offload):
         nbytes: int,
         buf: HostBuffer,
         host: torch.Tensor,
-        offload: Copy | None,
         first: Layout | None,
     ) -> None:
         self.ctx = ctx  # its lock, pool and capture flag: reloads and a handle's death settle there
@@ -160,9 +163,6 @@ class _Entry(_Offload):
         self.nbytes = nbytes  # the storage's size, copied whole
         self.buf: HostBuffer | None = buf  # the pool buffer; None: released, bytes gone
         self.host: torch.Tensor | None = host  # ``buf``'s view holding it; None: released
-        self.offload = offload
-        """The device-to-host copy, when the engine returned one; None: the entry is it (its
-        fields filled by the engine). Its source is held until fenced."""
         self.first = first  # the layout of the save that made it (``layout_in``), found then
         self.released = False  # the offload's source was dropped (``_Forward.release``)
         self.held: weakref.ref[torch.UntypedStorage] | None = None
@@ -178,9 +178,24 @@ class _Entry(_Offload):
         handle of the entry was saved at it (a save at another version is kept)."""
 
     def copy(self) -> Copy:
-        """The offload: the engine's record, or the entry itself."""
-        offload = self.offload
-        return self if offload is None else offload
+        """The offload: the entry itself, its fields filled by the built-in engine (the
+        source is held until fenced)."""
+        return self
+
+
+class _ForeignEntry(_Entry):
+    """An entry whose offload a user's engine made (``CopyEngine.offload``): that engine
+    is handed its own ``Copy`` back in ``after``, never the entry."""
+
+    __slots__ = ("foreign",)
+
+    def __init__(self, *args: Any, foreign: Copy) -> None:
+        super().__init__(*args)
+        self.foreign = foreign  # what the engine's ``offload`` returned
+
+    def copy(self) -> Copy:
+        """The offload: the ``Copy`` the engine returned."""
+        return self.foreign
 
 
 class _Swapped:
@@ -265,9 +280,7 @@ class _Swapped:
             if buf is None:
                 return
             entry.buf = entry.host = None
-            offload = entry.offload
-            if offload is None:
-                offload = entry  # the entry is its own offload record
+            offload = entry.copy()
             if not ctx.capturing:
                 if not entry.released:
                     if not offload.done():
@@ -309,7 +322,7 @@ def reload(entries: list[_Entry], *, prefetched: bool) -> None:
                 reload([e for e in entries if e not in batch], prefetched=prefetched)
                 break
     # ``host`` is None once the last handle died; a due entry has live handles (``refs``).
-    items = [(entry.host, (entry if entry.offload is None else entry.offload,)) for entry in batch]
+    items = [(entry.host, (entry.copy(),)) for entry in batch]
     reloads = engine.reloads(device, items)  # type: ignore[arg-type]
     nbytes = 0
     for entry, copy in zip(batch, reloads, strict=True):
@@ -358,18 +371,18 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
     lock.acquire()  # not ``with``: it makes two bound methods a call
     try:
         copy = entry.reload
-        if copy is None or packed.gen == entry.gen:
+        if copy is None:
+            # No prefetch reached it: the rest of its forward comes back with it.
+            entry.stats.prefetch_misses += fwd.reload_missed(entry)
+            copy = entry.reload
+            assert copy is not None
+        elif packed.gen == entry.gen:  # a second unpack of this handle in one backward
             entry.stats.prefetch_misses += 1
-            if copy is None:
-                reload([entry], prefetched=False)
-                copy = entry.reload
-                assert copy is not None
-            else:
-                host = entry.host
-                assert host is not None  # a live handle's entry holds its host copy
-                (copy,) = entry.engine.reloads(entry.device, [(host, (entry.copy(),))])
-                entry.stats.reloaded_tensors += 1
-                entry.stats.reloaded_bytes += entry.nbytes
+            host = entry.host
+            assert host is not None  # a live handle's entry holds its host copy
+            (copy,) = entry.engine.reloads(entry.device, [(host, (entry.copy(),))])
+            entry.stats.reloaded_tensors += 1
+            entry.stats.reloaded_bytes += entry.nbytes
         elif entry.prefetched:
             entry.stats.prefetch_hits += 1
             entry.prefetched = False
