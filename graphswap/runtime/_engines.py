@@ -45,6 +45,9 @@ from graphswap.runtime._device import (
 
 _use_count = torch._C._storage_Use_Count
 """References to a storage: read once here, not through ``torch._C`` at every release."""
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+"""What ``torch.no_grad()`` sets, without its object and four Python calls per group."""
 
 GROUP_BYTES = 64 << 10
 """Copies smaller than this share their ordering: the runtime's offloads wait in the
@@ -292,7 +295,12 @@ class _Lane:
         if loaded > self.d2h_after_h2d:
             self.d2h_after_h2d = loaded
         to_host = device.to_host
-        with torch.no_grad():  # at a boundary grad is on; the pack hook made ``host`` without
+        # At a boundary grad is on, and ``src`` may require it: a copy into ``host`` (a view
+        # the pack hook made without grad) would be recorded, which autograd refuses.
+        grad = _grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
+        try:
             for src, host, after in pending:
                 for copy in after:
                     # An earlier offload ran on d2h itself, in order; a reload needs a wait.
@@ -302,6 +310,9 @@ class _Lane:
                             d2h.wait_event(mark.event)
                             self.d2h_after_h2d = mark.seq
                 to_host(d2h, src, host)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         pending.clear()
         self.pending_bytes = 0
         self.producer = None
@@ -562,7 +573,7 @@ class AcceleratorCopyEngine(CopyEngine):
         free, progress, record = lane.reload_events, lane.reloads, interface.record
         to_device = interface.to_device
         copies: list[Copy] = []
-        group: list[torch.Tensor] = []  # destinations since the last mark
+        start = 0  # the first of ``dsts`` since the last mark
         nbytes = 0
         last = len(dsts) - 1
         for i, ((host, after), dst) in enumerate(zip(items, dsts, strict=True)):
@@ -574,14 +585,14 @@ class AcceleratorCopyEngine(CopyEngine):
                         h2d.wait_event(mark.event)
                         lane.h2d_after_d2h = mark.seq
             to_device(h2d, host, dst)
-            group.append(dst)
             nbytes += host.nbytes
             if nbytes >= GROUP_BYTES or i == last:
                 event = record(h2d, free.pop() if free else interface.new_event("reload"))
                 progress.marks += 1
                 end = _Mark(event, free, progress.marks)
-                copies.extend(_Reload(lane, end, out) for out in group)
-                group.clear()
+                for out in dsts[start : i + 1]:
+                    copies.append(_Reload(lane, end, out))
+                start = i + 1
                 nbytes = 0
         return copies
 

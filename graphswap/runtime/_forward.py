@@ -239,7 +239,7 @@ class _Forward(dict[int, _Entry]):
     def fence_newest(self) -> None:
         """Order the producing stream after this forward's newest offload, which ends
         every earlier one of its copy stream: one wait for the whole lag fence."""
-        next(reversed(self.values())).copy().fence()
+        next(reversed(self.values())).fence()
 
     def release(self, due: bool) -> bool:
         """Drop the device sources of this forward's offloads, in saving order: fenced
@@ -248,13 +248,12 @@ class _Forward(dict[int, _Entry]):
         reference keeps is watched until its reload (``_Entry.held``, I12)."""
         for entry in self.values():
             if not entry.released:
-                offload = entry.copy()
                 if due:
-                    offload.fence()  # ordered already, unless another producer
-                elif not offload.done():
+                    entry.fence()  # ordered already, unless another producer
+                elif not entry.done():
                     return False
                 entry.released = True
-                entry.held = offload.release_source()
+                entry.held = entry.release_source()
         self.queued = False
         return True
 
@@ -262,10 +261,9 @@ class _Forward(dict[int, _Entry]):
         """Block until this forward's offloads completed, and drop their sources."""
         for entry in self.values():
             if not entry.released:
-                offload = entry.copy()
-                offload.synchronize()
+                entry.synchronize()
                 entry.released = True
-                entry.held = offload.release_source()
+                entry.held = entry.release_source()
         self.queued = False
 
     def prefetch(self) -> None:

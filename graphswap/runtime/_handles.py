@@ -104,11 +104,14 @@ built without a Python call: most tensors a decoder layer saves are kept."""
 class _Entry(_Offload):
     """One storage copied to host: shared by every handle that aliases it.
 
-    The entry is its own offload record: the built-in engine (``CopyEngine._fills_records``)
-    writes the copy's fields into it (``_offload_into``), so a swapped storage costs one
-    object, not two. With another engine the entry is a ``_ForeignEntry``, which holds the
-    ``Copy`` that engine returned. ``copy()`` is the offload either way, the one place the
-    two are told apart (the class, chosen once by ``_forward._Forward.offload``).
+    The entry is its offload, whatever the engine: the runtime calls ``done()``,
+    ``fence()``, ``synchronize()`` and ``release_source()`` on it. The built-in engine
+    (``CopyEngine._fills_records``) writes the copy's fields into it (``_offload_into``),
+    so a swapped storage costs one object, not two; with another engine the entry is a
+    ``_ForeignEntry``, which holds the ``Copy`` that engine returned and passes those
+    calls on to it. The class, chosen once by ``_forward._Forward.offload``, is the one
+    place the two are told apart: ``copy()`` (what the engine is handed back in
+    ``after``) and ``in_order`` say the rest.
 
     ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
     that tensor covers its storage contiguously (the usual case: its reload is then
@@ -177,25 +180,43 @@ class _Entry(_Offload):
         """The saved tensor's version when its copy was issued (set by the pack): every
         handle of the entry was saved at it (a save at another version is kept)."""
 
+    in_order = True
+    """Its engine runs every offload in order on one copy stream, so the next offload
+    into its host buffer needs no wait for this one (``HostPool.release``'s ``after``)."""
+
     def copy(self) -> Copy:
-        """The offload: the entry itself, its fields filled by the built-in engine (the
-        source is held until fenced)."""
+        """The offload as its engine knows it, for ``after``: the entry itself, its fields
+        filled by the built-in engine."""
         return self
 
 
 class _ForeignEntry(_Entry):
-    """An entry whose offload a user's engine made (``CopyEngine.offload``): that engine
-    is handed its own ``Copy`` back in ``after``, never the entry."""
+    """An entry whose offload a user's engine made (``CopyEngine.offload``): the calls on
+    the offload go to the ``Copy`` that engine returned, and the engine is handed that
+    ``Copy`` back in ``after``, never the entry."""
 
     __slots__ = ("foreign",)
+
+    in_order = False
 
     def __init__(self, *args: Any, foreign: Copy) -> None:
         super().__init__(*args)
         self.foreign = foreign  # what the engine's ``offload`` returned
 
     def copy(self) -> Copy:
-        """The offload: the ``Copy`` the engine returned."""
         return self.foreign
+
+    def done(self) -> bool:
+        return self.foreign.done()
+
+    def fence(self) -> None:
+        self.foreign.fence()
+
+    def synchronize(self) -> None:
+        self.foreign.synchronize()
+
+    def release_source(self) -> weakref.ref[torch.UntypedStorage] | None:
+        return self.foreign.release_source()
 
 
 class _Swapped:
@@ -280,13 +301,12 @@ class _Swapped:
             if buf is None:
                 return
             entry.buf = entry.host = None
-            offload = entry.copy()
             if not ctx.capturing:
                 if not entry.released:
-                    if not offload.done():
-                        offload.fence()
+                    if not entry.done():
+                        entry.fence()
                     entry.released = True
-                    entry.held = offload.release_source()
+                    entry.held = entry.release_source()
                 if reload is not None:
                     reload.fence()
             held = entry.held
@@ -296,12 +316,12 @@ class _Swapped:
                     ctx.not_freed(entry.stats, entry.nbytes, entry.name)
             if reload is not None:
                 entry.reload = None
-            if offload is entry:  # its offloads ran in order on one stream
+            if entry.in_order:
                 ctx.pool.release(buf, () if reload is None else (reload,))
             elif reload is None:
-                ctx.pool.release(buf, (offload,))
+                ctx.pool.release(buf, (entry.copy(),))
             else:
-                ctx.pool.release(buf, (offload, reload))
+                ctx.pool.release(buf, (entry.copy(), reload))
         finally:
             ctx.lock.release()
 
