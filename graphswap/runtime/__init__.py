@@ -22,9 +22,10 @@ every saved tensor of every wrapped forward, so it is written for the interprete
 - A swapped storage is one object: ``_handles._Entry`` subclasses the engine's
   ``_engines._Offload``, and the built-in engine writes the copy's fields into it
   (``AcceleratorCopyEngine._offload_into``, allowed by ``CopyEngine._fills_records``). A
-  user's engine returns its own ``Copy``: its entries are ``_ForeignEntry``, chosen once
-  in ``_Forward.offload``; ``entry.copy()`` is the offload either way, and the only place
-  the two are told apart.
+  user's engine returns its own ``Copy``: its entries are ``_ForeignEntry``, which pass
+  the offload's calls on to it. The runtime calls them on the entry either way; the
+  class, chosen once in ``_Forward.offload``, is the one place the two are told apart
+  (``copy()``: what the engine is handed back in ``after``; ``in_order``).
 - Storages are keyed by ``UntypedStorage._cdata`` (the C pointer, stable while alive):
   one host copy per storage however many views are saved (I10).
 - The parameter check is inline in the pack hook (``type(t) is Tensor``, ``_base``,
@@ -60,6 +61,8 @@ Private torch entry points, all of them, and why:
   backward runs and which: backward begin, and reentrant checkpointing refused.
 - ``torch._C._storage_Use_Count`` (``_engines``): whether another reference keeps an
   offloaded source on device (copied but not freed, I12).
+- ``torch._C._set_grad_enabled`` (``_engines``): grad off while a group of offloads is
+  queued at a module boundary, without ``torch.no_grad()``'s object and calls.
 - ``Tensor._base``, ``Tensor._version``, ``Tensor._is_param``, ``UntypedStorage._cdata``
   (``_forward``, ``_handles``, ``_recompute``, ``policy``, ``sim``, ``timeline``): views of
   parameters, the in-place check, the flag ``Parameter``'s instance check reads on a plain
