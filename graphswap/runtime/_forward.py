@@ -20,7 +20,15 @@ from torch.utils._pytree import tree_leaves
 from graphswap.errors import SwapExclusionError
 from graphswap.runtime._context import _Context
 from graphswap.runtime._group import _bad_decision, _Group
-from graphswap.runtime._handles import Kept, Layout, _Entry, _Swapped, layout_in, reload
+from graphswap.runtime._handles import (
+    Kept,
+    Layout,
+    _Entry,
+    _ForeignEntry,
+    _Swapped,
+    layout_in,
+    reload,
+)
 from graphswap.runtime._pool import TYPED_VIEWS, Refusal
 from graphswap.runtime._stats import GroupStats
 from graphswap.runtime.policy import (
@@ -189,15 +197,24 @@ class _Forward(dict[int, _Entry]):
                 src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
                 host = buf.view(torch.uint8, src.size(), nbytes)
                 first = layout_in(local, host)
+            # ``device``: the one object of its device (``_Context.first_engine``).
             if engine._fills_records:  # the built-in engine: the entry is the offload's record
                 entry = _Entry(
-                    ctx, self.group.name, stats, device, engine, nbytes, buf, host, None, first
-                )  # ``device``: the one object of its device (``_Context.first_engine``)
+                    ctx, self.group.name, stats, device, engine, nbytes, buf, host, first
+                )
                 engine._offload_into(entry, src, host, buf.last_use)  # type: ignore[attr-defined]
             else:
-                copy = engine.offload(src, host, buf.last_use)
-                entry = _Entry(
-                    ctx, self.group.name, stats, device, engine, nbytes, buf, host, copy, first
+                entry = _ForeignEntry(
+                    ctx,
+                    self.group.name,
+                    stats,
+                    device,
+                    engine,
+                    nbytes,
+                    buf,
+                    host,
+                    first,
+                    foreign=engine.offload(src, host, buf.last_use),
                 )
             self[storage._cdata] = entry
             if not self.queued:
@@ -222,7 +239,7 @@ class _Forward(dict[int, _Entry]):
     def fence_newest(self) -> None:
         """Order the producing stream after this forward's newest offload, which ends
         every earlier one of its copy stream: one wait for the whole lag fence."""
-        next(reversed(self.values())).copy().fence()
+        next(reversed(self.values())).fence()
 
     def release(self, due: bool) -> bool:
         """Drop the device sources of this forward's offloads, in saving order: fenced
@@ -231,15 +248,12 @@ class _Forward(dict[int, _Entry]):
         reference keeps is watched until its reload (``_Entry.held``, I12)."""
         for entry in self.values():
             if not entry.released:
-                offload = entry.offload
-                if offload is None:
-                    offload = entry  # the entry is its own offload record
                 if due:
-                    offload.fence()  # ordered already, unless another producer
-                elif not offload.done():
+                    entry.fence()  # ordered already, unless another producer
+                elif not entry.done():
                     return False
                 entry.released = True
-                entry.held = offload.release_source()
+                entry.held = entry.release_source()
         self.queued = False
         return True
 
@@ -247,16 +261,15 @@ class _Forward(dict[int, _Entry]):
         """Block until this forward's offloads completed, and drop their sources."""
         for entry in self.values():
             if not entry.released:
-                offload = entry.copy()
-                offload.synchronize()
+                entry.synchronize()
                 entry.released = True
-                entry.held = offload.release_source()
+                entry.held = entry.release_source()
         self.queued = False
 
     def prefetch(self) -> None:
         """Reload this forward's swapped storages as one batch, first needed first:
         backward consumes them in reverse saving order, and each waits only for its
-        own copy."""
+        own copy (a small one: for its group's, ``_engines.GROUP_BYTES``)."""
         if not self:
             return
         lock = self.ctx.lock
@@ -271,6 +284,19 @@ class _Forward(dict[int, _Entry]):
                 reload(due, prefetched=True)
         finally:
             lock.release()
+
+    def reload_missed(self, entry: _Entry) -> int:
+        """An unpack found no reload of ``entry`` issued (no prefetch reached this forward):
+        reload it first and this forward's other due storages after it, in the order
+        backward consumes them, as one batch: the rest of this forward's backward needs
+        them next. Called under the context's lock; returns how many storages, each a
+        prefetch miss."""
+        due = [entry]
+        for other in reversed(self.values()):
+            if other is not entry and other.reload is None and other.buf is not None and other.refs:
+                due.append(other)
+        reload(due, prefetched=False)
+        return len(due)
 
     def backward_begins(self, _grad: object = None) -> None:
         """Backward reached this forward: at its first unpack (a hook on its outputs

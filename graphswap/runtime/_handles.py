@@ -24,7 +24,7 @@ that reads changed bytes is always caught.
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -89,6 +89,10 @@ class Saver(Protocol):
     def backward_begins(self, _grad: object = None) -> None:
         """Backward reached the forward: prefetch the forwards before it."""
 
+    def reload_missed(self, entry: _Entry) -> int:
+        """An unpack found no reload of ``entry`` issued: reload it and the forward's other
+        due storages as one batch; how many (under the context's lock)."""
+
 
 Kept = tuple[torch.Tensor, int, Saver]
 """A saved tensor that stays on device: ``(alias, version, forward)``, a detached alias
@@ -100,10 +104,14 @@ built without a Python call: most tensors a decoder layer saves are kept."""
 class _Entry(_Offload):
     """One storage copied to host: shared by every handle that aliases it.
 
-    With the built-in engine (``CopyEngine._fills_records``) the entry is its own offload
-    record: the engine writes the copy's fields into it (``_offload_into``), and
-    ``offload`` is None; with another engine ``offload`` is the ``Copy`` it returned.
-    ``copy()`` is the offload either way.
+    The entry is its offload, whatever the engine: the runtime calls ``done()``,
+    ``fence()``, ``synchronize()`` and ``release_source()`` on it. The built-in engine
+    (``CopyEngine._fills_records``) writes the copy's fields into it (``_offload_into``),
+    so a swapped storage costs one object, not two; with another engine the entry is a
+    ``_ForeignEntry``, which holds the ``Copy`` that engine returned and passes those
+    calls on to it. The class, chosen once by ``_forward._Forward.offload``, is the one
+    place the two are told apart: ``copy()`` (what the engine is handed back in
+    ``after``) and ``in_order`` say the rest.
 
     ``host`` holds the storage's bytes, shaped as the tensor that was swapped when
     that tensor covers its storage contiguously (the usual case: its reload is then
@@ -127,7 +135,6 @@ class _Entry(_Offload):
         "host",
         "name",
         "nbytes",
-        "offload",
         "prefetched",
         "refs",
         "released",
@@ -149,7 +156,6 @@ class _Entry(_Offload):
         nbytes: int,
         buf: HostBuffer,
         host: torch.Tensor,
-        offload: Copy | None,
         first: Layout | None,
     ) -> None:
         self.ctx = ctx  # its lock, pool and capture flag: reloads and a handle's death settle there
@@ -160,9 +166,6 @@ class _Entry(_Offload):
         self.nbytes = nbytes  # the storage's size, copied whole
         self.buf: HostBuffer | None = buf  # the pool buffer; None: released, bytes gone
         self.host: torch.Tensor | None = host  # ``buf``'s view holding it; None: released
-        self.offload = offload
-        """The device-to-host copy, when the engine returned one; None: the entry is it (its
-        fields filled by the engine). Its source is held until fenced."""
         self.first = first  # the layout of the save that made it (``layout_in``), found then
         self.released = False  # the offload's source was dropped (``_Forward.release``)
         self.held: weakref.ref[torch.UntypedStorage] | None = None
@@ -177,10 +180,43 @@ class _Entry(_Offload):
         """The saved tensor's version when its copy was issued (set by the pack): every
         handle of the entry was saved at it (a save at another version is kept)."""
 
+    in_order = True
+    """Its engine runs every offload in order on one copy stream, so the next offload
+    into its host buffer needs no wait for this one (``HostPool.release``'s ``after``)."""
+
     def copy(self) -> Copy:
-        """The offload: the engine's record, or the entry itself."""
-        offload = self.offload
-        return self if offload is None else offload
+        """The offload as its engine knows it, for ``after``: the entry itself, its fields
+        filled by the built-in engine."""
+        return self
+
+
+class _ForeignEntry(_Entry):
+    """An entry whose offload a user's engine made (``CopyEngine.offload``): the calls on
+    the offload go to the ``Copy`` that engine returned, and the engine is handed that
+    ``Copy`` back in ``after``, never the entry."""
+
+    __slots__ = ("foreign",)
+
+    in_order = False
+
+    def __init__(self, *args: Any, foreign: Copy) -> None:
+        super().__init__(*args)
+        self.foreign = foreign  # what the engine's ``offload`` returned
+
+    def copy(self) -> Copy:
+        return self.foreign
+
+    def done(self) -> bool:
+        return self.foreign.done()
+
+    def fence(self) -> None:
+        self.foreign.fence()
+
+    def synchronize(self) -> None:
+        self.foreign.synchronize()
+
+    def release_source(self) -> weakref.ref[torch.UntypedStorage] | None:
+        return self.foreign.release_source()
 
 
 class _Swapped:
@@ -265,15 +301,12 @@ class _Swapped:
             if buf is None:
                 return
             entry.buf = entry.host = None
-            offload = entry.offload
-            if offload is None:
-                offload = entry  # the entry is its own offload record
             if not ctx.capturing:
                 if not entry.released:
-                    if not offload.done():
-                        offload.fence()
+                    if not entry.done():
+                        entry.fence()
                     entry.released = True
-                    entry.held = offload.release_source()
+                    entry.held = entry.release_source()
                 if reload is not None:
                     reload.fence()
             held = entry.held
@@ -283,12 +316,12 @@ class _Swapped:
                     ctx.not_freed(entry.stats, entry.nbytes, entry.name)
             if reload is not None:
                 entry.reload = None
-            if offload is entry:  # its offloads ran in order on one stream
+            if entry.in_order:
                 ctx.pool.release(buf, () if reload is None else (reload,))
             elif reload is None:
-                ctx.pool.release(buf, (offload,))
+                ctx.pool.release(buf, (entry.copy(),))
             else:
-                ctx.pool.release(buf, (offload, reload))
+                ctx.pool.release(buf, (entry.copy(), reload))
         finally:
             ctx.lock.release()
 
@@ -309,7 +342,7 @@ def reload(entries: list[_Entry], *, prefetched: bool) -> None:
                 reload([e for e in entries if e not in batch], prefetched=prefetched)
                 break
     # ``host`` is None once the last handle died; a due entry has live handles (``refs``).
-    items = [(entry.host, (entry if entry.offload is None else entry.offload,)) for entry in batch]
+    items = [(entry.host, (entry.copy(),)) for entry in batch]
     reloads = engine.reloads(device, items)  # type: ignore[arg-type]
     nbytes = 0
     for entry, copy in zip(batch, reloads, strict=True):
@@ -358,18 +391,18 @@ def unpack_hook(packed: Kept | _Swapped) -> torch.Tensor:
     lock.acquire()  # not ``with``: it makes two bound methods a call
     try:
         copy = entry.reload
-        if copy is None or packed.gen == entry.gen:
+        if copy is None:
+            # No prefetch reached it: the rest of its forward comes back with it.
+            entry.stats.prefetch_misses += fwd.reload_missed(entry)
+            copy = entry.reload
+            assert copy is not None
+        elif packed.gen == entry.gen:  # a second unpack of this handle in one backward
             entry.stats.prefetch_misses += 1
-            if copy is None:
-                reload([entry], prefetched=False)
-                copy = entry.reload
-                assert copy is not None
-            else:
-                host = entry.host
-                assert host is not None  # a live handle's entry holds its host copy
-                (copy,) = entry.engine.reloads(entry.device, [(host, (entry.copy(),))])
-                entry.stats.reloaded_tensors += 1
-                entry.stats.reloaded_bytes += entry.nbytes
+            host = entry.host
+            assert host is not None  # a live handle's entry holds its host copy
+            (copy,) = entry.engine.reloads(entry.device, [(host, (entry.copy(),))])
+            entry.stats.reloaded_tensors += 1
+            entry.stats.reloaded_bytes += entry.nbytes
         elif entry.prefetched:
             entry.stats.prefetch_hits += 1
             entry.prefetched = False

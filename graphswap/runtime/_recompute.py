@@ -33,15 +33,14 @@ again where an operator after them saved their output (the experts' routing-weig
 product), and, as the checkpoint stops once every save is regenerated, not at all
 where none did (a dense block's down projection feeds the residual add only).
 
-As with ``swap_wrapper``, the module's class is swapped for a generated subclass:
-the object, its FQNs, ``state_dict`` keys and ``isinstance`` stay, the generated
-class pickles by recipe, and :func:`unwrap_recompute` restores the original type.
+As with ``swap_wrapper`` (and through the same ``_class_swap.ClassSwap``), the
+module's class is swapped for a generated subclass: the object, its FQNs,
+``state_dict`` keys and ``isinstance`` stay, the generated class pickles as
+``_recompute_class(original)``, and :func:`unwrap_recompute` restores the original type.
 """
 
 from __future__ import annotations
 
-import copyreg
-import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,11 +56,9 @@ from graphswap.errors import (
     SwapSetupError,
     SwapStateError,
 )
+from graphswap.runtime._class_swap import ClassSwap, Forward
 from graphswap.runtime._handles import integrity_error, version_alias
 from graphswap.runtime.policy import is_parameter_like
-
-_STATE_ATTR = "_graphswap_recompute_state"
-_CLASS_CACHE: dict[type, type] = {}
 
 RecomputeCounter = Callable[[int, int], None]
 """Told, once per forward of a recomputed module, the tensors and the storage bytes
@@ -231,19 +228,6 @@ class RecomputeWrapped:
     """Marker base of every generated recompute class."""
 
 
-class _RecomputeClassMeta(type):
-    """Metaclass of the generated classes: lets them pickle by recipe, not by name."""
-
-    _graphswap_original: type
-
-
-def _reduce_recompute_class(cls: _RecomputeClassMeta) -> tuple[Any, tuple[type]]:
-    return _recompute_class, (cls._graphswap_original,)
-
-
-copyreg.pickle(_RecomputeClassMeta, _reduce_recompute_class)
-
-
 class _Region:
     """What a recomputed region's checkpoint runs: ``original``, whose first call is the
     forward and every later one a recompute.
@@ -356,39 +340,41 @@ def run_recomputed(
             saved.by_storage.clear()
 
 
-def _recompute_class(cls: type[torch.nn.Module]) -> type:
-    """``Recompute<cls>``: its forward runs the original under a non-reentrant checkpoint
-    and carries the original's signature."""
-    recompute_cls = _CLASS_CACHE.get(cls)
-    if recompute_cls is None:
-        if type(cls) is not type:
-            raise GraphswapTypeError(
-                f"recompute_wrapper supports modules whose class has the default metaclass;"
-                f" {cls.__qualname__} uses {type(cls).__qualname__}"
-            )
-        original = cls.forward
+def _recompute_forward(original: Forward) -> Forward:
+    """The forward of ``Recompute<cls>``: ``original`` (``cls.forward``) run under a
+    non-reentrant checkpoint while grad is on."""
 
-        @functools.wraps(original)
-        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return original(self, *args, **kwargs)
-            state: _RecomputeState = self.__dict__[_STATE_ATTR]
-            return run_recomputed(
-                original,
-                self,
-                args,
-                kwargs,
-                counter=state.counter,
-                save_matmuls=state.save_matmuls,
-                rerun_to_input_width=state.rerun_to_input_width,
-            )
-
-        namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
-        recompute_cls = _RecomputeClassMeta(
-            f"Recompute{cls.__name__}", (RecomputeWrapped, cls), namespace
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(self, *args, **kwargs)
+        state: _RecomputeState = self.__dict__[_CLASSES.state_attr]
+        return run_recomputed(
+            original,
+            self,
+            args,
+            kwargs,
+            counter=state.counter,
+            save_matmuls=state.save_matmuls,
+            rerun_to_input_width=state.rerun_to_input_width,
         )
-        _CLASS_CACHE[cls] = recompute_cls
-    return recompute_cls
+
+    return forward
+
+
+_CLASSES = ClassSwap(
+    prefix="Recompute",
+    marker=RecomputeWrapped,
+    state_attr="_graphswap_recompute_state",
+    forward=_recompute_forward,
+    wrapper="recompute_wrapper",
+)
+"""The generated ``Recompute<Class>`` classes and the modules' ``_RecomputeState``."""
+
+
+@_CLASSES.bind
+def _recompute_class(cls: type[torch.nn.Module]) -> type:
+    """``Recompute<cls>``; what a pickled wrapped module rebuilds its class with."""
+    return _CLASSES.generated(cls)
 
 
 def is_recompute_wrapped(module: torch.nn.Module) -> bool:
@@ -426,18 +412,16 @@ def recompute_wrapper(
             f"{type(module).__name__} is already recompute-wrapped; call"
             " unwrap_recompute(module) first"
         )
-    cls = type(module)
-    recompute_cls = _recompute_class(cls)
-    module.__dict__[_STATE_ATTR] = _RecomputeState(cls, counter, save_matmuls, rerun_to_input_width)
-    module.__class__ = recompute_cls
+    _CLASSES.install(
+        module, _RecomputeState(type(module), counter, save_matmuls, rerun_to_input_width)
+    )
     return module
 
 
 def unwrap_recompute(module: torch.nn.Module) -> torch.nn.Module:
     """Undo ``recompute_wrapper``: the original class, nothing recomputed."""
-    state: _RecomputeState | None = module.__dict__.get(_STATE_ATTR)
+    state: _RecomputeState | None = _CLASSES.state(module)
     if state is None:
         raise SwapSetupError(f"{type(module).__name__} is not recompute-wrapped; nothing to unwrap")
-    module.__class__ = state.original_type
-    del module.__dict__[_STATE_ATTR]
+    _CLASSES.remove(module, state.original_type)
     return module

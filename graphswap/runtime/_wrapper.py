@@ -1,18 +1,15 @@
 """swap_wrapper: install activation swap on a module without replacing the object.
 
 Like FSDP2's ``fully_shard``, the module's class is swapped for a generated
-subclass whose ``forward`` runs under the manager's saved-tensor hooks. The object,
-its parameters, buffers, FQNs, ``state_dict`` keys, attributes and ``isinstance``
-all stay as they were, and ``unwrap_swap`` restores the exact original type.
-
-A generated class pickles as the call that makes it (``_swap_class(original)``), so a
-wrapped model survives ``pickle``, ``torch.save`` and ``copy.deepcopy`` with swap
-installed; the manager pickles its links and options, not its run-time state.
+subclass whose ``forward`` runs under the manager's saved-tensor hooks
+(``_class_swap.ClassSwap``, which the recompute wrapper shares): the object, its
+FQNs, ``state_dict`` keys and ``isinstance`` stay, and ``unwrap_swap`` restores the
+exact original type. A generated class pickles as ``_swap_class(original)``; the
+manager pickles its links and options, not its run-time state.
 """
 
 from __future__ import annotations
 
-import copyreg
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,12 +18,10 @@ from typing import Any
 import torch
 
 from graphswap.errors import GraphswapTypeError, SwapSetupError
+from graphswap.runtime._class_swap import ClassSwap, Forward
 from graphswap.runtime._manager import SwapManager
 from graphswap.runtime._recompute import run_recomputed
 from graphswap.runtime.policy import SwapPolicy, swap_large_activations
-
-_STATE_ATTR = "_graphswap_swap_state"
-_CLASS_CACHE: dict[type, type] = {}
 
 RecomputeKwargs = Callable[
     [torch.nn.Module, dict[str, Any]], Callable[[dict[str, Any]], dict[str, Any]] | None
@@ -54,45 +49,36 @@ class SwapWrapped:
     """Marker base of every generated swap class."""
 
 
-class _SwapClassMeta(type):
-    """Metaclass of the generated classes: lets them pickle by recipe, not by name."""
+def _swap_forward(original: Forward) -> Forward:
+    """The forward of ``Swap<cls>``: ``original`` (``cls.forward``) run under the manager's
+    hooks, or recomputed in backward when the module was wrapped with ``recompute``."""
 
-    _graphswap_original: type
-
-
-def _reduce_swap_class(swap_cls: _SwapClassMeta) -> tuple[Any, tuple[type]]:
-    return _swap_class, (swap_cls._graphswap_original,)
-
-
-copyreg.pickle(_SwapClassMeta, _reduce_swap_class)
-
-
-def _swap_class(cls: type[torch.nn.Module]) -> type:
-    """``Swap<cls>``: its forward runs the original under the manager's hooks and
-    carries the original's signature (HF inspects ``forward`` parameters)."""
-    swap_cls = _CLASS_CACHE.get(cls)
-    if swap_cls is None:
-        if type(cls) is not type:
-            raise GraphswapTypeError(
-                f"swap_wrapper supports modules whose class has the default metaclass;"
-                f" {cls.__qualname__} uses {type(cls).__qualname__}"
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state: _SwapState = self.__dict__[_CLASSES.state_attr]
+        if state.recompute is not None and torch.is_grad_enabled():
+            recomputed = _recomputed(
+                original, state.manager, state.recompute, state.recompute_kwargs
             )
-        original = cls.forward
+            return state.manager.run_forward(self, recomputed, args, kwargs)
+        return state.manager.run_forward(self, original, args, kwargs)
 
-        @functools.wraps(original)
-        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            state: _SwapState = self.__dict__[_STATE_ATTR]
-            if state.recompute is not None and torch.is_grad_enabled():
-                recomputed = _recomputed(
-                    original, state.manager, state.recompute, state.recompute_kwargs
-                )
-                return state.manager.run_forward(self, recomputed, args, kwargs)
-            return state.manager.run_forward(self, original, args, kwargs)
+    return forward
 
-        namespace = {"__module__": __name__, "forward": forward, "_graphswap_original": cls}
-        swap_cls = _SwapClassMeta(f"Swap{cls.__name__}", (SwapWrapped, cls), namespace)
-        _CLASS_CACHE[cls] = swap_cls
-    return swap_cls
+
+_CLASSES = ClassSwap(
+    prefix="Swap",
+    marker=SwapWrapped,
+    state_attr="_graphswap_swap_state",
+    forward=_swap_forward,
+    wrapper="swap_wrapper",
+)
+"""The generated ``Swap<Class>`` classes and the modules' ``_SwapState``."""
+
+
+@_CLASSES.bind
+def _swap_class(cls: type[torch.nn.Module]) -> type:
+    """``Swap<cls>``; what a pickled wrapped module rebuilds its class with."""
+    return _CLASSES.generated(cls)
 
 
 def _recomputed(
@@ -127,7 +113,7 @@ def is_swap_wrapped(module: torch.nn.Module) -> bool:
 
 
 def swap_manager_of(module: torch.nn.Module) -> SwapManager | None:
-    state = module.__dict__.get(_STATE_ATTR)
+    state: _SwapState | None = _CLASSES.state(module)
     return state.manager if state is not None else None
 
 
@@ -167,20 +153,19 @@ def swap_wrapper(
             " runs none; pass recompute=True, or leave recompute_kwargs out"
         )
     cls = type(module)
+    _CLASSES.generated(cls)  # refused before registering: nothing half-applied
     registered = manager.register(module, name, policy)
-    module.__dict__[_STATE_ATTR] = _SwapState(
-        manager, cls, registered if recompute else None, recompute_kwargs
+    _CLASSES.install(
+        module, _SwapState(manager, cls, registered if recompute else None, recompute_kwargs)
     )
-    module.__class__ = _swap_class(cls)
     return module
 
 
 def unwrap_swap(module: torch.nn.Module) -> torch.nn.Module:
     """Undo ``swap_wrapper``: the original class, unregistered, links dropped."""
-    state: _SwapState | None = module.__dict__.get(_STATE_ATTR)
+    state: _SwapState | None = _CLASSES.state(module)
     if state is None:
         raise SwapSetupError(f"{type(module).__name__} is not swap-wrapped; nothing to unwrap")
     state.manager.unregister(module)
-    module.__class__ = state.original_type
-    del module.__dict__[_STATE_ATTR]
+    _CLASSES.remove(module, state.original_type)
     return module

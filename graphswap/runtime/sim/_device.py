@@ -196,6 +196,13 @@ def _follows(stream: SimStream, point: Point) -> bool:
     return other is stream or stream.waited.get(other, 0) >= position
 
 
+def _after(stream: SimStream, point: Point) -> bool:
+    """Whether work queued on ``stream`` from now on runs after ``point``: ordered by its
+    waits, or completed where the host saw it (a query that answered True, a synchronize),
+    which comes before whatever the host queues next."""
+    return point[0].observed >= point[1] or _follows(stream, point)
+
+
 _SET = torch.ops.aten.set_
 """Changes a tensor's storage, writes none."""
 
@@ -484,9 +491,9 @@ class SimDevice(Device[SimStream, SimEvent]):
                 f" it was saved)"
             )
         buffer = self.record_of(host.untyped_storage(), self.default)
-        if buffer.writer is not None and not _follows(stream, buffer.writer):
+        if buffer.writer is not None and not _after(stream, buffer.writer):
             hazard = hazard or "a host buffer was rewritten while another offload still writes it"
-        if any(not _follows(stream, reader) for reader in buffer.readers):
+        if any(not _after(stream, reader) for reader in buffer.readers):
             hazard = hazard or (
                 "a host buffer was rewritten while a reload still reads it;"
                 " an offload must wait for the buffer's last use"
@@ -499,7 +506,7 @@ class SimDevice(Device[SimStream, SimEvent]):
         position = stream.issued
         hazard = None
         buffer = self.record_of(host.untyped_storage(), self.default)
-        if buffer.writer is not None and not _follows(stream, buffer.writer):
+        if buffer.writer is not None and not _after(stream, buffer.writer):
             hazard = "a reload read a host buffer before its offload filled it"
         buffer.readers.append((stream, position))
         out = self._storages.get(dst.untyped_storage()._cdata)

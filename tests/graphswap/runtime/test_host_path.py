@@ -16,6 +16,7 @@ import torch
 from graphswap import CheckpointPolicy, SwapManager, swap_wrapper
 from graphswap.planning.measure import ResidentActivationTracker
 from graphswap.runtime import _pool as pool_module
+from graphswap.runtime._engines import GROUP_BYTES
 from graphswap.runtime._forward import _Forward
 from graphswap.runtime._handles import unpack_hook
 from graphswap.runtime.sim import SimulatedAccelerator
@@ -85,6 +86,38 @@ def test_three_calls_per_swapped_tensor_and_direction_and_a_few_per_module(
     assert calls["copy", "offload"] == calls["copy", "reload"] == tensors
     assert by_role["boundary"] == 3 * BLOCKS, "2 boundaries in forward, 1 in backward"
     assert not any(kind == "event_create" for kind, _ in calls), "events are pooled"
+
+
+def test_small_saves_share_their_ordering_at_most_three_calls_per_tensor() -> None:
+    """Saves under ``GROUP_BYTES`` (2 KiB here) share the ordering a large one has alone:
+    a module's offloads go as one group after one wait for the stream that produced
+    them, a batch of reloads records one event, and an unpack skips a wait an earlier
+    one implied, so the copy dominates: at most three calls per swapped tensor and
+    direction, the module's own calls included (the last module's reloads too, issued by
+    its first unpack as one batch). On a device that keeps up (lag 0, as the
+    ``--overhead`` count), where the completion query at a module's end answers yes and
+    no fence follows."""
+    rows = 2
+    assert rows * WIDTH * 4 * 2 <= GROUP_BYTES, "a block's two saves fit one group"
+    engine = SimulatedAccelerator(lag=0)
+    manager = SwapManager(engine=engine, keep_last=False)
+    model = chain(manager)
+    step(model, rows)
+    step(model, rows)
+    before = engine.calls.copy()
+    manager.reset_stats()
+    step(model, rows)
+    calls = engine.calls - before
+    stats = manager.stats
+    tensors = stats.offloaded_tensors
+    assert tensors == 2 * BLOCKS and stats.reloaded_tensors == tensors
+    assert stats.prefetch_misses == 2, "the last block's two storages, reloaded as one batch"
+    by_role: dict[str, int] = {}
+    for (_, role), n in calls.items():
+        by_role[role] = by_role.get(role, 0) + n
+    assert by_role["offload"] <= 3 * tensors, calls
+    assert by_role["reload"] <= 3 * tensors, calls
+    assert calls["copy", "offload"] == calls["copy", "reload"] == tensors
 
 
 _HOOKS = {_Forward.__call__.__code__, unpack_hook.__code__}
