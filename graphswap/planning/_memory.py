@@ -90,7 +90,13 @@ def plan_memory(
 
     def trace(at: StepShape, recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
         # Built every time (milliseconds), so that its checks run; the trace is made once.
-        meta = build_meta_model(config, at, activation_swap=activation_swap, recompute=recompute)
+        meta = build_meta_model(
+            config,
+            at,
+            activation_swap=activation_swap,
+            recompute=recompute,
+            activation_checkpointing=activation_checkpointing,
+        )
         return trace_once(meta, at, recompute, resolved, chosen_policy, optimizer=optimizer)
 
     if activation_swap == "budget":
