@@ -68,7 +68,8 @@ def plan_memory(
     plan may take (:func:`_budget_with_head`). ``activation_checkpointing``: with
     ``budget``, the trainer checkpoints every layer (its own ``activation_checkpointing``);
     the plan honours it by recomputing every whole layer, and decides how much of their
-    inputs to swap. A bad setting raises
+    inputs to swap; the embeddings' output requires grad, as the trainer's checkpointing
+    makes it (what a LoRA step's first layer saves). A bad setting raises
     :class:`PlanSettingError` (naming the config's key) or :class:`ProfileError` before
     any model is built.
     """

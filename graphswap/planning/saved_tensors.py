@@ -54,7 +54,7 @@ from graphswap.runtime.policy import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 EMBED = "embed"
 HEAD = "head"
@@ -537,8 +537,8 @@ def build_meta_model(
     if shape.lora_rank is not None:
         _install_lora(model, shape.lora_rank, shape)
     _install_loss_head(model, shape)
-    if activation_checkpointing:
-        model.enable_input_require_grads()
+    if activation_checkpointing:  # Hugging Face's own call, as the trainer makes it
+        cast("PreTrainedModel", model).enable_input_require_grads()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     ids = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long, device="meta")
     chunk_size = shape.loss_head_chunk_size if shape.loss_head == "chunked" else None
     meta = MetaModel(

@@ -153,7 +153,7 @@ def test_sft_trainer_defaults_train_a_budget_plan_like_the_plain_run(
     args = sft_args(tmp_path)
     result = apply_budget(net, BUDGET, args)
     assert result.auto_swap.plan.loss_head == "trl"
-    assert result.auto_swap.plan.autocast_dtype == torch.bfloat16  # SFTConfig's bf16
+    assert result.auto_swap.plan.autocast_dtype == "bfloat16"  # SFTConfig's bf16
     assert "seq_len: 256, batch_size: 2" in result.auto_swap.made_for
     run, trainer = sft(net, args)
     assert not _checkpointed(trainer.model)
