@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from graphswap._compat._warn import resolve, warn
+from graphswap.errors import GraphswapError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -46,13 +47,12 @@ def flat_settings(plan: Callable[..., Plan]) -> Callable[..., Plan]:
         flat = {name: keywords.pop(name) for name in list(keywords) if name not in TYPED}
         if not flat and (args or "shape" in keywords):
             return plan(config, *args, **keywords)
-        error = resolve("graphswap.hf.attention_kernels:PlanSettingError")
         memory_strategy = resolve("graphswap.planning._registry:memory_strategy")
         split_settings = resolve("graphswap.planning._settings:split_settings")
         resolve_profile = resolve("graphswap.planning._plan:resolve_profile")
         if args or "shape" in keywords or "schedule" in keywords:
             given = ", ".join(flat) or "no shape"
-            raise error(
+            raise _setting_error(
                 "shape",
                 given,
                 "plan_memory takes a StepShape and a SwapSchedule, or (deprecated) their "
@@ -70,7 +70,7 @@ def flat_settings(plan: Callable[..., Plan]) -> Callable[..., Plan]:
             swap_tflops=keywords.get("swap_tflops"),
         )
         if "seq_len" not in shape_settings:
-            raise error("seq_len", None, "is required: the tokens per sequence to plan")
+            raise _setting_error("seq_len", None, "is required: the tokens per sequence to plan")
         warn(
             f"plan_memory({'=..., '.join(flat)}=...) is deprecated: pass the step as "
             "plan_memory(config, StepShape(...), schedule=SwapSchedule(...)) "
@@ -81,3 +81,11 @@ def flat_settings(plan: Callable[..., Plan]) -> Callable[..., Plan]:
         return plan(config, shape, schedule=schedule, **keywords)
 
     return planned
+
+
+def _setting_error(setting: str, value: object, detail: str) -> GraphswapError:
+    """The planner's ``PlanSettingError`` (of :mod:`graphswap.hf`), imported on use."""
+    error: GraphswapError = resolve("graphswap.hf.attention_kernels:PlanSettingError")(
+        setting, value, detail
+    )
+    return error

@@ -55,9 +55,10 @@ def plan_memory(
     plan may take (:meth:`~graphswap.planning._budget.BudgetStrategy.plan`).
     ``activation_checkpointing``: the trainer checkpoints every layer itself; ``budget``
     honours it by recomputing every whole layer and deciding how much of their inputs to
-    swap (:meth:`~graphswap.planning._strategy.MemoryStrategy.checkpointed`). A bad
-    setting raises :class:`PlanSettingError` (naming the config's key) or
-    :class:`ProfileError` before any model is built.
+    swap (:meth:`~graphswap.planning._strategy.MemoryStrategy.checkpointed`); the
+    embeddings' output requires grad, as the trainer's checkpointing makes it (what a LoRA
+    step's first layer saves). A bad setting raises :class:`PlanSettingError` (naming
+    the config's key) or :class:`ProfileError` before any model is built.
 
     The fields of ``shape`` and ``schedule`` as flat keywords (``seq_len=4096``; 0.1.0's
     ``seq=4096`` too) still work until 0.3, with a ``DeprecationWarning``
@@ -79,7 +80,13 @@ def plan_memory(
 
     def trace(at: StepShape, recompute: tuple[RecomputeKind, ...] = ()) -> StepTrace:
         # Built every time (milliseconds), so that its checks run; the trace is made once.
-        meta = build_meta_model(config, at, activation_swap=strategy.name, recompute=recompute)
+        meta = build_meta_model(
+            config,
+            at,
+            activation_swap=strategy.name,
+            recompute=recompute,
+            activation_checkpointing=activation_checkpointing,
+        )
         return trace_once(meta, at, recompute, resolved, chosen_policy, optimizer=optimizer)
 
     return strategy.plan(config, shape, trace, schedule, activation_memory_budget)

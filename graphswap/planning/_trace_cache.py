@@ -1,7 +1,8 @@
 """The steps the planner traced last, by what makes a trace.
 
-A trace depends on the model's config, the step's shape, the recompute level, the device
-profile, the swap policy and whether the step ends with AdamW; not on the swap mode, the
+A trace depends on the model's config, the step's shape, the recompute level, whether
+the embeddings' output requires grad (a trainer's checkpointing), the device profile,
+the swap policy and whether the step ends with AdamW; not on the swap mode, the
 schedule (offload lag, prefetch depth, hide margin, host budget) nor the budget, which
 only its replays read. Plans that differ there alone (each mode of one step; a sweep of
 budgets or hide margins; the swap pass planning again the budget ``plan-memory`` chose)
@@ -60,7 +61,15 @@ def trace_once(
 ) -> StepTrace:
     """``trace_step`` of ``meta``, built at ``shape`` with ``recompute``, or the same step
     traced before. A trace that raises is not kept: the same settings raise again."""
-    key = (config_key(meta.rank_config), shape, tuple(recompute), profile, policy, optimizer)
+    key = (
+        config_key(meta.rank_config),
+        shape,
+        tuple(recompute),
+        meta.inputs_require_grad,
+        profile,
+        policy,
+        optimizer,
+    )
     with _lock:
         found = _traces.get(key)
         if found is not None:

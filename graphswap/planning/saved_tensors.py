@@ -54,7 +54,7 @@ from graphswap.runtime.policy import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 EMBED = "embed"
 HEAD = "head"
@@ -382,6 +382,10 @@ class MetaModel:
     the last forward (what recompute dropped), as the runtime counts them."""
     autocast: AutocastTrace | None = None
     """Autocast as the step runs it on ``device``; ``None``: the step runs without."""
+    inputs_require_grad: bool = False
+    """The input embeddings' output requires grad, frozen embeddings (LoRA's) or not:
+    what a trainer's activation checkpointing turns on (``enable_input_require_grads``),
+    under which the first layer saves for its input's gradient as every other does."""
 
     @contextmanager
     def tracing(self) -> Iterator[None]:
@@ -473,6 +477,7 @@ def build_meta_model(
     *,
     activation_swap: str | None = None,
     recompute: Sequence[RecomputeKind] = (),
+    activation_checkpointing: bool = False,
 ) -> MetaModel:
     """One rank's model of ``config`` on meta, ready to trace at ``shape``.
 
@@ -483,6 +488,9 @@ def build_meta_model(
     :class:`PlanSettingError` naming it (``model`` for a model graphswap cannot plan at
     all). ``recompute``: the kinds of submodule every layer recomputes
     (:mod:`graphswap.planning._units`), wrapped as the runtime wraps them.
+    ``activation_checkpointing``: the trainer checkpoints every layer, and so makes the
+    input embeddings' output require grad, as Hugging Face's and TRL's checkpointing do
+    for a ``PeftModel`` (its embeddings frozen, the first layer's input would need none).
     """
     attn_implementation, tp_size = shape.attn_implementation, shape.tp_size
     model_class = eager_only(config)
@@ -529,6 +537,8 @@ def build_meta_model(
     if shape.lora_rank is not None:
         _install_lora(model, shape.lora_rank, shape)
     _install_loss_head(model, shape)
+    if activation_checkpointing:  # Hugging Face's own call, as the trainer makes it
+        cast("PreTrainedModel", model).enable_input_require_grads()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     ids = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long, device="meta")
     chunk_size = shape.loss_head_chunk_size if shape.loss_head == "chunked" else None
     meta = MetaModel(
@@ -544,6 +554,7 @@ def build_meta_model(
         autocast=None
         if shape.autocast_dtype is None
         else AutocastTrace(shape.device, shape.autocast_dtype),
+        inputs_require_grad=activation_checkpointing,
     )
     if not recompute:
         return meta

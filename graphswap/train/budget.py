@@ -26,8 +26,8 @@ from torch import nn
 from graphswap.errors import SwapExclusionError
 from graphswap.hf import trl_head
 from graphswap.passes import InfrastructureResult, pass_plan
+from graphswap.passes.plan_executor import AutoSwap
 from graphswap.passes.swap import apply_swap, plan_auto_swap, swap_engine
-from graphswap.planning.auto_swap import AutoSwap
 from graphswap.rewriting.apply import RewriteReport, rewrite_report
 from graphswap.train.config import ConfigError, TrainerConfig
 

@@ -17,9 +17,13 @@ import torch
 import graphswap
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import preset_config
+from graphswap.passes.plan_executor import AutoSwapMismatchWarning
 from graphswap.planning import PlanSettingError, plan_memory
-from graphswap.planning.auto_swap import AutoSwapMismatchWarning
-from graphswap.planning.saved_tensors import SavedTensorCollector, trace_saved_tensors
+from graphswap.planning.saved_tensors import (
+    SavedTensorCollector,
+    build_meta_model,
+    trace_saved_tensors,
+)
 from graphswap.planning.trace import StepShape
 from graphswap.runtime.policy import swap_large_activations
 from graphswap.train.build import build
@@ -62,6 +66,51 @@ def test_the_trace_saves_what_a_real_cpu_autocast_step_saves(preset: str, attn: 
     real = _saves(collector.saves)
     assert traced == real
     assert any(dtype == torch.bfloat16 for saves in real.values() for _, dtype, _, _ in saves)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_trace_saves_what_a_real_peft_model_saves_under_cpu_autocast(
+    preset: str, checkpointing: bool
+) -> None:
+    """A LoRA step under bf16 autocast, save for save: the frozen weights' casts made
+    anew at each call, the adapters' through autocast's cache, PEFT's fp32 input to the
+    adapters; with the trainer's checkpointing, the embeddings' output requiring grad
+    (``enable_input_require_grads``, as TRL's SFTTrainer and Hugging Face's
+    checkpointing set it), so the first layer saves for its input's gradient too."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    config = preset_config(preset, attn_implementation="eager")
+    config.num_hidden_layers = 1
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        build_model(config, dtype=torch.float32).train(),
+        peft.LoraConfig(r=8, target_modules=targets),
+    )
+    if checkpointing:
+        model.enable_input_require_grads()
+    collector = SavedTensorCollector(model.get_base_model(), swap_large_activations)
+    ids = torch.randint(0, config.vocab_size, (BATCH_SIZE, SEQ_LEN))
+    with collector.collect(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    shape = StepShape(
+        seq_len=SEQ_LEN,
+        batch_size=BATCH_SIZE,
+        dtype=torch.float32,
+        autocast_dtype=torch.bfloat16,
+        attn_implementation="eager",
+        device="cpu",
+        lora_rank=8,
+        lora_target_modules=tuple(targets),
+    )
+    meta = build_meta_model(config, shape, activation_checkpointing=checkpointing)
+    traced_collector = SavedTensorCollector(meta.model, swap_large_activations)
+    with traced_collector.collect(), meta.tracing():
+        meta.forward()
+    real = _saves(collector.saves)
+    assert _saves(traced_collector.saves) == real
+    _, dtype, _, _ = real["model.layers.0"][0]  # the norm's input, or the adapters' cast
+    assert dtype == (torch.float32 if checkpointing else torch.bfloat16)
 
 
 def test_autocast_computes_in_a_lower_precision_or_not_at_all() -> None:

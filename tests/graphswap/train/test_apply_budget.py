@@ -80,7 +80,10 @@ Run = tuple[list[float], dict[str, torch.Tensor]]
 
 
 def sft(
-    net: torch.nn.Module, args: Any, prepare: Callable[[Any], None] | None = None
+    net: torch.nn.Module,
+    args: Any,
+    prepare: Callable[[Any], None] | None = None,
+    peft_config: Any = None,
 ) -> tuple[Run, Any]:
     """The losses and final parameters of ``args``' SFTTrainer run, and the trainer;
     ``prepare`` is given the trainer before it trains."""
@@ -89,6 +92,7 @@ def sft(
         args=args,
         train_dataset=datasets.Dataset.from_dict({"input_ids": rows()}),
         processing_class=tokenizer(),
+        peft_config=peft_config,
     )
     if prepare is not None:
         prepare(trainer)
@@ -149,7 +153,7 @@ def test_sft_trainer_defaults_train_a_budget_plan_like_the_plain_run(
     args = sft_args(tmp_path)
     result = apply_budget(net, BUDGET, args)
     assert result.auto_swap.plan.loss_head == "trl"
-    assert result.auto_swap.plan.autocast_dtype == torch.bfloat16  # SFTConfig's bf16
+    assert result.auto_swap.plan.autocast_dtype == "bfloat16"  # SFTConfig's bf16
     assert "seq_len: 256, batch_size: 2" in result.auto_swap.made_for
     run, trainer = sft(net, args)
     assert not _checkpointed(trainer.model)
@@ -171,6 +175,41 @@ def test_applied_to_the_model_the_trainer_holds_it_plans_trls_head_and_trains_th
     assert_same(run, plain["tiny-llama"])
     [result] = applied
     assert result.auto_swap.plan.loss_head == "trl"
+    assert_recomputed_whole_layers(result)
+
+
+LORA_TARGETS = {
+    "tiny-llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "tiny": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+"""Every projection of Llama; Qwen3-MoE's attention (PEFT adapts its fused experts as
+parameters, which the planner refuses rather than models)."""
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny"])
+def test_sft_trainer_defaults_with_peft_config_train_a_budget_plan_like_the_plain_run(
+    preset: str, tmp_path: Path, one_thread: None
+) -> None:
+    """SFTConfig's defaults with ``peft_config`` (rank 8): the one call on the PeftModel
+    the trainer holds plans its LoRA step (the adapters' state, TRL's head inside it),
+    honours the trainer's checkpointing as whole layers recomputed, and the adapters
+    train bit for bit like TRL's own checkpointed LoRA run."""
+    peft = pytest.importorskip("peft")
+
+    def lora() -> Any:
+        return peft.LoraConfig(r=8, target_modules=list(LORA_TARGETS[preset]))
+
+    plain, _ = sft(model(preset), sft_args(tmp_path / "plain"), peft_config=lora())
+    applied: list[Any] = []
+
+    def budget(trainer: Any) -> None:
+        applied.append(apply_budget(trainer.model, BUDGET, trainer.args))
+
+    run, trainer = sft(model(preset), sft_args(tmp_path), prepare=budget, peft_config=lora())
+    assert not _checkpointed(trainer.model)
+    assert_same(run, plain)
+    [result] = applied
+    assert (result.auto_swap.plan.lora_rank, result.auto_swap.plan.loss_head) == (8, "trl")
     assert_recomputed_whole_layers(result)
 
 
