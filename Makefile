@@ -66,8 +66,11 @@ env: $(STAMP)
 train: $(STAMP)
 	$(BIN)/graphswap train $(ARGS)
 
+# Two workers (pytest-xdist), a test file each at a time: most tests compute on one thread
+# and the gloo worlds wait on their ranks, so one process left a core idle; --durations=15:
+# every run lists the slowest tests (the suite must stay under 3 minutes).
 test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # ruff, the layers contract in pyproject.toml (imports point down: application ->
 # passes -> core), and mypy over the packages `[tool.mypy]` lists (strict: the runtime).

@@ -3,6 +3,7 @@ runs started in the background."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +13,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``make test``'s two xdist workers on two cores, each computes on one thread:
+    two threads each would oversubscribe the cores, and OpenMP's barriers then make a
+    step many times slower."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -72,6 +72,12 @@ def swap_base(base: TrainerConfig) -> TrainerConfig:
     return dataclasses.replace(base, num_layers=2, seq_len=512, batch_size=2, steps=1)
 
 
+@pytest.fixture(scope="module")
+def swap_base_run(swap_base: TrainerConfig) -> TrainResult:
+    """``swap_base`` without swap: what the swap modes' runs are compared with."""
+    return run(swap_base)
+
+
 def run(config: TrainerConfig, **changes: Any) -> TrainResult:
     return train(dataclasses.replace(config, **changes), progress=False)
 
@@ -80,8 +86,10 @@ def run(config: TrainerConfig, **changes: Any) -> TrainResult:
 
 
 @case("activation_swap")
-def test_activation_swap_offloads_without_changing_the_losses(swap_base: TrainerConfig) -> None:
-    plain, swapped = run(swap_base), run(swap_base, activation_swap="attention")
+def test_activation_swap_offloads_without_changing_the_losses(
+    swap_base: TrainerConfig, swap_base_run: TrainResult
+) -> None:
+    plain, swapped = swap_base_run, run(swap_base, activation_swap="attention")
     assert (plain.applied_passes, swapped.applied_passes) == ([], ["swap"])
     assert swapped.swap["offloaded_bytes"] > 0
     assert swapped.resident_activation_bytes < plain.resident_activation_bytes
@@ -90,9 +98,9 @@ def test_activation_swap_offloads_without_changing_the_losses(swap_base: Trainer
 
 @case("activation_memory_budget")
 def test_activation_memory_budget_decides_what_budget_recomputes(
-    swap_base: TrainerConfig,
+    swap_base: TrainerConfig, swap_base_run: TrainResult
 ) -> None:
-    plain = run(swap_base)
+    plain = swap_base_run
     with pytest.raises(passes.PassSettingError) as refused:
         run(swap_base, activation_swap="budget", activation_memory_budget=1)
     found = re.search(r"smallest peak any plan reaches is (\d+) bytes", str(refused.value))

@@ -29,12 +29,13 @@ FAST = {"num_layers": 2, "seq_len": 256, "steps": 3}
 def test_swap_changes_no_loss_and_lowers_resident_activations(
     attn_implementation: str, seq_len: int
 ) -> None:
-    # The shortest sequence at which each attention saves tensors of the 1 MiB swap threshold.
-    run = {**FAST, "attn_implementation": attn_implementation, "seq_len": seq_len}
+    # The shortest sequence at which each attention saves tensors of the 1 MiB swap threshold;
+    # two steps: the second runs on weights the first updated.
+    run = {**FAST, "attn_implementation": attn_implementation, "seq_len": seq_len, "steps": 2}
     none = train(TrainerConfig(**run), progress=False)
     swap = train(TrainerConfig(activation_swap="attention", **run), progress=False)
-    assert swap.losses == none.losses
-    offloaded = swap.swap["per_group"]["model.layers.0.self_attn"]["offloaded_bytes"] / 3
+    assert len(swap.losses) == 2 and swap.losses == none.losses
+    offloaded = swap.swap["per_group"]["model.layers.0.self_attn"]["offloaded_bytes"] / 2
     assert offloaded > 0
     assert none.peak_memory_bytes - swap.peak_memory_bytes == pytest.approx(offloaded, rel=0.01)
     assert swap.applied_passes == ["swap"] and none.applied_passes == []
