@@ -158,21 +158,26 @@ class CopyEngine(abc.ABC):
 class _Mark:
     """A pooled event recorded on a copy stream: the end of the copies before it.
 
+    Made open (``seq`` 0, no event), handed to the copies it will end as they are issued,
+    and recorded after the last of them: one object per group, no pass over its copies.
     Its event goes back to the pool when the last copy that refers to it dies; a wait
     made before keeps the point it waited for, so the event can be recorded again."""
 
     __slots__ = ("event", "free", "seq")
 
-    def __init__(self, event: Event, free: list[Event], seq: int) -> None:
-        self.event = event
-        """Recorded on the copy stream right after the copies it ends."""
+    event: Event
+    """Recorded on the copy stream right after the copies it ends (set then)."""
+
+    def __init__(self, free: list[Event]) -> None:
         self.free = free
         """The pool the event returns to."""
-        self.seq = seq
-        """Marks recorded on its stream before it, plus one: a later mark ends more."""
+        self.seq = 0
+        """Marks recorded on its stream before it, plus one: a later mark ends more; 0
+        while open."""
 
     def __del__(self) -> None:
-        self.free.append(self.event)
+        if self.seq:  # an open mark holds no event
+            self.free.append(self.event)
 
 
 class _Progress:
@@ -224,6 +229,8 @@ class _Lane:
         "offloads",
         "pending",
         "pending_bytes",
+        "pending_reload",
+        "pending_seq",
         "producer",
         "reload_events",
         "reloads",
@@ -242,11 +249,18 @@ class _Lane:
         """Idle events for the reload side: the allocation waits and the reload marks."""
         self.batch: _Batch | None = None
         """Offloads issued since the last module boundary, not yet marked."""
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, Sequence[Copy]]] = []
-        """Offloads of the open batch not yet queued, as ``(src, host, after)``: a group
-        under ``GROUP_BYTES`` waiting for more (``issue``)."""
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Offloads of the open batch not yet queued, as ``(src, host)``: a group under
+        ``GROUP_BYTES`` waiting for more (``issue``)."""
         self.pending_bytes = 0
         """The bytes of ``pending``."""
+        self.pending_reload: _Mark | None = None
+        """The newest reload mark a host buffer of ``pending`` was last read by, unless
+        ``d2h`` is known to be ordered after it: the group's one wait for ``h2d`` (which
+        runs in order, so it covers every older one). Held, so its event is not reused."""
+        self.pending_seq = 0
+        """``pending_reload``'s ``seq``, or the newest ``h2d`` mark ``d2h`` was known to be
+        ordered after when the group began: a reload up to it needs no wait."""
         self.producer: Stream | None = None
         """The stream that produced ``pending``'s sources (current when they were saved)."""
         self.offloads = _Progress()
@@ -275,7 +289,8 @@ class _Lane:
 
     def issue(self) -> None:
         """Queue the pending offloads on ``d2h``, after one wait for the stream that
-        produced them and, per copy, for the host buffer's last reload unless implied."""
+        produced them and one for the newest reload of their host buffers, unless implied:
+        per copy, only the copy itself."""
         pending = self.pending
         producer = self.producer
         assert producer is not None  # set with the first pending offload
@@ -285,9 +300,18 @@ class _Lane:
         event = free.pop() if free else device.new_event("offload")
         d2h.wait_event(device.record(producer, event))  # the copies read what is queued there
         free.append(event)
-        loaded = self.loaded.get(producer, 0)
-        if loaded > self.d2h_after_h2d:
-            self.d2h_after_h2d = loaded
+        after = self.loaded.get(producer, 0)
+        if after < self.d2h_after_h2d:
+            after = self.d2h_after_h2d
+        mark = self.pending_reload
+        if mark is not None:
+            # An earlier offload ran on d2h itself, in order; a reload needs a wait.
+            seq = mark.seq
+            if seq > after and seq > self.reloads.done:
+                d2h.wait_event(mark.event)
+                after = seq
+            self.pending_reload = None
+        self.d2h_after_h2d = after
         to_host = device.to_host
         # At a boundary grad is on, and ``src`` may require it: a copy into ``host`` (a view
         # the pack hook made without grad) would be recorded, which autograd refuses.
@@ -295,20 +319,14 @@ class _Lane:
         if grad:
             _set_grad_enabled(False)
         try:
-            for src, host, after in pending:
-                for copy in after:
-                    # An earlier offload ran on d2h itself, in order; a reload needs a wait.
-                    if type(copy) is _Reload:
-                        mark = copy._mark
-                        if mark.seq > self.d2h_after_h2d and mark.seq > self.reloads.done:
-                            d2h.wait_event(mark.event)
-                            self.d2h_after_h2d = mark.seq
+            for src, host in pending:
                 to_host(d2h, src, host)
         finally:
             if grad:
                 _set_grad_enabled(True)
         pending.clear()
         self.pending_bytes = 0
+        self.pending_seq = after
         self.producer = None
 
     def seal(self) -> None:
@@ -318,9 +336,7 @@ class _Lane:
             self.issue()
         batch = self.batch
         if batch is not None:
-            free = self.offload_events
-            batch.event = self.device.record(self.d2h, self.event(free, "offload"))
-            batch.free = free
+            batch.event = self.device.record(self.d2h, self.event(self.offload_events, "offload"))
             self.batch = None
             progress = self.offloads
             progress.marks += 1
@@ -336,14 +352,11 @@ class _Batch(_Mark):
 
     __slots__ = ("lane",)
 
-    def __init__(self, lane: _Lane) -> None:
+    def __init__(self, lane: _Lane) -> None:  # the mark's fields inline: one call a batch
+        self.free = lane.offload_events
+        self.seq = 0
         self.lane = lane
         """The device and streams the batch's offloads ran on."""
-        self.seq = 0  # the mark's; 0: open (``event`` and ``free`` are set when sealed)
-
-    def __del__(self) -> None:
-        if self.seq:  # an open batch holds no event
-            self.free.append(self.event)
 
     def sealed(self) -> _Batch:
         """The batch, sealed (its mark recorded) if it was still open."""
@@ -521,33 +534,51 @@ class AcceleratorCopyEngine(CopyEngine):
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
         """Queued at once, whatever its size (the runtime groups its own, ``_offload_into``)."""
         record = _Offload()
-        self._offload_into(record, src, host, after)
+        self._offload_into(record, src, host, after, host.nbytes, src.device, src.untyped_storage())
         lane = record._batch.lane
         if lane.pending:
             lane.issue()
         return record
 
     def _offload_into(
-        self, record: _Offload, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]
+        self,
+        record: _Offload,
+        src: torch.Tensor,
+        host: torch.Tensor,
+        after: Sequence[Copy],
+        nbytes: int,
+        device: torch.device,
+        storage: torch.UntypedStorage,
     ) -> None:
         """``offload``, its fields written into ``record`` (the runtime's entry for the
         storage) rather than into a record of its own, and queued with the pending ones
-        once they reach ``GROUP_BYTES`` (else at the latest when the batch is sealed)."""
-        where = src.device
-        lane = self._lanes.get(where) or self._lane(where)
+        once they reach ``GROUP_BYTES`` (else at the latest when the batch is sealed).
+
+        ``nbytes`` (``host``'s), ``device`` and ``storage`` (``src``'s) are what the
+        caller knows already: read from the tensors, they cost a hundred-odd nanoseconds
+        each (``Tensor.nbytes``, ``.device``, ``.untyped_storage()``), more than the rest
+        of the grouping."""
+        lane = self._lanes.get(device) or self._lane(device)
         producer = lane.device.current_stream()
         if lane.producer is not producer:
             if lane.pending:  # saved on another stream: its group waits for that one
                 lane.issue()
             lane.producer = producer
-        lane.pending.append((src, host, after))
-        nbytes = lane.pending_bytes = lane.pending_bytes + host.nbytes
+        for copy in after:
+            # An earlier offload runs on d2h itself, in order; a reload needs a wait.
+            if type(copy) is _Reload:
+                mark = copy._mark
+                if mark.seq > lane.pending_seq:
+                    lane.pending_reload = mark
+                    lane.pending_seq = mark.seq
+        lane.pending.append((src, host))
+        nbytes = lane.pending_bytes = lane.pending_bytes + nbytes
         batch = lane.batch
         if batch is None:
             batch = lane.batch = _Batch(lane)
         record._batch = batch
         record._producer = producer
-        record._hold = src.untyped_storage()
+        record._hold = storage
         if nbytes >= GROUP_BYTES:
             lane.issue()
 
@@ -566,28 +597,36 @@ class AcceleratorCopyEngine(CopyEngine):
             lane.h2d_after_d2h = fenced
         free, progress, record = lane.reload_events, lane.reloads, interface.record
         to_device = interface.to_device
+        # ``h2d`` follows the offloads up to here: waited for, or seen completed.
+        ordered = lane.offloads.done
+        if ordered < lane.h2d_after_d2h:
+            ordered = lane.h2d_after_d2h
+        group_bytes = GROUP_BYTES
         copies: list[Copy] = []
-        start = 0  # the first of ``dsts`` since the last mark
+        append = copies.append
+        mark = _Mark(free)  # the open group's, recorded once it holds ``group_bytes``
         nbytes = 0
-        last = len(dsts) - 1
-        for i, ((host, after), dst) in enumerate(zip(items, dsts, strict=True)):
+        for (host, after), dst in zip(items, dsts, strict=True):
             for copy in after:
                 if type(copy) in _RECORDS:  # its own record, or an entry it filled
                     batch = copy._batch  # type: ignore[attr-defined]
-                    mark = batch if batch.seq else batch.sealed()
-                    if mark.seq > lane.h2d_after_d2h and mark.seq > lane.offloads.done:
-                        h2d.wait_event(mark.event)
-                        lane.h2d_after_d2h = mark.seq
+                    seq = batch.seq or batch.sealed().seq
+                    if seq > ordered:
+                        h2d.wait_event(batch.event)
+                        ordered = lane.h2d_after_d2h = seq
             to_device(h2d, host, dst)
+            append(_Reload(lane, mark, dst))
             nbytes += host.nbytes
-            if nbytes >= GROUP_BYTES or i == last:
-                event = record(h2d, free.pop() if free else interface.new_event("reload"))
+            if nbytes >= group_bytes:
+                mark.event = record(h2d, free.pop() if free else interface.new_event("reload"))
                 progress.marks += 1
-                end = _Mark(event, free, progress.marks)
-                for out in dsts[start : i + 1]:
-                    copies.append(_Reload(lane, end, out))
-                start = i + 1
+                mark.seq = progress.marks
+                mark = _Mark(free)
                 nbytes = 0
+        if copies and not copies[-1]._mark.seq:  # type: ignore[attr-defined]
+            mark.event = record(h2d, free.pop() if free else interface.new_event("reload"))
+            progress.marks += 1
+            mark.seq = progress.marks
         return copies
 
     def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:

@@ -202,7 +202,9 @@ class _Forward(dict[int, _Entry]):
                 entry = _Entry(
                     ctx, self.group.name, stats, device, engine, nbytes, buf, host, first
                 )
-                engine._offload_into(entry, src, host, buf.last_use)  # type: ignore[attr-defined]
+                engine._offload_into(  # type: ignore[attr-defined]
+                    entry, src, host, buf.last_use, nbytes, device, storage
+                )
             else:
                 entry = _ForeignEntry(
                     ctx,
