@@ -222,9 +222,11 @@ class ConsoleRun:
     def __init__(self, argv: Sequence[str], cwd: Path) -> None:
         self.argv = list(argv)
         self.cwd = cwd
+        # At a low priority in a serial run: it takes the cycles the suite leaves idle, not
+        # its threads'. An xdist worker waits on it, so there it runs at the worker's.
+        nice = [] if XDIST_WORKER else ["nice", "-n", "10"]
         self._process = subprocess.Popen(
-            # At a low priority: it takes the cycles the suite leaves idle, not its threads'.
-            ["nice", "-n", "10", sys.executable, "-m", "graphswap.train.cli", *argv],
+            [*nice, sys.executable, "-m", "graphswap.train.cli", *argv],
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -242,27 +244,55 @@ class ConsoleRun:
         self._process.communicate()
 
 
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+"""This process is one of ``make test``'s xdist workers."""
+
+
+def _console_modules(items: Sequence[pytest.Item]) -> dict[str, Any]:
+    """The test modules that name a console-script run (``CONSOLE_ARGV``, checked by
+    their test ``CONSOLE_TEST``) whose test is among ``items``."""
+    modules: dict[str, Any] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        test = getattr(module, "CONSOLE_TEST", None)
+        if test is not None and test == getattr(item, "originalname", None):
+            modules[module.__name__] = module
+    return modules
+
+
 @pytest.fixture(scope="session", autouse=True)
 def console_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, ConsoleRun]]:
-    """The console-script run of every test module that names one (``CONSOLE_ARGV``,
-    checked by its test ``CONSOLE_TEST``) whose test is selected, started before the
-    first test: a new interpreter spends seconds importing torch and transformers,
-    which this way run on the core the in-process tests leave idle."""
+    """The console-script run of every test module that names one and whose test is
+    selected, started before the first test: a new interpreter spends seconds importing
+    torch and transformers, which this way run on the core the in-process tests leave
+    idle. An xdist worker is not told in advance which modules it will run, and two
+    workers keep both cores busy: it starts a module's run as the module begins
+    (:func:`_console_run_of_module`), so that no run is made twice."""
     runs: dict[str, ConsoleRun] = {}
-    for item in request.session.items:
-        module = getattr(item, "module", None)
-        test = getattr(module, "CONSOLE_TEST", None)
-        if test is not None and test == getattr(item, "originalname", None):
-            runs[module.__name__] = ConsoleRun(
-                module.CONSOLE_ARGV, tmp_path_factory.mktemp("console")
-            )
+    if not XDIST_WORKER:
+        for name, module in _console_modules(request.session.items).items():
+            runs[name] = ConsoleRun(module.CONSOLE_ARGV, tmp_path_factory.mktemp("console"))
     try:
         yield runs
     finally:
         for run in runs.values():
             run.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _console_run_of_module(
+    console_runs: dict[str, ConsoleRun],
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Under xdist: this module's console-script run, started as the module begins."""
+    name = request.module.__name__
+    if name not in console_runs and name in _console_modules(request.session.items):
+        console_runs[name] = ConsoleRun(
+            request.module.CONSOLE_ARGV, tmp_path_factory.mktemp("console")
+        )
 
 
 @pytest.fixture
