@@ -33,8 +33,7 @@ def apply_loss_head(model: nn.Module, config: PassSettings) -> int | None:
         return None
     if config.loss_head != "chunked":
         raise PassSettingError(
-            f"loss_head: {config.loss_head} names no loss head; set loss_head: full, chunked"
-            " or trl"
+            f"loss_head: {config.loss_head} names no loss head; set loss_head: full, chunked or trl"
         )
     chunk_loss_head(model, chunk_size=config.loss_head_chunk_size)
     installed = loss_head_chunk_size(model)
