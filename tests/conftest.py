@@ -320,3 +320,61 @@ def largest_output() -> type:
             return out
 
     return LargestOutput
+
+
+@pytest.fixture
+def graphswap_cmd(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``graphswap_cmd(*argv, cwd=None)``: ``graphswap ARGV`` in this process, through the
+    entry point the console script calls (each command's test module keeps one
+    subprocess test of the script itself: the ``console`` fixture); argparse's and
+    the commands' exits through ``SystemExit`` become the return code, and what it
+    printed the process's output, as if the console script had run."""
+
+    from graphswap.train.cli import main
+
+    def run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        try:
+            code = main(list(argv))
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 1
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(argv), code, out, err)
+
+    return run
+
+
+@pytest.fixture
+def clocked_step() -> Callable[..., Any]:
+    """``clocked_step(net, ids, **forward)``: the timeline of ``net``'s second training
+    step (forward, backward, AdamW over the parameters that train; the first step made
+    AdamW's state) on the clocked simulated H200, as the planner's step runs."""
+    from graphswap.hf.checkpoints import decoder_layers
+    from graphswap.runtime.profile import device_profile
+    from graphswap.runtime.sim import SimulatedAccelerator
+    from graphswap.runtime.timeline import OPTIMIZER_LABEL
+    from graphswap.train.trainer import state_bytes
+
+    def clocked(net: torch.nn.Module, ids: torch.Tensor, **forward: Any) -> Any:
+        trained = [p for p in net.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=1e-3)
+
+        def step() -> None:
+            net(input_ids=ids, labels=ids, use_cache=False, **forward).loss.backward()
+
+        step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sim = SimulatedAccelerator(profile=device_profile("h200"))
+        with sim.clock(decoder_layers(net)[1], base_bytes=state_bytes(net, optimizer)) as clock:
+            step()
+            clock.label(OPTIMIZER_LABEL)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return clock.timeline
+
+    return clocked

@@ -16,22 +16,6 @@ from graphswap.train.cli import build_parser, main
 Command = Callable[..., subprocess.CompletedProcess[str]]
 
 
-@pytest.fixture
-def graphswap_cmd(capsys: pytest.CaptureFixture[str]) -> Command:
-    """``graphswap_cmd(*argv)``: ``graphswap ARGV`` in process, its exit code and output."""
-
-    def run(*argv: str) -> subprocess.CompletedProcess[str]:
-        capsys.readouterr()
-        try:
-            code = main(list(argv))
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else 1
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(list(argv), code, out, err)
-
-    return run
-
-
 @pytest.mark.parametrize(
     ("command", "old", "new"),
     [(command, old, new) for command, flags in FLAGS.items() for old, new in flags.items()],

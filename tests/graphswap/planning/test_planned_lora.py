@@ -4,6 +4,9 @@ the clocked peak of a real ``PeftModel``; PEFT's own config is read from the mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -87,16 +90,12 @@ def test_lora_settings_that_change_nothing_or_match_nothing_are_refused(
 
 @pytest.mark.parametrize(("dtype", "dropout"), [(torch.float32, 0.0), (torch.bfloat16, 0.05)])
 def test_the_plan_of_a_lora_step_is_the_clocked_peft_step(
-    dtype: torch.dtype, dropout: float
+    dtype: torch.dtype, dropout: float, clocked_step: Callable[..., Any]
 ) -> None:
     """The planned peak and step time are those of a PeftModel made with the same
     LoraConfig, clocked on the simulated H200 (float32 adapters over bfloat16 weights
     with their input casts, and dropout's saves, included)."""
     peft = pytest.importorskip("peft")
-    from graphswap.runtime.sim import SimulatedAccelerator
-    from graphswap.runtime.timeline import OPTIMIZER_LABEL
-    from graphswap.train.trainer import state_bytes
-
     config = preset_config("tiny-llama")
     torch.manual_seed(0)
     lora = peft.LoraConfig(r=8, target_modules=list(LORA_TARGET_MODULES), lora_dropout=dropout)
@@ -114,22 +113,9 @@ def test_the_plan_of_a_lora_step_is_the_clocked_peft_step(
         **settings,
     )
     ids = torch.randint(2, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
-
-    def step() -> None:
-        net(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-
-    step()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    sim = SimulatedAccelerator(profile=device_profile("h200"))
-    with sim.clock(decoder_layers(net)[1], base_bytes=state_bytes(net, optimizer)) as clock:
-        step()
-        clock.label(OPTIMIZER_LABEL)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    assert plan.timeline.peak_bytes == pytest.approx(clock.timeline.peak_bytes, rel=0.03)
-    assert plan.timeline.base_bytes == clock.timeline.base_bytes
+    clocked = clocked_step(net, ids)
+    assert plan.timeline.peak_bytes == pytest.approx(clocked.peak_bytes, rel=0.03)
+    assert plan.timeline.base_bytes == clocked.base_bytes
 
 
 def test_a_peft_model_other_than_linear_lora_is_refused_by_name() -> None:

@@ -256,34 +256,8 @@ def _planned(config: Any, **settings: Any) -> Any:
     )
 
 
-def _clocked_peak(net: torch.nn.Module, ids: torch.Tensor, **forward: Any) -> int:
-    """The device peak of ``net``'s second step (forward, backward, AdamW) on the clocked
-    simulated H200, as the planner's step runs."""
-    from graphswap.hf.checkpoints import decoder_layers
-    from graphswap.runtime.profile import device_profile
-    from graphswap.runtime.sim import SimulatedAccelerator
-    from graphswap.runtime.timeline import OPTIMIZER_LABEL
-    from graphswap.train.trainer import state_bytes
-
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-
-    def step() -> None:
-        net(input_ids=ids, labels=ids, use_cache=False, **forward).loss.backward()
-
-    step()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    sim = SimulatedAccelerator(profile=device_profile("h200"))
-    with sim.clock(decoder_layers(net)[1], base_bytes=state_bytes(net, optimizer)) as clock:
-        step()
-        clock.label(OPTIMIZER_LABEL)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return clock.timeline.peak_bytes
-
-
 def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(
-    plain_fp32: list[float], tmp_path: Path
+    plain_fp32: list[float], tmp_path: Path, clocked_step: Callable[..., Any]
 ) -> None:
     """SFTTrainer scores tokens with TRL's fused head, never the full logits: a plan for
     ``loss_head: trl`` traces TRL's own head, whose peak is the clocked run's; a model
@@ -299,7 +273,7 @@ def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(
     fused = build_model(config)
     trl.trainer.utils.add_fused_lm_head(fused, outputs=("log_probs", "entropy", "is_top1"))
     ids = torch.randint(2, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    measured = _clocked_peak(fused, ids, fused_lm_head=True)
+    measured = clocked_step(fused, ids, fused_lm_head=True).peak_bytes
     assert plans["trl"].loss_head == "trl"
     assert plans["trl"].timeline.peak_bytes == pytest.approx(measured, rel=0.03)
     assert plans["trl"].timeline.peak_bytes != plans["full"].timeline.peak_bytes
@@ -425,7 +399,9 @@ def test_sft_trainer_with_peft_config_trains_a_budget_plan_like_the_plain_lora_r
     result.auto_swap.check()
 
 
-def test_a_lora_plan_counts_the_adapters_state_and_peaks_as_the_clocked_peft_step() -> None:
+def test_a_lora_plan_counts_the_adapters_state_and_peaks_as_the_clocked_peft_step(
+    clocked_step: Callable[..., Any],
+) -> None:
     """A plan of the LoRA step holds AdamW state for the adapters alone, and its peak is
     the clocked run's of a PeftModel under TRL's head (within 3%), below the plan of full
     fine-tuning."""
@@ -444,7 +420,7 @@ def test_a_lora_plan_counts_the_adapters_state_and_peaks_as_the_clocked_peft_ste
     net = peft.get_peft_model(net, lora_config("tiny-llama"))
     adapters = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
     ids = torch.randint(2, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    measured = _clocked_peak(net, ids, fused_lm_head=True)
+    measured = clocked_step(net, ids, fused_lm_head=True).peak_bytes
     assert lora.timeline.peak_bytes == pytest.approx(measured, rel=0.03)
     assert lora.timeline.peak_bytes < full.timeline.peak_bytes
     held = storage_bytes([*net.parameters(), *net.buffers()])
