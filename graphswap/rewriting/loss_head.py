@@ -330,7 +330,6 @@ def chunk_loss_head(model: nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -
             f"{cls.__qualname__} uses the metaclass {type(cls).__qualname__}; the chunked"
             f" head swaps classes of the default metaclass only; {FIX}"
         )
-    _CLASSES.generated(cls)  # made before the model changes: nothing half-applied
     _CLASSES.install(model, _HeadState(cls, chunk_size, logits_transform(model)))
     return model
 
