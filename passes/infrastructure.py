@@ -33,7 +33,7 @@ from graphswap.rewriting.transforms import find_transforms
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from graphswap.passes.plan_executor import AutoSwap
+    from graphswap.passes.plan_executor import PlanExecutor
     from graphswap.passes.settings import PassSettings
     from graphswap.rewriting.apply import RewriteReport
 
@@ -50,7 +50,7 @@ class InfrastructureResult:
     applied: tuple[str, ...]
     mesh: DeviceMesh | None
     """The device mesh the distributed passes used; ``None`` when none ran."""
-    auto_swap: AutoSwap | None = None
+    auto_swap: PlanExecutor | None = None
     """``activation_swap: auto`` or ``budget``: the plan and the policies carrying it out."""
     loss_head_chunk_size: int | None = None
     """``loss_head: chunked``: the tokens per chunk of the head installed before the first
@@ -65,7 +65,7 @@ class _Run:
     config: PassSettings
     meshes: Meshes
     report: RewriteReport | None = None
-    auto_swap: AutoSwap | None = None
+    auto_swap: PlanExecutor | None = None
 
 
 def _swap(run: _Run) -> None:

@@ -15,10 +15,10 @@ Every step is checked against the plan it runs under: a save the policy is asked
 about with another shape or dtype than the plan's (another sequence length or batch,
 autocast's dtype around weights of another) stays on device; and each layer's
 recomputed and offloaded bytes per forward are compared with the plan's at the start
-of the next step (and by :meth:`AutoSwap.check`), since a plan that swaps nothing asks
+of the next step (and by :meth:`PlanExecutor.check`), since a plan that swaps nothing asks
 the policy about few saves. Either is counted (the manager's ``stats.plan_mismatches``)
 and warned about once per model, naming what differs and the settings the plan was
-made for; :meth:`AutoSwap.check`, which the rewrite report's ``check()`` calls, turns
+made for; :meth:`PlanExecutor.check`, which the rewrite report's ``check()`` calls, turns
 the count into an error. A model built at one shape and run at another is thus never
 silently unswapped, nor a budget silently exceeded.
 """
@@ -57,18 +57,20 @@ if TYPE_CHECKING:
     from graphswap.runtime import SwapManager
 
 AUTO_RULE = "auto_swap"
-"""The name of the rule :meth:`AutoSwap.rule` builds from ``layer_swap``."""
+"""The name of the rule :meth:`PlanExecutor.rule` builds from ``layer_swap``."""
 
 _BASE_RULE = "layer_swap"
 """Whole decoder layers of any Hugging Face decoder, by the classes the model declares."""
 
 
-class AutoSwapMismatchError(GraphswapError, ValueError):
-    """The model saved tensors other than those the ``auto`` plan was made for."""
+class PlanMismatchError(GraphswapError, ValueError):
+    """The model saved, recomputed or offloaded other tensors than the ``auto`` or
+    ``budget`` plan it runs was made for."""
 
 
-class AutoSwapMismatchWarning(UserWarning):
-    """A planned save came with another shape or dtype: it stays on device."""
+class PlanMismatchWarning(UserWarning):
+    """A step is not the one planned: a planned save came with another shape or dtype (it
+    stays on device), or a layer recomputed or offloaded other bytes."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ _NEVER = 1 << 62
 """The index a policy asked about nothing yet is taken to have been asked about last."""
 
 
-class AutoSwapPolicy:
+class PlanPolicy:
     """Swaps exactly the saves one layer's plan chose; every save it is asked about is
     checked by shape and dtype against the plan's save at that index."""
 
@@ -167,10 +169,10 @@ class AutoSwapPolicy:
         self.mismatched_tensors = 0
         self.first_mismatch: Mismatch | None = None
         self.on_mismatch = on_mismatch
-        """Told of every mismatch (:class:`AutoSwap`: the warning and the stats)."""
+        """Told of every mismatch (:class:`PlanExecutor`: the warning and the stats)."""
         self.on_forward: Callable[[], None] | None = None
         """Told when a forward of the layer begins (its first save asked about):
-        :class:`AutoSwap` checks the step before it there."""
+        :class:`PlanExecutor` checks the step before it there."""
         self._last = _NEVER  # the index asked about last: one no greater begins a forward
 
     def decide(self, t: torch.Tensor, index: int) -> CheckpointPolicy:
@@ -209,8 +211,9 @@ _REPLAN = (
 )
 
 
-class AutoSwap:
-    """An ``auto`` plan and the per-layer policies that carry it out on one model.
+class PlanExecutor:
+    """An ``auto`` or ``budget`` plan and the per-layer policies that carry it out on one
+    model.
 
     ``made_for`` names the settings the plan was traced for (``key: value``), for
     the error when the model runs something else; ``measured`` is the link timed at
@@ -225,13 +228,13 @@ class AutoSwap:
             raise PlanSettingError(
                 "activation_swap",
                 plan.activation_swap,
-                "AutoSwap carries out a plan_memory(activation_swap='auto' or 'budget') plan;"
-                " plan with one of those",
+                "PlanExecutor carries out a plan_memory(activation_swap='auto' or 'budget')"
+                " plan; plan with one of those",
             )
         self.plan = plan
         self.made_for = made_for
         self.measured = measured
-        self.policies = [AutoSwapPolicy(layer) for layer in plan.layers]
+        self.policies = [PlanPolicy(layer) for layer in plan.layers]
         self.mismatched_forwards = 0
         """Layer forwards whose recomputed or offloaded bytes differed from the plan's."""
         self._first_bytes_mismatch: BytesMismatch | None = None
@@ -367,7 +370,7 @@ class AutoSwap:
             return
         self._warned = True
         warnings.warn(
-            AutoSwapMismatchWarning(
+            PlanMismatchWarning(
                 f"activation_swap: {self.plan.activation_swap}:"
                 f" {_met_and_planned(mismatch, self.made_for)}; this step is not the one"
                 " planned: a save that differs stays on device, and what a budget bounds may"
@@ -402,7 +405,7 @@ class AutoSwap:
         return sum(policy.mismatched_tensors for policy in self.policies)
 
     def check(self) -> None:
-        """Raise :class:`AutoSwapMismatchError` if any save or layer forward so far (the
+        """Raise :class:`PlanMismatchError` if any save or layer forward so far (the
         last step's included) did not match the plan."""
         if self._counted is not None:
             self._step_begins()
@@ -410,12 +413,12 @@ class AutoSwap:
         count = self.mismatched_tensors
         if count:
             first = next(p.first_mismatch for p in self.policies if p.first_mismatch is not None)
-            raise AutoSwapMismatchError(
+            raise PlanMismatchError(
                 f"activation_swap: {mode}: {count} saved tensor(s) did not match the plan and"
                 f" stayed on device; first: {_met_and_planned(first, self.made_for)}; {_REPLAN}"
             )
         if self._first_bytes_mismatch is not None:
-            raise AutoSwapMismatchError(
+            raise PlanMismatchError(
                 f"activation_swap: {mode}: {self.mismatched_forwards} layer forward(s) did not"
                 " match the plan; first:"
                 f" {_met_and_planned(self._first_bytes_mismatch, self.made_for)}; {_REPLAN}"
@@ -438,7 +441,7 @@ class AutoSwap:
     def format_report(self) -> str:
         """Deprecated (0.1.0's name), removed in 0.3: the report ``graphswap train`` prints."""
         _compat.warn(
-            "AutoSwap.format_report is deprecated:"
+            "PlanExecutor.format_report is deprecated:"
             " use graphswap.train.reports.format_auto_report(auto.to_dict())",
             inside=__name__,
         )
@@ -447,7 +450,7 @@ class AutoSwap:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """Undo :meth:`AutoSwap._wrap`: the recomputed submodules, then the layer's swap."""
+    """Undo :meth:`PlanExecutor._wrap`: the recomputed submodules, then the layer's swap."""
     for unit in module.modules():
         if is_recompute_wrapped(unit):
             unwrap_recompute(unit)
@@ -493,3 +496,6 @@ def measure_copy_bandwidth(
         return nbytes / min(seconds) / 1e9
 
     return CopyBandwidth(best_gbps(host, on_device), best_gbps(on_device, host))
+
+
+__getattr__ = _compat.module_getattr(__name__)  # AutoSwap* renamed Plan*, until 0.3

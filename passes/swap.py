@@ -17,7 +17,7 @@ from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.decoder import decoder_classes
 from graphswap.hf.lora import lora_settings
 from graphswap.passes.errors import PassPostconditionError, PassSettingError
-from graphswap.passes.plan_executor import AutoSwap, measure_copy_bandwidth
+from graphswap.passes.plan_executor import PlanExecutor, measure_copy_bandwidth
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.planning import DEFAULT_PROFILE, SwapMode, plan_memory
 from graphswap.planning._budget import resolve_memory_budget
@@ -60,7 +60,7 @@ def apply_swap(
     prefetch_depth: int = 1,
     offload_lag: int | None = None,
     engine: CopyEngine | None = None,
-    auto: AutoSwap | None = None,
+    auto: PlanExecutor | None = None,
 ) -> RewriteReport:
     """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
     the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
@@ -146,7 +146,7 @@ def plan_auto_swap(
     device: torch.device | None = None,
     autocast_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
-) -> AutoSwap:
+) -> PlanExecutor:
     """Trace the model's config at the configured shape and choose, per layer, what the
     link hides: ``seq_len``, ``batch_size``, ``tp_size``, the loss head and the ``swap_*``
     keys from ``config`` (the bandwidth and TFLOP/s, when set, override the device profile: the
@@ -241,7 +241,7 @@ def plan_auto_swap(
         + (f", state sharded over {state_shards} ranks" if state_shards > 1 else "")
         + (", activation_checkpointing: true" if activation_checkpointing else "")
     )
-    return AutoSwap(plan, made_for=made_for, measured=measured)
+    return PlanExecutor(plan, made_for=made_for, measured=measured)
 
 
 def active_autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -241,7 +241,7 @@ def _predictions(
 ) -> dict[str, dict[str, Any]]:
     """Per planned mode in ``args.modes``, the planner's prediction of the bench's step
     (:func:`_bench_step`'s ``trace`` and ``baseline``); ``budget``: the budget mode's
-    AutoSwap, whose plan is of this step already, or ``None``."""
+    PlanExecutor, whose plan is of this step already, or ``None``."""
     from graphswap.planning.trace import plan_step
 
     found = {}
@@ -337,10 +337,10 @@ def peak_step(mode: Mode, ids: torch.Tensor) -> dict[str, Any]:
 
 def _auto_swap(args: argparse.Namespace, config: Any, seq: int, device: torch.device) -> Any:
     """The ``auto`` plan for this run's shape and kernel, at the given link and compute."""
-    from graphswap.passes.plan_executor import AutoSwap
+    from graphswap.passes.plan_executor import PlanExecutor
 
     plan = _plan_memory(args, config, seq, device, activation_swap="auto", **_link_model(args))
-    return AutoSwap(plan, made_for=_made_for(args, seq))
+    return PlanExecutor(plan, made_for=_made_for(args, seq))
 
 
 def _link_model(args: argparse.Namespace) -> dict[str, float]:
@@ -364,7 +364,7 @@ def _budget_swap(
     how that budget was set. Where no plan meets the fraction, the plan within the smallest
     peak any plan reaches: the mode still runs its deepest recompute, which is what the
     check is for."""
-    from graphswap.passes.plan_executor import AutoSwap
+    from graphswap.passes.plan_executor import PlanExecutor
     from graphswap.planning import PlanSettingError
 
     def plan_within(budget: int) -> Any:
@@ -396,7 +396,7 @@ def _budget_swap(
             f"no plan meets {args.budget_fraction:g} of the peak without swap "
             f"({asked} bytes); planned within the smallest peak any plan reaches instead"
         )
-    return AutoSwap(plan, made_for=_made_for(args, seq)), how
+    return PlanExecutor(plan, made_for=_made_for(args, seq)), how
 
 
 def run_seq(

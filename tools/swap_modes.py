@@ -22,7 +22,7 @@ NONE, ATTENTION, LAYER, AUTO, BUDGET = "none", "attention", "layer", "auto", "bu
 SAVE_ON_CPU = "save_on_cpu"
 MODES = (NONE, ATTENTION, LAYER, AUTO, BUDGET, SAVE_ON_CPU)
 PLANNED = (AUTO, BUDGET)
-"""The modes that run an ``AutoSwap`` of their own plan."""
+"""The modes that run a ``PlanExecutor`` of their own plan."""
 COUNTERS = (
     "offloaded_tensors",
     "offloaded_bytes",
@@ -67,7 +67,7 @@ class Mode:
         if (name in PLANNED) != (auto is not None) or (
             auto is not None and auto.plan.activation_swap != name
         ):
-            raise ValueError("the auto and budget modes, and only they, take their AutoSwap")
+            raise ValueError("the auto and budget modes, and only they, take their PlanExecutor")
         self.name = name
         self.auto = auto
         self.model = model

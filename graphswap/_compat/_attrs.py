@@ -15,6 +15,7 @@ from graphswap._compat._table import MODULES, NAMES, PACKAGES, PICKLED, REMOVED,
 from graphswap._compat._warn import dotted, resolve, warn
 
 _MISSING = object()
+_UNPICKLERS = ("torch", "pickle")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -22,7 +23,9 @@ def old_name(old: str, search: tuple[str, ...]) -> Any:
     """What the dotted 0.1.0 path ``old`` is now: a row of the table (which warns), else
     the same name in the first module of ``search`` that has it."""
     if old in NAMES:
-        warn(f"{old} is deprecated: use {dotted(NAMES[old])}")
+        # An unpickler looks a pickled class up by name: the warning points past it, at
+        # the line that loaded the pickle.
+        warn(f"{old} is deprecated: use {dotted(NAMES[old])}", inside=_UNPICKLERS)
         return resolve(NAMES[old])
     if old in PICKLED:
         return resolve(PICKLED[old])

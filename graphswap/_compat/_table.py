@@ -60,6 +60,23 @@ NAMES: dict[str, str] = {
     "graphswap.passes.PlanError": "graphswap.passes.errors:PassPlanError",
     "graphswap.passes.errors.PlanError": "graphswap.passes.errors:PassPlanError",
     "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._settings:DEFAULT_HIDE_MARGIN",
+    # The executor of auto and budget plans, named after one of the two modes it runs; at
+    # its module and at that module's 0.1.0 paths. Pickles of a model it rewrote name
+    # AutoSwap and AutoSwapPolicy (its policies are the layers'): they load through here.
+    **{
+        f"{module}.{old}": f"graphswap.passes.plan_executor:{new}"
+        for module in (
+            "graphswap.passes.plan_executor",
+            "graphswap.auto_swap",
+            "graphswap.planning.auto_swap",
+        )
+        for old, new in (
+            ("AutoSwap", "PlanExecutor"),
+            ("AutoSwapPolicy", "PlanPolicy"),
+            ("AutoSwapMismatchError", "PlanMismatchError"),
+            ("AutoSwapMismatchWarning", "PlanMismatchWarning"),
+        )
+    },
     # graphswap.planning's names are what a user calls; the steps behind a plan are
     # graphswap.planning.trace's, the rest the planner's own.
     **{

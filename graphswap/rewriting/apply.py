@@ -253,7 +253,7 @@ class RewriteReport:
     def check(self) -> None:
         """Raise if the model ran otherwise than its rules were set up for: for
         ``activation_swap: auto``, a save of another shape or dtype than the plan's
-        (``AutoSwapMismatchError``, naming both shapes and the settings planned for).
+        (``PlanMismatchError``, naming both shapes and the settings planned for).
         Call it after a step; ``graphswap train`` does."""
         checks = {record.rule.name: record.rule.check for record in self._applied}
         for check in checks.values():

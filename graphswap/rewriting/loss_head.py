@@ -1,11 +1,12 @@
 """``chunk_loss_head(model)``: a Hugging Face causal LM whose loss, when it is given
 labels, is computed over chunks of tokens, no (tokens x vocabulary) logits kept.
 
-Like ``swap_wrapper``, the install swaps the model's class for a generated subclass
-(same name, so ``save_pretrained`` records the architecture it always did): the object,
-its parameters, FQNs, ``state_dict`` keys and ``isinstance`` stay, the class pickles by
-recipe, a second install is refused and :func:`unchunk_loss_head` restores the exact
-class.
+Like ``swap_wrapper``, and through the same class swap
+(:class:`graphswap.runtime._class_swap.ClassSwap`), the install swaps the model's class
+for a generated subclass (same name, so ``save_pretrained`` records the architecture it
+always did): the object, its parameters, FQNs, ``state_dict`` keys and ``isinstance``
+stay, the class pickles by recipe (``_head_class``), a second install is refused and
+:func:`unchunk_loss_head` restores the exact class.
 
 With labels, the generated forward runs the family's own forward, so everything but the
 head is the model's code: the backbone, the MoE auxiliary loss it adds to ``loss``, the
@@ -24,8 +25,6 @@ family that does anything else is refused, naming ``loss_head``.
 
 from __future__ import annotations
 
-import copyreg
-import functools
 import inspect
 import sys
 from collections.abc import Mapping
@@ -47,15 +46,13 @@ from graphswap.hf.loss_head import (
 )
 from graphswap.rewriting.transforms import Transform, shown_by
 from graphswap.runtime import chunked_linear_cross_entropy
+from graphswap.runtime._class_swap import ClassSwap, Forward
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "chunk_loss_head", "loss_head_chunk_size", "unchunk_loss_head"]
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per chunk: at a 150k vocabulary, 1024 tokens of fp32 logits are 0.6 GB, and
 a chunk's projection is long enough to run the GPU at its matrix-product rate."""
-
-_STATE_ATTR = "_graphswap_loss_head"
-_CLASS_CACHE: dict[type, type] = {}
 
 
 class ChunkedLossHead:
@@ -200,38 +197,27 @@ def _refuse_sharded(model: nn.Module, weight: torch.Tensor) -> None:
         )
 
 
-class _HeadClassMeta(type):
-    """Metaclass of the generated classes: lets them pickle by recipe, not by name."""
-
-    _graphswap_original: type
-
-
-def _reduce_head_class(head_cls: _HeadClassMeta) -> tuple[Any, tuple[type]]:
-    return _head_class, (head_cls._graphswap_original,)
-
-
-copyreg.pickle(_HeadClassMeta, _reduce_head_class)
-
-
-def _head_class(cls: type[nn.Module]) -> type:
-    """The chunked-head subclass of ``cls``: same name, a forward that takes the chunked
-    path when given labels, and a ``loss_function`` that answers for that path."""
-    head_cls = _CLASS_CACHE.get(cls)
-    if head_cls is not None:
-        return head_cls
-    original = cls.forward
+def _head_forward(original: Forward) -> Forward:
+    """The forward of the chunked-head class: the chunked path when given labels, else
+    ``original`` (the family's ``forward``) unchanged."""
     labels_at = list(inspect.signature(original).parameters).index("labels") - 1  # after self
-    loss_property = inspect.getattr_static(cls, "loss_function")  # PreTrainedModel's property
 
-    @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         labels = args[labels_at] if len(args) > labels_at else kwargs.get("labels")
         if labels is None:
             return original(self, *args, **kwargs)
         return _chunked_forward(self, original, args, kwargs)
 
+    return forward
+
+
+def _head_members(cls: type) -> dict[str, Any]:
+    """A ``loss_function`` that answers for the chunked path during a forward with
+    labels, and is ``cls``'s own otherwise."""
+    loss_property = inspect.getattr_static(cls, "loss_function")  # PreTrainedModel's property
+
     def get_loss_function(self: nn.Module) -> Any:
-        call = self.__dict__[_STATE_ATTR].call
+        call = self.__dict__[_CLASSES.state_attr].call
         if call is not None:
             return call.loss
         return loss_property.fget(self)
@@ -239,16 +225,26 @@ def _head_class(cls: type[nn.Module]) -> type:
     def set_loss_function(self: nn.Module, value: Any) -> None:
         loss_property.fset(self, value)
 
-    namespace = {
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "forward": forward,
-        "loss_function": property(get_loss_function, set_loss_function),
-        "_graphswap_original": cls,
-    }
-    head_cls = _HeadClassMeta(cls.__name__, (ChunkedLossHead, cls), namespace)
-    _CLASS_CACHE[cls] = head_cls
-    return head_cls
+    return {"loss_function": property(get_loss_function, set_loss_function)}
+
+
+_CLASSES = ClassSwap(
+    prefix=None,
+    marker=ChunkedLossHead,
+    state_attr="_graphswap_loss_head",
+    forward=_head_forward,
+    wrapper="chunk_loss_head",
+    members=_head_members,
+)
+"""The generated chunked-head classes (each named as its original) and the models'
+``_HeadState``."""
+
+
+@_CLASSES.bind
+def _head_class(cls: type[nn.Module]) -> type:
+    """The chunked-head subclass of ``cls``; what a pickled model rebuilds its class with
+    (pickles made before the class swap was shared name it too)."""
+    return _CLASSES.generated(cls)
 
 
 def _chunked_forward(
@@ -256,7 +252,7 @@ def _chunked_forward(
 ) -> Any:
     """The family's forward with the head's hooks on, its output without logits, as a
     tuple where the caller or the config asks for one (``can_return_tuple``'s rule)."""
-    state: _HeadState = model.__dict__[_STATE_ATTR]
+    state: _HeadState = model.__dict__[_CLASSES.state_attr]
     as_dict = kwargs.pop("return_dict", None)
     if as_dict is None:
         as_dict = getattr(getattr(model, "config", None), "return_dict", True)
@@ -334,29 +330,26 @@ def chunk_loss_head(model: nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -
             f"{cls.__qualname__} uses the metaclass {type(cls).__qualname__}; the chunked"
             f" head swaps classes of the default metaclass only; {FIX}"
         )
-    head_cls = _head_class(cls)
-    model.__dict__[_STATE_ATTR] = _HeadState(cls, chunk_size, logits_transform(model))
-    model.__class__ = head_cls
+    _CLASSES.install(model, _HeadState(cls, chunk_size, logits_transform(model)))
     return model
 
 
 def unchunk_loss_head(model: nn.Module) -> nn.Module:
     """Undo :func:`chunk_loss_head`: the original class, the full head."""
-    state: _HeadState | None = model.__dict__.get(_STATE_ATTR)
+    state: _HeadState | None = _CLASSES.state(model)
     if state is None:
         raise LossHeadError(f"{_name(model)} has no chunked loss head; nothing to undo")
-    if type(model) is not _CLASS_CACHE.get(state.original_type):
+    if type(model) is not _CLASSES.generated(state.original_type):
         raise LossHeadError(
             f"{_name(model)} changed class since its chunked head was installed (it is"
             f" {type(model).__qualname__}, fully_shard-ed or otherwise wrapped); undo that"
             " first, then unchunk_loss_head(model)"
         )
-    model.__class__ = state.original_type
-    del model.__dict__[_STATE_ATTR]
+    _CLASSES.remove(model, state.original_type)
     return model
 
 
 def loss_head_chunk_size(model: nn.Module) -> int | None:
     """Tokens per chunk of ``model``'s chunked loss head; ``None``: it computes its own."""
-    state: _HeadState | None = model.__dict__.get(_STATE_ATTR)
+    state: _HeadState | None = _CLASSES.state(model)
     return None if state is None else state.chunk_size

@@ -44,9 +44,10 @@ every saved tensor of every wrapped forward, so it is written for the interprete
   handed to its copies as they are issued), and a wait implied by an earlier one, or by
   a completion the host saw, is skipped: at most three accelerator calls per swapped
   tensor and direction.
-- Class swaps (``_class_swap.ClassSwap``, shared by ``swap_wrapper`` and
-  ``recompute_wrapper``): ``module.__class__`` becomes a generated subclass, so the
-  object, FQNs and ``isinstance`` stay (I3); ``copyreg`` pickles it by recipe.
+- Class swaps (``_class_swap.ClassSwap``, shared by ``swap_wrapper``,
+  ``recompute_wrapper`` and the chunked loss head of ``graphswap.rewriting.loss_head``):
+  ``module.__class__`` becomes a generated subclass, so the object, FQNs and
+  ``isinstance`` stay (I3); ``copyreg`` pickles it by recipe.
 - Hot names are read once into module globals (``_TENSOR``, ``_MUST_SWAP``,
   ``_task_id``, ``_use_count``); locks are taken with ``acquire``/``release``, not
   ``with`` (which makes two bound methods a call); every hot class has ``__slots__``;

@@ -1,15 +1,17 @@
-"""The class swap the swap and recompute wrappers share: a module's class is changed for a
-generated subclass, and changed back on unwrap.
+"""The class swap the swap and recompute wrappers and the chunked loss head share: a
+module's class is changed for a generated subclass, and changed back on undo.
 
 Like FSDP2's ``fully_shard``, a wrapper does not replace the module object: it sets
 ``module.__class__`` to a subclass of the module's own class that it generated once per
-class, whose ``forward`` the wrapper supplies (``Swap<Class>``, ``Recompute<Class>``). The
-object, its parameters, buffers, FQNs, ``state_dict`` keys, attributes and ``isinstance``
-all stay as they were; the wrapper's per-module state lives in the module's ``__dict__``
-under one attribute, so it pickles and deep-copies with the module; unwrap puts the exact
-original class back. A generated class pickles as the call that makes it (its ``recipe``,
-a module-level function of the wrapper), so a wrapped model survives ``pickle``,
-``torch.save`` and ``copy.deepcopy`` with the wrapper installed.
+class, whose ``forward`` the wrapper supplies (``Swap<Class>``, ``Recompute<Class>``; the
+chunked loss head's keeps the original's name, which ``save_pretrained`` records as the
+architecture). The object, its parameters, buffers, FQNs, ``state_dict`` keys,
+attributes and ``isinstance`` all stay as they were; the wrapper's per-module state
+lives in the module's ``__dict__`` under one attribute, so it pickles and deep-copies
+with the module; undo puts the exact original class back. A generated class pickles as
+the call that makes it (its ``recipe``, a module-level function of the wrapper), so a
+wrapped model survives ``pickle``, ``torch.save`` and ``copy.deepcopy`` with the wrapper
+installed.
 """
 
 from __future__ import annotations
@@ -50,17 +52,24 @@ class ClassSwap:
     def __init__(
         self,
         *,
-        prefix: str,
+        prefix: str | None,
         marker: type,
         state_attr: str,
         forward: Callable[[Forward], Forward],
         wrapper: str,
+        members: Callable[[type], dict[str, Any]] | None = None,
     ) -> None:
-        self.prefix = prefix  # the generated class's name is ``prefix`` + the original's
+        self.prefix = prefix
+        """The generated class's name is ``prefix`` + the original's; ``None``: the
+        original's name, qualified name and module, for code that records a class by
+        its name (``save_pretrained``'s architecture)."""
         self.marker = marker  # the base every generated class of this wrapper has first
         self.state_attr = state_attr  # the module ``__dict__`` key of the wrapper's state
         self.forward = forward  # given the original ``forward``, the generated one's
         self.wrapper = wrapper  # the wrapper's name, for errors
+        self.members = members
+        """Given the original class, more members of the generated one (the chunked
+        head's ``loss_function``); ``None``: ``forward`` only."""
         self.recipe: Callable[[type], type] | None = None
         """The module-level function that pickles name for ``generated`` (``bind``)."""
         self._classes: dict[type, type] = {}  # original class -> generated class
@@ -83,15 +92,19 @@ class ClassSwap:
                 )
             assert self.recipe is not None  # bound at import, by the wrapper's module
             original = cls.forward
-            namespace = {
+            namespace: dict[str, Any] = {
                 "__module__": self.recipe.__module__,
+                **(self.members(cls) if self.members is not None else {}),
                 "forward": functools.wraps(original)(self.forward(original)),
                 "_graphswap_original": cls,
                 "_graphswap_recipe": self.recipe,
             }
-            made = self._classes[cls] = _Generated(
-                f"{self.prefix}{cls.__name__}", (self.marker, cls), namespace
-            )
+            name = cls.__name__
+            if self.prefix is None:
+                namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
+            else:
+                name = f"{self.prefix}{name}"
+            made = self._classes[cls] = _Generated(name, (self.marker, cls), namespace)
         return made
 
     def install(self, module: torch.nn.Module, state: Any) -> None:

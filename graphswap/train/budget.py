@@ -26,7 +26,7 @@ from torch import nn
 from graphswap.errors import SwapExclusionError
 from graphswap.hf import trl_head
 from graphswap.passes import InfrastructureResult, pass_plan
-from graphswap.passes.plan_executor import AutoSwap
+from graphswap.passes.plan_executor import PlanExecutor
 from graphswap.passes.swap import apply_swap, plan_auto_swap, swap_engine
 from graphswap.rewriting.apply import RewriteReport, rewrite_report
 from graphswap.train.config import ConfigError, TrainerConfig
@@ -256,7 +256,7 @@ def _checkpointing_enable(
     hf_model: nn.Module,
     root: nn.Module,
     report: RewriteReport,
-    auto: AutoSwap,
+    auto: PlanExecutor,
     name: str,
     *args: Any,
     **kwargs: Any,

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from graphswap.passes import InfrastructureResult
-    from graphswap.passes.plan_executor import AutoSwap
+    from graphswap.passes.plan_executor import PlanExecutor
     from graphswap.runtime import SwapManager
 
 
@@ -48,7 +48,7 @@ class BuiltModel:
         return report.manager if report is not None else None
 
     @property
-    def auto_swap(self) -> AutoSwap | None:
+    def auto_swap(self) -> PlanExecutor | None:
         """``activation_swap: auto``: the plan and its policies (``check()`` after a step)."""
         return self.infrastructure.auto_swap
 

@@ -1,5 +1,5 @@
 """The words ``graphswap train`` and ``plan-memory`` print about an ``auto`` plan, for
-code that plans from Python (``AutoSwap``, ``plan_memory(activation_swap="auto")``) and
+code that plans from Python (``PlanExecutor``, ``plan_memory(activation_swap="auto")``) and
 wants the same report: each takes the plan's ``to_dict()``."""
 
 from graphswap.train.cli._memory import auto_verdict, format_auto_report

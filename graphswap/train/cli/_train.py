@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from graphswap.errors import LossHeadError
     from graphswap.hf.checkpoints import CheckpointError
     from graphswap.passes import PassPlanError, pass_plan
-    from graphswap.passes.plan_executor import AutoSwapMismatchError
+    from graphswap.passes.plan_executor import PlanMismatchError
     from graphswap.train.cli._memory import format_auto_report
     from graphswap.train.config import ConfigError, resolve_config
     from graphswap.train.trainer import format_summary, train_side_by_side, write_summary
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         PassPlanError,
         ConfigError,
         CheckpointError,
-        AutoSwapMismatchError,
+        PlanMismatchError,
         LossHeadError,
     ) as err:
         return user_error("train", str(err))

@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from graphswap import rewrite
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import PRESETS
-from graphswap.passes.plan_executor import AutoSwap
+from graphswap.passes.plan_executor import PlanExecutor
 from graphswap.planning import MemoryPlan
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
 from graphswap.planning.saved_tensors import build_meta_model
@@ -130,7 +130,7 @@ def _forward_flops(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
 
 def _rule(mode: str, plan: MemoryPlan) -> Rule:
     if mode == "auto":
-        return AutoSwap(plan, made_for=f"seq_len: {SEQ}, batch_size: {BATCH}").rule()
+        return PlanExecutor(plan, made_for=f"seq_len: {SEQ}, batch_size: {BATCH}").rule()
     return with_policy({"attention": "attn_swap", "layer": "layer_swap"}[mode], POLICY)
 
 

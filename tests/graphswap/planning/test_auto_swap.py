@@ -18,10 +18,10 @@ from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.passes import PassSettingError
 from graphswap.passes.plan_executor import (
-    AutoSwap,
-    AutoSwapMismatchError,
-    AutoSwapMismatchWarning,
-    AutoSwapPolicy,
+    PlanExecutor,
+    PlanMismatchError,
+    PlanMismatchWarning,
+    PlanPolicy,
 )
 from graphswap.planning import MemoryPlan
 from graphswap.planning.measure import ResidentActivationTracker, output_tensors
@@ -206,7 +206,7 @@ def _run_at_another_shape(model: torch.nn.Module) -> list[warnings.WarningMessag
         warnings.simplefilter("always")
         for _ in range(2):
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return [w for w in caught if issubclass(w.category, AutoSwapMismatchWarning)]
+    return [w for w in caught if issubclass(w.category, PlanMismatchWarning)]
 
 
 def _check_names_both_shapes(message: str) -> None:
@@ -227,7 +227,7 @@ def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_sett
     assert built.swap_manager.stats.plan_mismatches == built.auto_swap.mismatched_tensors
     assert len(caught) == 1, "warned once per model, not per save or per step"
     _check_names_both_shapes(str(caught[0].message))
-    with pytest.raises(AutoSwapMismatchError) as info:
+    with pytest.raises(PlanMismatchError) as info:
         built.auto_swap.check()
     _check_names_both_shapes(str(info.value))
 
@@ -255,7 +255,7 @@ def test_a_model_from_the_builders_run_at_another_shape_is_reported(
         stats = report.manager.stats
         assert stats.offloaded_bytes == 0 and stats.plan_mismatches > 0
         assert stats.per_group["model.layers.0"].plan_mismatches > 0
-        with pytest.raises(AutoSwapMismatchError) as info:
+        with pytest.raises(PlanMismatchError) as info:
             report.check()
         _check_names_both_shapes(str(info.value))
 
@@ -263,7 +263,7 @@ def test_a_model_from_the_builders_run_at_another_shape_is_reported(
 def test_a_model_run_at_its_planned_shape_passes_the_report_check(one_thread: None) -> None:
     built = _build("auto", num_layers=2, swap_bandwidth_gbps=1e9)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", AutoSwapMismatchWarning)
+        warnings.simplefilter("error", PlanMismatchWarning)
         built.model(input_ids=_ids(), labels=_ids(), use_cache=False).loss.backward()
     report = built.infrastructure.report
     assert report is not None and report.manager.stats.offloaded_bytes > 0
@@ -325,7 +325,7 @@ def test_the_plan_is_in_the_prefetch_graph_nodes() -> None:
 
 
 def test_the_policy_needs_the_save_index(fast_link_plan: MemoryPlan) -> None:
-    policy = AutoSwapPolicy(fast_link_plan.layers[0])
+    policy = PlanPolicy(fast_link_plan.layers[0])
     with pytest.raises(TypeError, match=r"calls decide\(t, index\)"):
         policy(torch.zeros(2))
     kept = next(i for i in range(len(policy.expected)) if i not in policy.planned)
@@ -345,7 +345,7 @@ def test_a_plan_for_another_depth_is_refused_before_anything_changes(
 ) -> None:
     from graphswap.rewriting.apply import HierarchyError, rewrite
 
-    auto = AutoSwap(fast_link_plan, made_for="a test")
+    auto = PlanExecutor(fast_link_plan, made_for="a test")
     model = build_model(qwen3_moe_config("tiny", num_hidden_layers=3))
     with pytest.raises(HierarchyError, match=r"has 3 decoder layers but the auto plan .* for 4"):
         rewrite(model, [auto.rule()])
@@ -355,21 +355,21 @@ def test_a_plan_for_another_depth_is_refused_before_anything_changes(
 def test_a_budget_plan_is_named_budget_in_what_it_says(
     fast_link_plan: MemoryPlan, one_thread: None
 ) -> None:
-    """AutoSwap carries out budget plans too: its refusal, its warning, its check and the
+    """PlanExecutor carries out budget plans too: its refusal, its warning, its check and the
     report train prints name the mode planned, not auto."""
     from graphswap.rewriting.apply import HierarchyError, rewrite
 
     plan = dataclasses.replace(
         fast_link_plan, activation_swap="budget", activation_memory_budget=1 << 40
     )
-    budget = AutoSwap(plan, made_for="seq_len: 512, batch_size: 2, dtype: float32")
+    budget = PlanExecutor(plan, made_for="seq_len: 512, batch_size: 2, dtype: float32")
     with pytest.raises(HierarchyError, match=r"but the budget plan was made for 4"):
         rewrite(build_model(qwen3_moe_config("tiny", num_hidden_layers=3)), [budget.rule()])
     model = build_model(qwen3_moe_config("tiny"))
     rewrite(model, [budget.rule()])
     [caught] = _run_at_another_shape(model)
     assert str(caught.message).startswith("activation_swap: budget: ")
-    with pytest.raises(AutoSwapMismatchError, match=r"^activation_swap: budget: "):
+    with pytest.raises(PlanMismatchError, match=r"^activation_swap: budget: "):
         budget.check()
     assert format_auto_report(budget.to_dict()).startswith("activation_swap: budget, planned")
 
@@ -377,8 +377,8 @@ def test_a_budget_plan_is_named_budget_in_what_it_says(
 def test_the_released_report_method_warns_and_renders_what_train_prints(
     fast_link_plan: MemoryPlan,
 ) -> None:
-    """0.1.0's ``AutoSwap.format_report``, until 0.3."""
-    auto = AutoSwap(fast_link_plan, made_for="a test")
+    """0.1.0's ``AutoSwap.format_report`` (``PlanExecutor``'s now), until 0.3."""
+    auto = PlanExecutor(fast_link_plan, made_for="a test")
     with pytest.warns(DeprecationWarning, match=r"format_report .*format_auto_report") as caught:
         assert auto.format_report() == format_auto_report(auto.to_dict())
     assert caught[0].filename == __file__, "the warning points at the caller's line"

@@ -17,7 +17,7 @@ import torch
 import graphswap
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import preset_config
-from graphswap.passes.plan_executor import AutoSwapMismatchWarning
+from graphswap.passes.plan_executor import PlanMismatchWarning
 from graphswap.planning import PlanSettingError, plan_memory
 from graphswap.planning.saved_tensors import (
     SavedTensorCollector,
@@ -154,7 +154,7 @@ def test_a_budget_plan_made_under_autocast_is_the_step_autocast_runs() -> None:
     assert torch.bfloat16 in saved and torch.float32 in saved
     ids = torch.randint(0, config.vocab_size, (BATCH_SIZE, seq_len))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", AutoSwapMismatchWarning)
+        warnings.simplefilter("error", PlanMismatchWarning)
         for _ in range(2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = built.model(input_ids=ids, labels=ids, use_cache=False).loss

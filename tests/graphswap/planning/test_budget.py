@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphswap
 from graphswap.hf.checkpoints import decoder_layers
 from graphswap.hf.presets import preset_config
-from graphswap.passes.plan_executor import AutoSwapMismatchError, AutoSwapMismatchWarning
+from graphswap.passes.plan_executor import PlanMismatchError, PlanMismatchWarning
 from graphswap.planning import PlanSettingError, plan_memory
 from graphswap.planning._budget import read_memory_budget, resolve_memory_budget
 from graphswap.planning.trace import StepShape
@@ -546,9 +546,9 @@ def _steps(model: torch.nn.Module, seq_len: int, autocast: bool = False) -> list
         try:
             graphswap.rewrite_report(model).check()
             error = ""
-        except AutoSwapMismatchError as raised:
+        except PlanMismatchError as raised:
             error = str(raised)
-    said = [str(w.message) for w in caught if issubclass(w.category, AutoSwapMismatchWarning)]
+    said = [str(w.message) for w in caught if issubclass(w.category, PlanMismatchWarning)]
     return [*said, error]
 
 

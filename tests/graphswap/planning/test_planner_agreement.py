@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 import graphswap
 from graphswap.hf.checkpoints import build_model, decoder_layers
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.passes.plan_executor import AutoSwap
+from graphswap.passes.plan_executor import PlanExecutor
 from graphswap.passes.specs import SWAP_RULES
 from graphswap.passes.swap import apply_swap
 from graphswap.planning import MemoryPlan, SwapMode
@@ -102,7 +102,7 @@ def measure(
         report = graphswap.rewrite(model, rules=[SWAP_RULES[mode]], manager=manager)
     elif mode != "none":
         planned = mode in ("auto", "budget")
-        auto = AutoSwap(plan, made_for="the agreement test") if planned else None
+        auto = PlanExecutor(plan, made_for="the agreement test") if planned else None
         report = apply_swap(
             model, activation_swap=mode, offload_lag=offload_lag, engine=sim, auto=auto
         )

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,6 +171,48 @@ def test_the_model_stays_the_model_and_undoes_exactly() -> None:
     assert _step(model)[0].logits is not None
     with pytest.raises(LossHeadError, match="has no chunked loss head; nothing to undo"):
         unchunk_loss_head(model)
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def _tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return build_model(config)
+
+
+def test_a_model_pickled_by_0_2_0_with_a_chunked_head_loads_and_undoes() -> None:
+    """``data/chunked_llama_0.2.0.pt`` is what the head of 0.2.0, with its own class swap
+    (commit 5f8cf61), saved of ``_tiny_llama()`` after ``chunk_loss_head(model,
+    chunk_size=5)`` with ``torch.save``: it names ``_head_class`` and ``_HeadState``. It
+    loads as a model with the head installed now, computes what a fresh install
+    computes, and undoes to the exact class."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = torch.load(DATA / "chunked_llama_0.2.0.pt", weights_only=False)
+    fresh = chunk_loss_head(_tiny_llama(), chunk_size=5)
+    assert type(loaded) is type(fresh) and loss_head_chunk_size(loaded) == 5
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert list(loaded.state_dict()) == list(fresh.state_dict())
+    (output, grads), (fresh_output, fresh_grads) = _step(loaded), _step(fresh)
+    assert output.logits is None and torch.equal(output.loss, fresh_output.loss)
+    assert all(torch.equal(grads[n], fresh_grads[n]) for n in fresh_grads)
+    with pytest.raises(LossHeadError, match=r"already has a chunked loss head \(5 tokens"):
+        chunk_loss_head(loaded)
+    original = type(_tiny_llama())
+    assert type(unchunk_loss_head(loaded)) is original
+    assert "_graphswap_loss_head" not in loaded.__dict__
 
 
 def test_return_dict_false_returns_the_tuple_without_logits() -> None:

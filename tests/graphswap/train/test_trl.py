@@ -18,7 +18,7 @@ import graphswap
 from graphswap.errors import SwapExclusionError
 from graphswap.hf.checkpoints import build_model
 from graphswap.hf.presets import preset_config
-from graphswap.passes.plan_executor import AutoSwapMismatchWarning
+from graphswap.passes.plan_executor import PlanMismatchWarning
 from graphswap.rewriting.apply import rewrite_report
 from graphswap.train.build import from_config
 from graphswap.train.config import TrainerConfig
@@ -147,7 +147,7 @@ def test_sft_trainer_trains_a_rewritten_model_like_the_plain_one(
     made for float32 meets bfloat16 saves there: each stays on device, warned about."""
     net = model(preset, mode)
     if mode == "auto":
-        with pytest.warns(AutoSwapMismatchWarning, match="bfloat16, but the plan expects"):
+        with pytest.warns(PlanMismatchWarning, match="bfloat16, but the plan expects"):
             losses = sft(net, tmp_path)
     else:
         losses = sft(net, tmp_path)
