@@ -27,10 +27,12 @@ from graphswap._compat._cli import add_old_commands, add_old_flags
 from graphswap._compat._finder import install
 from graphswap._compat._flat_settings import flat_settings
 from graphswap._compat._pickles import manager_state, rules_of_today
+from graphswap._compat._table import RENAMED_SWAP_OPTIONS
 from graphswap._compat._warn import REMOVED_IN, resolve, warn
 
 __all__ = [
     "REMOVED_IN",
+    "RENAMED_SWAP_OPTIONS",
     "Package",
     "Renamed",
     "add_old_commands",

@@ -183,7 +183,7 @@ def test_a_host_budget_keeps_on_device_what_it_cannot_hold() -> None:
     tight = plan_memory(
         config, seq_len=8192, activation_swap="layer", state_shards=8, max_host_bytes=2 * GIB
     )
-    assert roomy.max_host_bytes == device_profile("h200").host_budget_bytes == 128 * GIB
+    assert roomy.max_host_bytes == device_profile("h200").default_max_host_bytes == 128 * GIB
     assert roomy.refused_bytes == 0 and roomy.host_peak_bytes > 2 * GIB
     assert 0 < tight.host_peak_bytes <= 2 * GIB < tight.host_peak_bytes + tight.refused_bytes
     assert tight.timeline.peak_bytes > roomy.timeline.peak_bytes
