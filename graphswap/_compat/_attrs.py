@@ -98,7 +98,7 @@ def renamed_kwargs(**renamed: str) -> Callable[[F], F]:
     unexpected keyword. ``@renamed_kwargs(offload_lag="swap_offload_lag")``."""
 
     def decorate(function: F) -> F:
-        caller = function.__qualname__
+        caller = function.__qualname__.removesuffix(".__init__")  # a class as users call it
 
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

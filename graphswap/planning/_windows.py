@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass
 
 from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import Event, StepTrace, TracedSave
 from graphswap.planning.saved_tensors import ATTENTION_SCOPE, LAYER_SCOPE
 
@@ -133,9 +134,11 @@ def _pass(trace: StepTrace, scope: str) -> _Pass:
     return found
 
 
-def step_times(trace: StepTrace, scope: str, *, offload_lag: int, prefetch_depth: int) -> StepTimes:
-    """The windows of ``scope``'s modules in ``trace`` at ``offload_lag`` and
-    ``prefetch_depth`` (as ``SwapManager`` takes them)."""
+def step_times(trace: StepTrace, scope: str, schedule: SwapSchedule) -> StepTimes:
+    """The windows of ``scope``'s modules in ``trace`` at ``schedule``'s
+    ``swap_offload_lag`` (:meth:`~SwapSchedule.lag`) and ``swap_prefetch_depth``, as
+    ``SwapManager`` takes them."""
+    offload_lag, prefetch_depth = schedule.lag(), schedule.swap_prefetch_depth
     layers = trace.num_layers
     times = _pass(trace, scope)
     enter, leave, begins = times.enter, times.leave, times.begins

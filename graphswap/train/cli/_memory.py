@@ -440,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
         plan_memory,
     )
     from graphswap.planning._budget import resolve_memory_budget
-    from graphswap.planning._fit import DEFAULT_SEQ_STEP
+    from graphswap.planning._fit import DEFAULT_SEQ_STEP, fit_settings
     from graphswap.planning._registry import memory_strategy
     from graphswap.planning._settings import (
         PROFILE_FIGURES,
@@ -482,13 +482,17 @@ def run(args: argparse.Namespace) -> int:
         settings["autocast_dtype"] = getattr(torch, args.autocast_dtype)
     try:
         if args.fit is not None:
+            shape, schedule, figures = fit_settings(
+                "fit_sequence", settings, args.seq_step or DEFAULT_SEQ_STEP
+            )
             fit = fit_sequence(
                 config,
+                shape,
+                schedule=schedule,
                 memory_bytes=args.fit or None,
                 profile=profile,
-                seq_step=args.seq_step or DEFAULT_SEQ_STEP,
                 max_step_ratio=args.max_step_ratio,
-                **settings,
+                **figures,
             )
             data = fit.to_dict()
         else:
