@@ -6,10 +6,11 @@ monotonically with the sequence (the copy windows grow as seq², the bytes as se
 ``auto`` moves a larger share of a longer step, and a host budget refuses more of it),
 so every multiple of the step (the given shape's ``seq_len``) up to the model's window
 (``max_position_embeddings``, or longer where rope scaling stretches it:
-:func:`~graphswap.hf.rope.context_window`) is planned: a mode's answer is the longest length below which every length fits, and the
-lengths that fit are reported as intervals when they are not one. A few traces give
-every length's step (:mod:`graphswap.planning._lengths`). Asked for a ``max_step_ratio``,
-each mode also answers the longest of those lengths whose step runs at that ratio or
+:func:`~graphswap.hf.rope.context_window`) is planned: a mode's answer is the longest
+length below which every length fits, and the lengths that fit are reported as
+intervals when they are not one. A few traces give every length's step
+(:mod:`graphswap.planning._lengths`). Asked for a ``max_step_ratio``, each mode also
+answers the longest of those lengths whose step runs at that ratio or
 less: the ratio is not monotone in the length (a budget that must take a heavier
 recompute level at one length pays less of the step for it at longer ones), so a
 shorter length may run above it.

@@ -1,10 +1,10 @@
 """When each wrapped module's copies must run, on the traced step without stalls.
 
 A module's offloads are issued as its forward saves them and fenced where the
-runtime's ``offload_lag`` puts the fence: at the start of the forward ``offload_lag``
+runtime's ``swap_offload_lag`` puts the fence: at the start of the forward that many
 modules later (at the end of its own forward for a lag of 0; past the last module, at
 the first backward boundary). Its reloads are issued when backward reaches the module
-``prefetch_depth`` links later and are needed from its own first unpack. These times
+``swap_prefetch_depth`` links later and are needed from its own first unpack. These times
 are the compute stream's alone (no stall), so they are the same for every swap
 choice of one scope: what ``auto`` budgets, and the windows ``plan-memory`` prints.
 """

@@ -275,7 +275,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         type=int,
         metavar="N",
-        help="the SwapManager's offload_lag: a module's copies to host are fenced when the "
+        help="the SwapManager's swap_offload_lag: a module's copies to host are fenced when the "
         "forward N modules later begins (default: auto plans 1 and 2 and keeps the lower "
         "peak, the other modes 1)",
     )
@@ -285,7 +285,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         type=int,
         metavar="N",
-        help="the SwapManager's prefetch_depth: a module's tensors come back when backward "
+        help="the SwapManager's swap_prefetch_depth: a module's tensors come back when backward "
         "reaches the module N later (default 1)",
     )
     parser.add_argument(

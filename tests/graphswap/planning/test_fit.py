@@ -81,7 +81,7 @@ def test_a_fit_stops_where_what_no_mode_moves_exceeds_the_memory() -> None:
     from graphswap.train.cli._memory import format_fit
 
     config = _short(preset_config("llama-3.1-8b"))
-    fit = fit_sequence(config, memory_bytes=10 * GIB, state_shards=8)
+    fit = fit_sequence(config, memory_bytes=10 * GIB, schedule=SwapSchedule(state_shards=8))
     assert 0 < fit.planned < 48 and all(len(m.points) == fit.planned for m in fit.modes)
     last = fit.planned * fit.seq_step
     for seq in (last, last + fit.seq_step):
