@@ -163,10 +163,11 @@ def schedule_keywords(replay: Callable[..., Plan]) -> Callable[..., Plan]:
         if not old:
             return replay(trace, choice, *args, **keywords)
         if args or keywords:
-            given = ", ".join([*old, *keywords]) + (" and a schedule" if args else "")
-            raise TypeError(
-                f"replay() got {given}: pass the schedule alone, "
-                "replay(trace, choice, SwapSchedule(...))"
+            raise _setting_error(
+                "schedule",
+                ", ".join([*old, *keywords]),
+                "replay takes a SwapSchedule, or (deprecated) its fields as keywords, not "
+                "both; pass replay(trace, choice, SwapSchedule(...))",
             )
         fields = {REPLAY_KEYWORDS[name]: value for name, value in old.items()}
         if fields.get("max_host_bytes") is None:
