@@ -67,8 +67,8 @@ def apply_swap(
     """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
     the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
     (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own).
-    ``swap_offload_lag`` unset: the lag the ``auto`` plan was made at, else 1. 0.2's
-    first names (``prefetch_depth=``, ``offload_lag=``) warn and work until 0.3."""
+    ``swap_offload_lag`` unset: the lag the ``auto`` plan was made at, else 1. 0.2.0's
+    names (``prefetch_depth=``, ``offload_lag=``) warn and work until 0.3."""
     if activation_swap not in SWAP_RULES:
         raise PassSettingError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"

@@ -1,4 +1,4 @@
-"""Every path, name, flag and pickle of graphswap 0.1.0 (and of 0.2's first days) that
+"""Every path, name, flag and pickle of graphswap 0.1.0 (and 0.2.0) that
 moved, kept working until 0.3 with a ``DeprecationWarning`` (on stderr, for the command
 line) naming the new one.
 

@@ -1,4 +1,4 @@
-"""The planner's flat keywords of 0.2's first days, kept working until 0.3 with a
+"""The planner's flat keywords of 0.2.0, kept working until 0.3 with a
 ``DeprecationWarning``: ``plan_memory(config, seq_len=4096, swap_offload_lag=2)``, whose
 typed call is ``plan_memory(config, StepShape(seq_len=4096),
 schedule=SwapSchedule(swap_offload_lag=2))``; ``fit_sequence(config, seq_step=1024,

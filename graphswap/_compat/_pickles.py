@@ -1,5 +1,5 @@
-"""Reading what graphswap 0.1.0 pickled (commit ``7c4d51b``): a swap-wrapped model saved
-with ``torch.save`` or ``pickle.dump``. Its classes are at 0.1.0's module paths (the
+"""Reading what graphswap 0.1.0 (commit ``7c4d51b``) and 0.2.0 pickled: a swap-wrapped
+model saved with ``torch.save`` or ``pickle.dump``. Its classes are at 0.1.0's module paths (the
 finder serves them); what changed shape is converted here, on load."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ Applied = TypeVar("Applied")
 
 def manager_state(state: dict[str, Any]) -> dict[str, Any]:
     """A ``SwapManager``'s pickled state as this version writes it: 0.1.0's groups were
-    ``"slots"`` and its options had ``trace``, the event log that tests read; before 0.2
-    spelled them as the config does, its options were ``prefetch_depth`` and
-    ``offload_lag``. Any other state is returned as is."""
+    ``"slots"`` and its options had ``trace``, the event log that tests read; 0.2.0's
+    options were ``prefetch_depth`` and ``offload_lag``. Any other state is returned as
+    is."""
     unpickled = ("graphswap", "torch", "pickle")
     old_options = [k for k in state["options"] if k in RENAMED_SWAP_OPTIONS]
     if "slots" in state:

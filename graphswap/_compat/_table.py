@@ -132,7 +132,7 @@ RENAMED_SWAP_OPTIONS: dict[str, str] = {
     "offload_lag": "swap_offload_lag",
 }
 """The keywords of ``SwapManager`` and ``apply_swap`` (and the keys of a pickled
-``SwapManager``'s options) before 0.2 spelled them as the config does -> their names now."""
+``SwapManager``'s options) in 0.2.0 -> their names now, the config's keys."""
 
 PACKAGES: dict[str, str] = {"passes": "graphswap.passes"}
 """0.1.0's top-level packages -> their place under graphswap. An installed graphswap has

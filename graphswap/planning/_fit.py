@@ -249,7 +249,7 @@ def fit_sequence(
     When parameters, gradients and AdamW state alone leave no memory, nothing is traced
     and :attr:`FitResult.modes` is empty (see :attr:`FitResult.shards_needed`).
 
-    The flat keywords of 0.2's first days (``seq_step=``, ``state_shards=``, ...; 0.1.0's
+    The flat keywords of 0.2.0 (``seq_step=``, ``state_shards=``, ...; 0.1.0's
     names too) still work until 0.3, with a ``DeprecationWarning``
     (:mod:`graphswap._compat._flat_settings`).
     """

@@ -87,7 +87,7 @@ class SwapManager:
     accumulation with all graphs alive) prefetch within their own pass.
 
     The options are spelled as the trainer config's keys and the planner's
-    :class:`~graphswap.planning.trace.SwapSchedule` fields; 0.2's first names
+    :class:`~graphswap.planning.trace.SwapSchedule` fields; 0.2.0's names
     (``prefetch_depth=``, ``offload_lag=``) warn and work until 0.3.
     """
 
@@ -141,7 +141,7 @@ class SwapManager:
         """Forwards after which a layer's swapped storages have left device memory."""
         return self._ctx.offload_lag
 
-    # 0.2's first names of the two options, readable until 0.3.
+    # 0.2.0's names of the two options, readable until 0.3.
     prefetch_depth = _compat.Renamed("swap_prefetch_depth")
     offload_lag = _compat.Renamed("swap_offload_lag")
 

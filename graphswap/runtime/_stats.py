@@ -67,7 +67,7 @@ class SwapStats(GroupStats):
     host_in_use_bytes: int = 0
     per_group: dict[str, GroupStats] = field(default_factory=dict)
 
-    host_budget_bytes = _compat.Renamed("max_host_bytes")  # 0.2's first name, until 0.3
+    host_budget_bytes = _compat.Renamed("max_host_bytes")  # 0.2.0's name, until 0.3
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

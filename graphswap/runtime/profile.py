@@ -90,7 +90,7 @@ class DeviceProfile:
         :func:`graphswap.runtime.default_max_host_bytes` takes it on the node it runs on."""
         return int(self.host_memory_bytes * HOST_SHARE) // self.ranks_per_node
 
-    host_budget_bytes = _compat.Renamed("default_max_host_bytes")  # 0.2's first name, until 0.3
+    host_budget_bytes = _compat.Renamed("default_max_host_bytes")  # 0.2.0's name, until 0.3
 
     def with_figures(self, **figures: Any) -> DeviceProfile:
         """This profile with some figures replaced (``link_gbps`` sets both directions)."""
