@@ -170,14 +170,21 @@ def schedule_keywords(replay: Callable[..., Plan]) -> Callable[..., Plan]:
                 "both; pass replay(trace, choice, SwapSchedule(...))",
             )
         fields = {REPLAY_KEYWORDS[name]: value for name, value in old.items()}
-        if fields.get("max_host_bytes") is None:
-            fields["max_host_bytes"] = sys.maxsize
+        uncapped = fields.get("max_host_bytes") is None
         warn(
             f"replay({'=..., '.join(old)}=...) is deprecated: pass "
             f"replay(trace, choice, SwapSchedule({'=..., '.join(fields)}=...)) "
-            "(graphswap.planning.trace)",
+            "(graphswap.planning.trace)"
+            + (
+                "; host_budget unset was no cap, where an unset max_host_bytes is the "
+                "profile's node's share"
+                if uncapped
+                else ""
+            ),
             inside="graphswap.planning",
         )
+        if uncapped:
+            fields["max_host_bytes"] = sys.maxsize
         return replay(trace, choice, resolve("graphswap.planning._settings:SwapSchedule")(**fields))
 
     return replayed

@@ -164,7 +164,11 @@ def test_replays_old_keywords_warn_naming_the_schedule_and_replay_the_same(
         new = replay(tiny_trace, choice, SwapSchedule(swap_offload_lag=2, max_host_bytes=cap))
     assert old == new and sum(g.refused_bytes for g in new.groups) > 0
     # host_budget=None was no cap at all: no pool reaches the one it stands for.
-    with one_warning("replay(offload_lag=..., prefetch_depth=..., state_shards=...)"):
+    with one_warning(
+        "replay(offload_lag=..., prefetch_depth=..., state_shards=...)",
+        "SwapSchedule(swap_offload_lag=..., swap_prefetch_depth=..., state_shards=...))",
+        "host_budget unset was no cap",
+    ):
         uncapped = replay(tiny_trace, choice, offload_lag=1, prefetch_depth=1, state_shards=2)
     roomy = SwapSchedule(state_shards=2, max_host_bytes=sys.maxsize)
     assert uncapped == replay(tiny_trace, choice, roomy)
