@@ -50,7 +50,7 @@ class UnknownRuleError(RewriteError, KeyError):
 
 class SwapSetupError(GraphswapError, ValueError):
     """The swap runtime was set up in a way that cannot work: a setting out of range
-    (``prefetch_depth``, ``offload_lag``, ``max_host_bytes``, a policy's ``min_bytes``, a
+    (``swap_prefetch_depth``, ``swap_offload_lag``, ``max_host_bytes``, a policy's ``min_bytes``, a
     simulated device's ``lag``), a module wrapped or registered twice or not wrapped, a
     prefetch link that repeats or closes a cycle. Raised when the call is made, before
     anything runs; the message names the argument and the fix."""

@@ -79,8 +79,8 @@ def _swap(run: _Run) -> None:
     run.report = apply_swap(
         run.model,
         activation_swap=config.activation_swap,
-        prefetch_depth=config.swap_prefetch_depth,
-        offload_lag=config.swap_offload_lag,
+        swap_prefetch_depth=config.swap_prefetch_depth,
+        swap_offload_lag=config.swap_offload_lag,
         engine=swap_engine(config.device),
         auto=run.auto_swap,
     )

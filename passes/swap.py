@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from graphswap import _compat
 from graphswap.errors import NoMatchError
 from graphswap.hf import trl_head
 from graphswap.hf.attention_kernels import PlanSettingError
@@ -28,7 +29,7 @@ from graphswap.rewriting.apply import rewrite
 from graphswap.runtime import (
     CopyEngine,
     SwapManager,
-    host_budget,
+    default_max_host_bytes,
     is_swap_wrapped,
     swap_manager_of,
 )
@@ -53,19 +54,21 @@ _PLANNED_KEYS = (
 """The config's keys the planner takes as they are: the planner spells them alike."""
 
 
+@_compat.renamed_kwargs(**_compat.RENAMED_SWAP_OPTIONS)
 def apply_swap(
     model: nn.Module,
     *,
     activation_swap: SwapMode = "attention",
-    prefetch_depth: int = 1,
-    offload_lag: int | None = None,
+    swap_prefetch_depth: int = 1,
+    swap_offload_lag: int | None = None,
     engine: CopyEngine | None = None,
     auto: PlanExecutor | None = None,
 ) -> RewriteReport:
     """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
     the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
     (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own).
-    ``offload_lag`` unset: the lag the ``auto`` plan was made at, else 1."""
+    ``swap_offload_lag`` unset: the lag the ``auto`` plan was made at, else 1. 0.2.0's
+    names (``prefetch_depth=``, ``offload_lag=``) warn and work until 0.3."""
     if activation_swap not in SWAP_RULES:
         raise PassSettingError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
@@ -81,11 +84,15 @@ def apply_swap(
             f" {auto.plan.activation_swap}; plan again with activation_swap: {activation_swap}"
         )
     rule = auto.rule() if auto is not None else SWAP_RULES[activation_swap]
-    if offload_lag is None:
-        offload_lag = 1 if auto is None else auto.plan.swap_offload_lag
-    manager = SwapManager(prefetch_depth=prefetch_depth, offload_lag=offload_lag, engine=engine)
+    if swap_offload_lag is None:
+        swap_offload_lag = 1 if auto is None else auto.plan.swap_offload_lag
+    manager = SwapManager(
+        swap_prefetch_depth=swap_prefetch_depth, swap_offload_lag=swap_offload_lag, engine=engine
+    )
     report = rewrite(model, [rule], manager=manager)
-    verify_swap(model, report, prefetch_depth=prefetch_depth, activation_swap=activation_swap)
+    verify_swap(
+        model, report, swap_prefetch_depth=swap_prefetch_depth, activation_swap=activation_swap
+    )
     return report
 
 
@@ -95,11 +102,12 @@ def swap_engine(device: str) -> CopyEngine | None:
     return None if profile is None else SimulatedAccelerator(profile=profile)
 
 
+@_compat.renamed_kwargs(**_compat.RENAMED_SWAP_OPTIONS)
 def verify_swap(
     model: nn.Module,
     report: RewriteReport,
     *,
-    prefetch_depth: int,
+    swap_prefetch_depth: int,
     activation_swap: SwapMode = "attention",
 ) -> None:
     """Every layer's attention (``attention``) or every layer (``layer``, ``auto``) is
@@ -131,10 +139,10 @@ def verify_swap(
             f"after the swap pass the prefetch chain has {len(manager.links)} links for"
             f" {len(layers)} layers; expected {len(layers) - 1}"
         )
-    if manager.prefetch_depth != prefetch_depth:
+    if manager.swap_prefetch_depth != swap_prefetch_depth:
         raise PassPostconditionError(
-            f"the swap manager prefetches {manager.prefetch_depth} layers ahead, but"
-            f" swap_prefetch_depth: {prefetch_depth}"
+            f"the swap manager prefetches {manager.swap_prefetch_depth} layers ahead, but"
+            f" swap_prefetch_depth: {swap_prefetch_depth}"
         )
 
 
@@ -200,7 +208,7 @@ def plan_auto_swap(
                 "autocast_dtype": autocast_dtype,
                 "attn_implementation": attn,
                 "device": "cuda" if device.type == "cuda" else "cpu",
-                "max_host_bytes": host_budget(),
+                "max_host_bytes": default_max_host_bytes(),
                 "state_shards": state_shards,
             },
         )

@@ -233,7 +233,7 @@ def _bench_step(
     if replaced:
         profile = profile.with_figures(**replaced)
     trace = trace_step(meta, profile, optimizer=False)
-    return trace, replay(trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1)
+    return trace, replay(trace, SwapChoice(None, frozenset()))
 
 
 def _predictions(

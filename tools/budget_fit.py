@@ -48,7 +48,7 @@ def _mode_rows(name: str, max_step_ratio: float) -> tuple[list[dict[str, Any]], 
     fit = fit_sequence(
         preset_config(name),
         memory_bytes=MEMORY,
-        state_shards=SHARDS,
+        schedule=SwapSchedule(state_shards=SHARDS),
         max_step_ratio=max_step_ratio,
     )
     seconds = time.perf_counter() - started
@@ -77,9 +77,7 @@ def _without_swap(name: str, seq: int, recompute: tuple[str, ...]) -> tuple[int,
         build_meta_model(preset_config(name), StepShape(seq_len=seq), recompute=recompute),
         device_profile("h200"),
     )
-    run = replay(
-        trace, SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1, state_shards=SHARDS
-    )
+    run = replay(trace, SwapChoice(None, frozenset()), SwapSchedule(state_shards=SHARDS))
     return run.timeline.peak_bytes, run.timeline.step_seconds
 
 

@@ -50,9 +50,14 @@ def _replayed(trace: StepTrace, plan: MemoryPlan) -> float:
         [c for c in candidates[layer.name] if c.saves[0] in layer.swapped_saves]
         for layer in plan.layers
     ]
-    schedule = {"offload_lag": plan.swap_offload_lag, "prefetch_depth": plan.swap_prefetch_depth}
-    run = replay(trace, swap_choice(trace, chosen), state_shards=SHARDS, **schedule)
-    none = replay(trace, SwapChoice(None, frozenset()), state_shards=SHARDS, **schedule)
+    schedule = SwapSchedule(
+        swap_offload_lag=plan.swap_offload_lag,
+        swap_prefetch_depth=plan.swap_prefetch_depth,
+        state_shards=SHARDS,
+        max_host_bytes=plan.max_host_bytes,
+    )
+    run = replay(trace, swap_choice(trace, chosen), schedule)
+    none = replay(trace, SwapChoice(None, frozenset()), schedule)
     return run.timeline.step_seconds / none.timeline.step_seconds
 
 
@@ -97,7 +102,9 @@ def row(name: str, seq: int) -> dict[str, Any]:
 
 def fit_rows(name: str) -> list[dict[str, Any]]:
     started = time.perf_counter()
-    fit = fit_sequence(preset_config(name), memory_bytes=141 * GIB, state_shards=SHARDS)
+    fit = fit_sequence(
+        preset_config(name), memory_bytes=141 * GIB, schedule=SwapSchedule(state_shards=SHARDS)
+    )
     seconds = time.perf_counter() - started
     return [
         {

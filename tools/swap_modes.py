@@ -79,7 +79,7 @@ class Mode:
 
             # A planned mode runs at the offload lag its plan was made at (it may choose 2).
             lag = 1 if auto is None else auto.plan.swap_offload_lag
-            self.manager = SwapManager(offload_lag=lag)
+            self.manager = SwapManager(swap_offload_lag=lag)
 
     def _targets(self) -> list[tuple[str, torch.nn.Module]]:
         layers = self.model.model.layers

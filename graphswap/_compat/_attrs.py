@@ -98,10 +98,10 @@ def renamed_kwargs(**renamed: str) -> Callable[[F], F]:
     """A decorator: the function accepts each keyword's old name (``old="new"``) with a
     ``DeprecationWarning`` naming the new one, and receives the new one. An old name
     given beside its new one is passed on as is, so the function refuses it as an
-    unexpected keyword. ``@renamed_kwargs(swap_offload_lag="offload_lag")``."""
+    unexpected keyword. ``@renamed_kwargs(offload_lag="swap_offload_lag")``."""
 
     def decorate(function: F) -> F:
-        caller = function.__qualname__
+        caller = function.__qualname__.removesuffix(".__init__")  # a class as users call it
 
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Reading what graphswap 0.1.0 pickled (commit ``7c4d51b``): a swap-wrapped model saved
-with ``torch.save`` or ``pickle.dump``. Its classes are at 0.1.0's module paths (the
+"""Reading what graphswap 0.1.0 (commit ``7c4d51b``) and 0.2.0 pickled: a swap-wrapped
+model saved with ``torch.save`` or ``pickle.dump``. Its classes are at 0.1.0's module paths (the
 finder serves them); what changed shape is converted here, on load."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from graphswap._compat._table import RENAMED_SWAP_OPTIONS
 from graphswap._compat._warn import warn
 
 Applied = TypeVar("Applied")
@@ -15,19 +16,33 @@ Applied = TypeVar("Applied")
 
 def manager_state(state: dict[str, Any]) -> dict[str, Any]:
     """A ``SwapManager``'s pickled state as this version writes it: 0.1.0's groups were
-    ``"slots"`` and its options had ``trace``, the event log that tests read. Any other
-    state is returned as is."""
-    if "slots" not in state:
+    ``"slots"`` and its options had ``trace``, the event log that tests read; 0.2.0's
+    options were ``prefetch_depth`` and ``offload_lag``. Any other state is returned as
+    is."""
+    unpickled = ("graphswap", "torch", "pickle")
+    old_options = [k for k in state["options"] if k in RENAMED_SWAP_OPTIONS]
+    if "slots" in state:
+        warn(
+            "SwapManager(trace=) of graphswap 0.1.0 is gone, and with it the event log"
+            " manager.events (manager.stats counts the offloads, reloads and prefetch hits);"
+            " loading a SwapManager pickled by 0.1.0 is deprecated: save the loaded model"
+            " again with torch.save or pickle.dump",
+            inside=unpickled,
+        )
+        state = {**state, "groups": state["slots"]}
+    elif old_options:
+        renamed = ", ".join(f"{k} -> {RENAMED_SWAP_OPTIONS[k]}" for k in old_options)
+        warn(
+            f"loading a SwapManager pickled with its options' old names ({renamed}) is"
+            " deprecated: save the loaded model again with torch.save or pickle.dump",
+            inside=unpickled,
+        )
+    else:
         return state
-    warn(
-        "SwapManager(trace=) of graphswap 0.1.0 is gone, and with it the event log"
-        " manager.events (manager.stats counts the offloads, reloads and prefetch hits);"
-        " loading a SwapManager pickled by 0.1.0 is deprecated: save the loaded model"
-        " again with torch.save or pickle.dump",
-        inside=("graphswap", "torch", "pickle"),
-    )
-    options = {k: v for k, v in state["options"].items() if k != "trace"}
-    return {**state, "options": options, "groups": state["slots"]}
+    options = {
+        RENAMED_SWAP_OPTIONS.get(k, k): v for k, v in state["options"].items() if k != "trace"
+    }
+    return {**state, "options": options}
 
 
 class HierarchyValidator:

@@ -49,6 +49,9 @@ NAMES: dict[str, str] = {
     "graphswap.runtime.engines.SimulatedAccelerator": "graphswap.runtime.sim:SimulatedAccelerator",
     "graphswap.runtime.SwapExclusionError": "graphswap.errors:SwapExclusionError",
     "graphswap.runtime.SwapIntegrityError": "graphswap.errors:SwapIntegrityError",
+    # The host pool's default cap, named as the option it is the default of.
+    "graphswap.runtime.host_budget": "graphswap.runtime:default_max_host_bytes",
+    "graphswap.runtime.pool.host_budget": "graphswap.runtime:default_max_host_bytes",
     "graphswap.policy.qwen3_attention_swap_policy": _SIZE_POLICY,
     "graphswap.policy.attention_swap_policy": _SIZE_POLICY,
     "graphswap.rules.qwen3_layer_swap_policy": _SIZE_POLICY,
@@ -140,6 +143,13 @@ RENAMED_KEYWORDS: dict[str, str] = {
 }
 """The keywords of ``plan_memory`` and ``fit_sequence`` in 0.1.0 -> their names now, the
 trainer config's keys (one spelling per setting)."""
+
+RENAMED_SWAP_OPTIONS: dict[str, str] = {
+    "prefetch_depth": "swap_prefetch_depth",
+    "offload_lag": "swap_offload_lag",
+}
+"""The keywords of ``SwapManager`` and ``apply_swap`` (and the keys of a pickled
+``SwapManager``'s options) in 0.2.0 -> their names now, the config's keys."""
 
 PACKAGES: dict[str, str] = {"passes": "graphswap.passes"}
 """0.1.0's top-level packages -> their place under graphswap. An installed graphswap has

@@ -6,7 +6,7 @@ runs, under tensor parallelism the model is one rank's share, and every operator
 timed on a device profile (:mod:`graphswap.runtime.profile`). The step is then
 replayed under the clock contract the simulated device implements
 (:mod:`graphswap.planning._replay`): compute, the device-to-host queue fenced
-``offload_lag`` modules later, the kept last layer, reloads ``prefetch_depth``
+``swap_offload_lag`` modules later, the kept last layer, reloads ``swap_prefetch_depth``
 modules ahead, first-needed first, and device memory over the whole step. Each mode
 (``none``, ``attention``, ``layer``, ``auto``) gives a
 :class:`~graphswap.runtime.timeline.StepTimeline`, the same figures a clocked run of the

@@ -1,10 +1,10 @@
 """``auto``: per decoder layer, the saved tensors whose copies hide in both windows.
 
-A layer's offloads must be done by the fence ``offload_lag`` layers later, and each
-of its reloads, issued when backward reaches the layer ``prefetch_depth`` links later,
-before the unpack that needs it. Both queues are first in, first out, across layers.
-The choice simulates both on the traced step's compute times with the link at
-``1 - hide_margin`` of its bandwidth (so no copy fills more than that share of its
+A layer's offloads must be done by the fence ``swap_offload_lag`` layers later, and each
+of its reloads, issued when backward reaches the layer ``swap_prefetch_depth`` links
+later, before the unpack that needs it. Both queues are first in, first out, across
+layers. The choice simulates both on the traced step's compute times with the link at
+``1 - swap_hide_margin`` of its bandwidth (so no copy fills more than that share of its
 window): forward, layer by layer, largest first, every tensor that still meets the
 fence; then backward, layer by layer from the last, of those the largest that still
 meet their unpacks. The plan is then replayed under the contract at the full link; a
@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from graphswap.planning._replay import Replay, SwapChoice, replay
+from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import StepTrace
 from graphswap.planning._windows import StepTimes, step_times
 from graphswap.planning.saved_tensors import LAYER_SCOPE, SavedTensor, SavedTensorTrace
@@ -127,19 +128,15 @@ def _greedy(pool: Sequence[_Timed], fits: Callable[[list[_Timed]], bool]) -> lis
 
 
 def plan_auto(
-    trace: StepTrace,
-    candidates: Sequence[Sequence[SwapCandidate]],
-    *,
-    offload_lag: int,
-    prefetch_depth: int,
-    hide_margin: float,
-    state_shards: int = 1,
-    host_budget: int | None = None,
+    trace: StepTrace, candidates: Sequence[Sequence[SwapCandidate]], schedule: SwapSchedule
 ) -> AutoPlan:
-    """Choose, per layer, from ``candidates`` (per layer, :func:`layer_candidates`);
-    ``host_budget``: what the chosen storages' host buffers may hold together (every
-    offload of a step is alive at the end of its forward)."""
-    times = step_times(trace, LAYER_SCOPE, offload_lag=offload_lag, prefetch_depth=prefetch_depth)
+    """Choose, per layer, from ``candidates`` (per layer, :func:`layer_candidates`), under
+    ``schedule`` at its lag (:meth:`~SwapSchedule.lag`); its host cap
+    (:meth:`~SwapSchedule.max_host_bytes_on`) is what the chosen storages' host buffers
+    may hold together (every offload of a step is alive at the end of its forward)."""
+    times = step_times(trace, LAYER_SCOPE, schedule)
+    hide_margin = schedule.swap_hide_margin
+    max_host_bytes = schedule.max_host_bytes_on(trace.profile)
     index = {(s.layer, s.save.index): i for i, s in enumerate(trace.saves)}
     layers = trace.num_layers
     pinned = trace.device == "cuda"
@@ -160,21 +157,14 @@ def plan_auto(
     h2d_rate = (1 - hide_margin) * trace.profile.h2d_gbps * 1e9
 
     offload_ends: dict[int, float] = {}
-    forward = _offloads_that_hide(timed, times, d2h_rate, host_budget, offload_ends)
+    forward = _offloads_that_hide(timed, times, d2h_rate, max_host_bytes, offload_ends)
     backward = _reloads_that_hide(forward, times, h2d_rate, offload_ends)
 
     chosen_sets = [sorted(items, key=lambda i: i.first) for items in backward] + [[]]
     dropped = 0
     while True:
         plan = [[i.candidate for i in items] for items in chosen_sets]
-        replayed = replay(
-            trace,
-            swap_choice(trace, plan),
-            offload_lag=offload_lag,
-            prefetch_depth=prefetch_depth,
-            state_shards=state_shards,
-            host_budget=host_budget,
-        )
+        replayed = replay(trace, swap_choice(trace, plan), schedule)
         stalled = [
             g
             for g, group in enumerate(replayed.groups)
@@ -192,7 +182,7 @@ def _offloads_that_hide(
     timed: Sequence[Sequence[_Timed]],
     times: StepTimes,
     d2h_rate: float,
-    host_budget: int | None,
+    max_host_bytes: int,
     offload_ends: dict[int, float],
 ) -> list[list[_Timed]]:
     """Forward, layer by layer, largest first: per layer the candidates whose offloads
@@ -213,10 +203,8 @@ def _offloads_that_hide(
             return _fifo(order, start, lambda i: i.issued, lambda i: fence, d2h_rate, offload_ends)
 
         def fits(items: list[_Timed], held: int = held) -> bool:
-            if host_budget is not None:
-                buffers = sum(t.host for t in items)
-                if held + buffers > host_budget:
-                    return False
+            if held + sum(t.host for t in items) > max_host_bytes:
+                return False
             return offloads(items) is not None
 
         chosen = _greedy(pool, fits)

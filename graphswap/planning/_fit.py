@@ -4,12 +4,13 @@ A length fits when the replayed step's device peak (parameters, gradients and
 optimizer state included) is at most the memory. With swap the peak does not grow
 monotonically with the sequence (the copy windows grow as seq², the bytes as seq, so
 ``auto`` moves a larger share of a longer step, and a host budget refuses more of it),
-so every multiple of ``seq_step`` up to the model's window (``max_position_embeddings``,
-or longer where rope scaling stretches it: :func:`~graphswap.hf.rope.context_window`) is
-planned: a mode's answer is the longest length below which every length fits, and the
-lengths that fit are reported as intervals when they are not one. A few traces give
-every length's step (:mod:`graphswap.planning._lengths`). Asked for a ``max_step_ratio``,
-each mode also answers the longest of those lengths whose step runs at that ratio or
+so every multiple of the step (the given shape's ``seq_len``) up to the model's window
+(``max_position_embeddings``, or longer where rope scaling stretches it:
+:func:`~graphswap.hf.rope.context_window`) is planned: a mode's answer is the longest
+length below which every length fits, and the lengths that fit are reported as
+intervals when they are not one. A few traces give every length's step
+(:mod:`graphswap.planning._lengths`). Asked for a ``max_step_ratio``, each mode also
+answers the longest of those lengths whose step runs at that ratio or
 less: the ratio is not monotone in the length (a budget that must take a heavier
 recompute level at one length pays less of the step for it at longer ones), so a
 shorter length may run above it.
@@ -20,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from graphswap import _compat
 from graphswap._compat import Renamed
 from graphswap.errors import RewriteError
 from graphswap.hf.attention_kernels import PlanSettingError
@@ -40,7 +42,13 @@ from graphswap.planning._plan import (
 )
 from graphswap.planning._registry import STRATEGIES, memory_strategy
 from graphswap.planning._replay import replay_without_swap, state_bytes
-from graphswap.planning._settings import StepShape, SwapSchedule, check_int, split_settings
+from graphswap.planning._settings import (
+    DEFAULT_SCHEDULE,
+    StepShape,
+    SwapSchedule,
+    check_int,
+    split_settings,
+)
 from graphswap.planning._trace import BlockKind, StepTrace, storage_bytes
 from graphswap.planning._trace_cache import trace_once
 from graphswap.planning._units import RecomputeKind
@@ -54,7 +62,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 DEFAULT_SEQ_STEP = 512
-"""``fit_sequence`` answers in multiples of this many tokens."""
+"""``fit_sequence`` answers in multiples of this many tokens unless its shape says
+otherwise (``StepShape(seq_len=...)``; ``plan-memory --seq-step``)."""
 
 
 @dataclass(frozen=True)
@@ -214,41 +223,51 @@ class FitResult:
         }
 
 
+@_compat.flat_fit_settings
 def fit_sequence(
     config: PretrainedConfig,
+    shape: StepShape | None = None,
     *,
+    schedule: SwapSchedule = DEFAULT_SCHEDULE,
     memory_bytes: int | None = None,
     profile: str | DeviceProfile = DEFAULT_PROFILE,
-    seq_step: int = DEFAULT_SEQ_STEP,
     modes: Sequence[SwapMode] = SWAP_MODES,
     max_step_ratio: float | None = None,
-    **settings: Any,
+    swap_bandwidth_gbps: float | None = None,
+    swap_tflops: float | None = None,
 ) -> FitResult:
-    """The longest sequence (a multiple of ``seq_step``) each of ``modes`` fits in
-    ``memory_bytes`` (default: the profile's memory) at every multiple up to it, with the
-    plan at that length and every length that fits; with ``max_step_ratio`` (>= 1), also
-    the longest of those whose step runs at that ratio or less.
+    """The longest sequence (a multiple of ``shape``'s ``seq_len``) each of ``modes``
+    fits in ``memory_bytes`` (default: the profile's memory) at every multiple up to it,
+    with the plan at that length and every length that fits; with ``max_step_ratio``
+    (>= 1), also the longest of those whose step runs at that ratio or less.
 
-    ``profile`` and ``settings`` are :func:`~graphswap.planning.plan_memory`'s, the
-    config's keys, but ``seq_len``, which the fit searches up to the model's window
+    ``shape``: the fit's first and shortest step (default: ``StepShape(seq_len=512)``,
+    :data:`DEFAULT_SEQ_STEP`); its ``seq_len`` is the fit's step, and the fit plans the
+    shape at every multiple of it up to the model's window
     (:func:`~graphswap.hf.rope.context_window`: rope scaling in the config stretches it).
+    ``schedule``, ``profile`` and the figures are :func:`~graphswap.planning.plan_memory`'s.
     When parameters, gradients and AdamW state alone leave no memory, nothing is traced
     and :attr:`FitResult.modes` is empty (see :attr:`FitResult.shards_needed`).
+
+    The flat keywords of 0.2.0 (``seq_step=``, ``state_shards=``, ...; 0.1.0's
+    names too) still work until 0.3, with a ``DeprecationWarning``
+    (:mod:`graphswap._compat._flat_settings`).
     """
     for mode in modes:
         memory_strategy(mode)
-    _check_max_step_ratio(max_step_ratio)
-    shape_settings, schedule, figures = split_settings("fit_sequence", settings)
-    resolved = resolve_profile(profile, **figures)
+    check_max_step_ratio(max_step_ratio)
+    resolved = resolve_profile(
+        profile, swap_bandwidth_gbps=swap_bandwidth_gbps, swap_tflops=swap_tflops
+    )
     memory = resolved.memory_bytes if memory_bytes is None else memory_bytes
     if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
         raise PlanSettingError("memory_bytes", memory, "must be a positive number of bytes")
-    check_int("seq_step", seq_step, 1, "the fit answers in its multiples")
-    if "seq_len" in shape_settings:
-        raise PlanSettingError(
-            "seq_len", shape_settings["seq_len"], "is what the fit searches; leave it out"
-        )
-    shape = StepShape(seq_len=seq_step, **shape_settings)
+    shape = StepShape(seq_len=DEFAULT_SEQ_STEP) if shape is None else shape
+    for name, value, kind in (("shape", shape, StepShape), ("schedule", schedule, SwapSchedule)):
+        if not isinstance(value, kind):
+            raise PlanSettingError(
+                name, value, f"must be a {kind.__name__} (graphswap.planning.trace)"
+            )
     first = build_meta_model(config, shape)
     empty = dataclasses.replace(
         _state(first, memory, resolved, shape, schedule), max_step_ratio=max_step_ratio
@@ -257,7 +276,8 @@ def fit_sequence(
         return empty
     refused = {mode: _refusal(first, mode) for mode in modes}
     scans = {mode: _Scan(mode, max_step_ratio) for mode in modes if refused[mode] is None}
-    lengths = [k * seq_step for k in range(1, empty.max_seq // seq_step + 1)] if scans else []
+    step = shape.seq_len
+    lengths = [k * step for k in range(1, empty.max_seq // step + 1)] if scans else []
     grid = _Grid(config, first, shape, resolved, lengths)
     planned = 0
     with _collector_paused():
@@ -278,7 +298,22 @@ def fit_sequence(
     )
 
 
-def _check_max_step_ratio(max_step_ratio: object) -> None:
+def fit_settings(
+    caller: str, settings: Mapping[str, Any], seq_step: int
+) -> tuple[StepShape, SwapSchedule, dict[str, Any]]:
+    """Flat settings under the config's keys, as the CLI holds them, made into the fit's
+    first step (``seq_len``: ``seq_step``, the fit's step), its schedule and the
+    profile's overrides; ``seq_len`` itself is refused: the fit searches it."""
+    shape_settings, schedule, figures = split_settings(caller, settings)
+    check_int("seq_step", seq_step, 1, "the fit answers in its multiples")
+    if "seq_len" in shape_settings:
+        raise PlanSettingError(
+            "seq_len", shape_settings["seq_len"], "is what the fit searches; leave it out"
+        )
+    return StepShape(seq_len=seq_step, **shape_settings), schedule, figures
+
+
+def check_max_step_ratio(max_step_ratio: object) -> None:
     """``None``, or a finite number >= 1: no step runs faster than the step without swap."""
     if max_step_ratio is None:
         return
@@ -323,9 +358,7 @@ def _state(
         gradient_bytes=trained,
         optimizer_state_bytes=2 * trained,
         buffer_bytes=storage_bytes(list(first.model.buffers())),
-        max_host_bytes=profile.host_budget_bytes
-        if schedule.max_host_bytes is None
-        else schedule.max_host_bytes,
+        max_host_bytes=schedule.max_host_bytes_on(profile),
         modes=(),
         traced=(),
         lora_rank=first.lora_rank,

@@ -404,9 +404,7 @@ class StepStrategy(Protocol):
     @property
     def names_saves(self) -> bool: ...
 
-    def assumptions(
-        self, offload_lag: int, prefetch_depth: int, lag_chosen: bool
-    ) -> tuple[str, ...]: ...
+    def assumptions(self, schedule: SwapSchedule, lag_chosen: bool) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -417,17 +415,11 @@ class StepDecision:
     """Per decoder layer, the storages swapped (read where the strategy names saves)."""
     replayed: Replay
     """The step with the decision's swap, replayed under the clock contract."""
-    offload_lag: int
-    """The ``SwapManager``'s ``offload_lag`` the decision was made at."""
+    schedule: SwapSchedule
+    """The schedule the decision was made at, its ``swap_offload_lag`` set (the one the
+    strategy chose where the user did not)."""
     fields: dict[str, Any] = field(default_factory=dict)
     """The strategy's own :class:`MemoryPlan` fields (``auto``'s margin, its drops)."""
-
-
-def host_budget_of(trace: StepTrace, schedule: SwapSchedule) -> int:
-    """The host pool's cap a plan is made against: the schedule's ``max_host_bytes``,
-    else the profile's node's share."""
-    cap = schedule.max_host_bytes
-    return trace.profile.host_budget_bytes if cap is None else cap
 
 
 def assemble_plan(
@@ -440,14 +432,13 @@ def assemble_plan(
 ) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``strategy``'s ``decision`` on a traced step: per layer
     its bytes, copies, windows and stalls, and the step's timelines and assumptions."""
-    saved, scope, lag = trace.saved, strategy.scope, decision.offload_lag
-    prefetch_depth = schedule.swap_prefetch_depth
-    host_budget = host_budget_of(trace, schedule)
+    saved, scope, made_at = trace.saved, strategy.scope, decision.schedule
+    max_host_bytes = schedule.max_host_bytes_on(trace.profile)
     replayed = decision.replayed
     windows = None
     if scope is not None:
-        windows = step_times(trace, scope, offload_lag=lag, prefetch_depth=prefetch_depth).groups
-    whole = step_times(trace, LAYER_SCOPE, offload_lag=lag, prefetch_depth=prefetch_depth)
+        windows = step_times(trace, scope, made_at).groups
+    whole = step_times(trace, LAYER_SCOPE, made_at)
     by_scope = saved.bytes_by_scope()
     profile = trace.profile
     layers = []
@@ -500,10 +491,10 @@ def assemble_plan(
         activation_swap=strategy.name,
         policy="none" if scope is None else trace.policy,
         profile=profile,
-        swap_offload_lag=lag,
-        swap_prefetch_depth=prefetch_depth,
+        swap_offload_lag=made_at.lag(),
+        swap_prefetch_depth=made_at.swap_prefetch_depth,
         state_shards=schedule.state_shards,
-        max_host_bytes=host_budget,
+        max_host_bytes=max_host_bytes,
         host_peak_bytes=replayed.host_peak_bytes,
         attention_timing=trace.attention_timing,
         layers=tuple(layers),
@@ -513,8 +504,8 @@ def assemble_plan(
         baseline=baseline.timeline,
         assumptions=(_ASSUMPTIONS if trace.optimizer else _NO_OPTIMIZER_ASSUMPTIONS)
         + _trace_assumptions(trace, config)
-        + strategy.assumptions(lag, prefetch_depth, schedule.swap_offload_lag is None)
-        + _host_assumptions(scope, trace, host_budget, schedule.max_host_bytes is None)
+        + strategy.assumptions(made_at, schedule.swap_offload_lag is None)
+        + _host_assumptions(scope, trace, max_host_bytes, schedule.max_host_bytes is None)
         + _shard_assumptions(schedule.state_shards),
         **decision.fields,
     )
@@ -526,7 +517,7 @@ def _forward_seconds(times: StepTimes, layer: int) -> float:
 
 
 def _host_assumptions(
-    scope: str | None, trace: StepTrace, host_budget: int, from_node: bool
+    scope: str | None, trace: StepTrace, max_host_bytes: int, from_node: bool
 ) -> tuple[str, ...]:
     if scope is None:  # nothing is swapped: no host pool
         return ()
@@ -544,7 +535,7 @@ def _host_assumptions(
     )
     return (
         f"host: each offload holds a buffer of its size class, {classes}, from a pool capped "
-        f"at {host_budget / 2**30:.1f} GiB per rank ({budget}); an offload the cap refuses "
+        f"at {max_host_bytes / 2**30:.1f} GiB per rank ({budget}); an offload the cap refuses "
         "stays on device, as the runtime keeps it",
     )
 

@@ -3,13 +3,13 @@ and device memory, for one choice of what is swapped.
 
 Rules (``notes/clock_contract.md``; ``graphswap.runtime._manager`` is what they model):
 operators run on the compute stream back to back; each wrapped module's forward is one
-group, and at both ends of it the offloads of groups ``offload_lag`` or more back are
+group, and at both ends of it the offloads of groups ``swap_offload_lag`` or more back are
 fenced (compute waits) and their sources released, then the finished ones in issue
 order, a batch at a time (the offloads issued between two boundaries end together, at
 their batch's last copy); a swapped storage is copied to host once per group, on one device-to-host
 queue, after the compute that made it; the last group keeps everything; a group's
 backward begins at its first unpack, which first runs a boundary and then issues the
-reloads of the ``prefetch_depth`` groups before it, each group's in reverse saving
+reloads of the ``swap_prefetch_depth`` groups before it, each group's in reverse saving
 order, on one host-to-device queue, each after its offload; an unpack waits for its
 reload. A storage's device memory is held by its other references (until the trace
 saw it die), by every save kept on device (until autograd released it) and by its
@@ -25,7 +25,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from graphswap.planning._settings import SwapSchedule
+from graphswap import _compat
+from graphswap.planning._settings import DEFAULT_SCHEDULE, SwapSchedule
 from graphswap.planning._trace import BlockKind, Event, StepTrace
 from graphswap.planning._windows import group_of
 from graphswap.runtime._pool import size_class
@@ -137,66 +138,50 @@ def state_bytes(trace: StepTrace, state_shards: int) -> int:
     return -(-sharded // state_shards) + trace.buffer_bytes
 
 
+@_compat.schedule_keywords
 def replay(
-    trace: StepTrace,
-    choice: SwapChoice,
-    *,
-    offload_lag: int,
-    prefetch_depth: int,
-    state_shards: int = 1,
-    host_budget: int | None = None,
+    trace: StepTrace, choice: SwapChoice, schedule: SwapSchedule = DEFAULT_SCHEDULE
 ) -> Replay:
-    """Replay ``trace`` with ``choice`` swapped, under the runtime's ``offload_lag`` and
-    ``prefetch_depth``. ``state_shards``: parameters, gradients and the optimizer's
-    state and work are divided over that many ranks (FSDP-style). ``host_budget``: the
-    host pool's cap (``max_host_bytes``), None for none; buffers are pinned on a CUDA
-    device, as the runtime's engine pins them there."""
-    return StepReplay(
-        trace,
-        choice,
-        offload_lag=offload_lag,
-        prefetch_depth=prefetch_depth,
-        state_shards=state_shards,
-        host_budget=host_budget,
-    ).run()
+    """Replay ``trace`` with ``choice`` swapped, under ``schedule``: the runtime's
+    ``swap_offload_lag`` (unset: 1) and ``swap_prefetch_depth``, the host pool's cap
+    (``max_host_bytes``; unset: the profile's node's share) and the ``state_shards``
+    that parameters, gradients and the optimizer's state and work are divided over
+    (FSDP-style). Buffers are pinned on a CUDA device, as the runtime's engine pins them
+    there. The schedule's fields as keywords of their own (``offload_lag=1,
+    prefetch_depth=1, host_budget=...``) warn and work until 0.3."""
+    return StepReplay(trace, choice, schedule).run()
 
 
 class StepReplay:
     """One step replayed as the runtime's ``SwapManager`` runs it, on a clock.
 
     Its words are the runtime's: a wrapped module's forward *offloads* the storages its
-    policy swaps (one device-to-host queue); a module ``offload_lag`` later *fences*
+    policy swaps (one device-to-host queue); a module ``swap_offload_lag`` later *fences*
     them (compute waits for the copies, then their sources are *freed*); backward
-    entering a module *prefetches* the ``prefetch_depth`` modules before it, each
+    entering a module *prefetches* the ``swap_prefetch_depth`` modules before it, each
     storage *reloaded* on one host-to-device queue; an unpack *waits* for its reload;
     autograd *releases* a save, and a storage's last release frees its host buffer and
     its reloads. Every state field below is the replay's, per step."""
 
     def __init__(
-        self,
-        trace: StepTrace,
-        choice: SwapChoice,
-        *,
-        offload_lag: int,
-        prefetch_depth: int,
-        state_shards: int = 1,
-        host_budget: int | None = None,
+        self, trace: StepTrace, choice: SwapChoice, schedule: SwapSchedule = DEFAULT_SCHEDULE
     ) -> None:
         profile, layers, scope = trace.profile, trace.num_layers, choice.scope
+        state_shards = schedule.state_shards
         self.trace = trace
         """The traced step: its events, saves and blocks."""
         self.scope = scope
         """The wrapped modules' scope (``None``: nothing wrapped)."""
         self.swaps = choice.swaps
         """The saves the policy swaps, by index into the trace's saves."""
-        self.offload_lag = offload_lag
+        self.swap_offload_lag = schedule.lag()
         """The ``SwapManager``'s: a module's offloads are fenced that many modules later."""
-        self.prefetch_depth = prefetch_depth
+        self.swap_prefetch_depth = schedule.swap_prefetch_depth
         """The ``SwapManager``'s: modules reloaded ahead of the one backward enters."""
         self.state_shards = state_shards
         """Ranks the state and the optimizer's work are divided over."""
-        self.host_budget = host_budget
-        """The host pool's cap (``max_host_bytes``); ``None``: none."""
+        self.max_host_bytes = schedule.max_host_bytes_on(profile)
+        """The host pool's cap."""
         self.pinned = trace.device == "cuda"
         """Host buffers are pinned (their size classes are powers of two)."""
         self.d2h_rate = profile.d2h_gbps * 1e9
@@ -299,10 +284,10 @@ class StepReplay:
             self.free(entry.block)
 
     def fence(self, seq: int) -> None:
-        """A module boundary: offloads of modules ``offload_lag`` or more back are waited
-        for and their sources freed; then the finished ones, in issue order."""
+        """A module boundary: offloads of modules ``swap_offload_lag`` or more back are
+        waited for and their sources freed; then the finished ones, in issue order."""
         self.batch = _Batch()
-        limit = seq - self.offload_lag
+        limit = seq - self.swap_offload_lag
         in_flight = self.in_flight
         while in_flight:
             entry = in_flight[0]
@@ -330,9 +315,9 @@ class StepReplay:
 
     def prefetch(self, group: int) -> None:
         """Backward enters ``group``: a boundary, then the reloads of the
-        ``prefetch_depth`` modules before it, each's in reverse saving order."""
+        ``swap_prefetch_depth`` modules before it, each's in reverse saving order."""
         self.fence(self.last_seq)
-        for target in range(group - 1, max(group - 1 - self.prefetch_depth, -1), -1):
+        for target in range(group - 1, max(group - 1 - self.swap_prefetch_depth, -1), -1):
             for entry in reversed(self.entries[target].values()):
                 if not entry.active and entry.refs:
                     self.reload(entry)
@@ -342,7 +327,7 @@ class StepReplay:
         copied to host, unless the host budget refuses its buffer (``None``: kept)."""
         nbytes = self.sizes[block]
         buffer = size_class(nbytes, pinned=self.pinned)
-        if self.host_budget is not None and self.host + buffer > self.host_budget:
+        if self.host + buffer > self.max_host_bytes:
             self.refused[group] += nbytes
             return None
         self.host += buffer
@@ -508,10 +493,4 @@ class StepReplay:
 def replay_without_swap(trace: StepTrace, schedule: SwapSchedule) -> Replay:
     """The step with nothing swapped: what every mode's step ratio is taken against
     (``swap_offload_lag`` unset: 1, as the modes other than ``auto`` take it)."""
-    return replay(
-        trace,
-        SwapChoice(None, frozenset()),
-        offload_lag=schedule.lag(),
-        prefetch_depth=schedule.swap_prefetch_depth,
-        state_shards=schedule.state_shards,
-    )
+    return replay(trace, SwapChoice(None, frozenset()), schedule)

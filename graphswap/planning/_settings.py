@@ -23,6 +23,7 @@ from graphswap.hf.attention_kernels import (
 )
 from graphswap.hf.loss_head import LOSS_HEADS, LossHead
 from graphswap.rewriting.loss_head import DEFAULT_CHUNK_SIZE
+from graphswap.runtime.profile import DeviceProfile
 
 DEFAULT_HIDE_MARGIN = 0.1
 """``auto`` fills at most 90% of each copy's window: kernel-time estimates and link
@@ -148,17 +149,18 @@ class SwapSchedule:
     swap_hide_margin: float = DEFAULT_HIDE_MARGIN
     """``auto``: the share of each copy's window, forward and backward, left free."""
     swap_offload_lag: int | None = None
-    """The ``SwapManager``'s ``offload_lag``: a module's offloads are fenced that many
+    """The ``SwapManager``'s ``swap_offload_lag``: a module's offloads are fenced that many
     modules later; unset: ``auto`` plans at 1 and 2 and keeps the lower peak, the other
     modes take 1."""
     swap_prefetch_depth: int = 1
-    """The ``SwapManager``'s ``prefetch_depth``: reloads are issued that many modules
+    """The ``SwapManager``'s ``swap_prefetch_depth``: reloads are issued that many modules
     ahead of backward."""
     state_shards: int = 1
     """Ranks the parameters, gradients and AdamW state are sharded over, FSDP-style."""
     max_host_bytes: int | None = None
-    """The host pool's budget per rank; unset: the profile's node's share, as the
-    runtime takes it there."""
+    """The host pool's budget per rank (the ``SwapManager``'s ``max_host_bytes``); unset:
+    the profile's node's share, as the runtime takes it there
+    (:meth:`max_host_bytes_on`)."""
 
     def __post_init__(self) -> None:
         margin = self.swap_hide_margin
@@ -181,6 +183,12 @@ class SwapSchedule:
     def lag(self) -> int:
         """The offload lag of a plan that does not choose one: the set one, else 1."""
         return 1 if self.swap_offload_lag is None else self.swap_offload_lag
+
+    def max_host_bytes_on(self, profile: DeviceProfile) -> int:
+        """The host pool's cap on a node of ``profile``: ``max_host_bytes``, else the
+        node's default (:attr:`DeviceProfile.default_max_host_bytes`)."""
+        cap = self.max_host_bytes
+        return profile.default_max_host_bytes if cap is None else cap
 
 
 SHAPE_FIELDS = tuple(f.name for f in fields(StepShape) if f.init)

@@ -11,6 +11,7 @@ config holds, once, at the edge (the config, the CLI, ``plan_memory``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -22,7 +23,6 @@ from graphswap.planning._plan import (
     StepDecision,
     SwapMode,
     assemble_plan,
-    host_budget_of,
 )
 from graphswap.planning._replay import Replay, SwapChoice, replay, replay_without_swap
 from graphswap.planning._settings import DEFAULT_SCHEDULE, StepShape, SwapSchedule
@@ -140,10 +140,9 @@ class MemoryStrategy:
         a strategy that does not plan from one trace (``budget``) refuses."""
         from_name_refusal(self.name)
 
-    def assumptions(
-        self, offload_lag: int, prefetch_depth: int, lag_chosen: bool
-    ) -> tuple[str, ...]:
-        """What its plan takes for granted about the copies, in words."""
+    def assumptions(self, schedule: SwapSchedule, lag_chosen: bool) -> tuple[str, ...]:
+        """What its plan, made at ``schedule`` (its lag set), takes for granted about the
+        copies, in words; ``lag_chosen``: the strategy chose the lag."""
         return ()
 
 
@@ -160,10 +159,16 @@ class NoSwap(MemoryStrategy):
         schedule: SwapSchedule,
         baseline: Replay,
     ) -> StepDecision:
-        return StepDecision([[] for _ in candidates], baseline, schedule.lag())
+        return StepDecision([[] for _ in candidates], baseline, at_lag(schedule, schedule.lag()))
 
 
-def _copies(offload_lag: int, prefetch_depth: int) -> str:
+def at_lag(schedule: SwapSchedule, lag: int) -> SwapSchedule:
+    """``schedule`` at the offload lag ``lag``: the one a strategy plans at."""
+    return dataclasses.replace(schedule, swap_offload_lag=lag)
+
+
+def _copies(schedule: SwapSchedule) -> str:
+    offload_lag, prefetch_depth = schedule.lag(), schedule.swap_prefetch_depth
     return (
         f"copies: a module's offloads run on one device-to-host queue after the compute that "
         f"made them and must be done when the forward {offload_lag} module(s) later begins "
@@ -199,16 +204,9 @@ class _WrapSwap(MemoryStrategy):
             for i, s in enumerate(trace.saves)
             if s.save.policy_swaps and group_of(s, scope) is not None
         )
-        lag = schedule.lag()
-        replayed = replay(
-            trace,
-            SwapChoice(scope, swaps),
-            offload_lag=lag,
-            host_budget=host_budget_of(trace, schedule),
-            prefetch_depth=schedule.swap_prefetch_depth,
-            state_shards=schedule.state_shards,
-        )
-        return StepDecision(candidates, replayed, lag)
+        made_at = at_lag(schedule, schedule.lag())
+        replayed = replay(trace, SwapChoice(scope, swaps), made_at)
+        return StepDecision(candidates, replayed, made_at)
 
 
 class AttentionSwap(_WrapSwap):
@@ -217,10 +215,8 @@ class AttentionSwap(_WrapSwap):
     name = "attention"
     scope = ATTENTION_SCOPE
 
-    def assumptions(
-        self, offload_lag: int, prefetch_depth: int, lag_chosen: bool
-    ) -> tuple[str, ...]:
-        return (_copies(offload_lag, prefetch_depth),)
+    def assumptions(self, schedule: SwapSchedule, lag_chosen: bool) -> tuple[str, ...]:
+        return (_copies(schedule),)
 
 
 class LayerSwap(_WrapSwap):
@@ -230,10 +226,8 @@ class LayerSwap(_WrapSwap):
     scope = LAYER_SCOPE
     names_saves = True
 
-    def assumptions(
-        self, offload_lag: int, prefetch_depth: int, lag_chosen: bool
-    ) -> tuple[str, ...]:
-        return (_copies(offload_lag, prefetch_depth), _WHOLE_LAYER)
+    def assumptions(self, schedule: SwapSchedule, lag_chosen: bool) -> tuple[str, ...]:
+        return (_copies(schedule), _WHOLE_LAYER)
 
 
 class AutoSwap(MemoryStrategy):
@@ -255,18 +249,7 @@ class AutoSwap(MemoryStrategy):
     ) -> StepDecision:
         offload_lag = schedule.swap_offload_lag
         lags = AUTO_LAGS if offload_lag is None else (offload_lag,)
-        plans = [
-            plan_auto(
-                trace,
-                candidates,
-                offload_lag=candidate,
-                hide_margin=schedule.swap_hide_margin,
-                host_budget=host_budget_of(trace, schedule),
-                prefetch_depth=schedule.swap_prefetch_depth,
-                state_shards=schedule.state_shards,
-            )
-            for candidate in lags
-        ]
+        plans = [plan_auto(trace, candidates, at_lag(schedule, lag)) for lag in lags]
         best = min(range(len(lags)), key=lambda i: plans[i].replay.timeline.peak_bytes)
         auto = plans[best]
         fields = {
@@ -275,13 +258,11 @@ class AutoSwap(MemoryStrategy):
             "swap_offload_lag_chosen": offload_lag is None,
             **_layer_would_swap(candidates, trace.saved.layers),
         }
-        return StepDecision(list(auto.chosen), auto.replay, lags[best], fields)
+        return StepDecision(list(auto.chosen), auto.replay, at_lag(schedule, lags[best]), fields)
 
-    def assumptions(
-        self, offload_lag: int, prefetch_depth: int, lag_chosen: bool
-    ) -> tuple[str, ...]:
+    def assumptions(self, schedule: SwapSchedule, lag_chosen: bool) -> tuple[str, ...]:
         return (
-            _copies(offload_lag, prefetch_depth),
+            _copies(schedule),
             _WHOLE_LAYER,
             "auto: per layer, largest first, the tensors whose offload meets its fence and whose "
             "reload meets its unpack and whose host buffer fits the host budget, both queues "
@@ -289,7 +270,7 @@ class AutoSwap(MemoryStrategy):
             "stalling layer's smallest until none stalls"
             + (
                 f"; planned at swap_offload_lag {' and '.join(map(str, AUTO_LAGS))}, keeping "
-                f"{offload_lag}, whose peak is lower"
+                f"{schedule.lag()}, whose peak is lower"
                 if lag_chosen
                 else ""
             ),

@@ -1,10 +1,10 @@
 """When each wrapped module's copies must run, on the traced step without stalls.
 
 A module's offloads are issued as its forward saves them and fenced where the
-runtime's ``offload_lag`` puts the fence: at the start of the forward ``offload_lag``
+runtime's ``swap_offload_lag`` puts the fence: at the start of the forward that many
 modules later (at the end of its own forward for a lag of 0; past the last module, at
 the first backward boundary). Its reloads are issued when backward reaches the module
-``prefetch_depth`` links later and are needed from its own first unpack. These times
+``swap_prefetch_depth`` links later and are needed from its own first unpack. These times
 are the compute stream's alone (no stall), so they are the same for every swap
 choice of one scope: what ``auto`` budgets, and the windows ``plan-memory`` prints.
 """
@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass
 
 from graphswap.hf.attention_kernels import PlanSettingError
+from graphswap.planning._settings import SwapSchedule
 from graphswap.planning._trace import Event, StepTrace, TracedSave
 from graphswap.planning.saved_tensors import ATTENTION_SCOPE, LAYER_SCOPE
 
@@ -133,9 +134,11 @@ def _pass(trace: StepTrace, scope: str) -> _Pass:
     return found
 
 
-def step_times(trace: StepTrace, scope: str, *, offload_lag: int, prefetch_depth: int) -> StepTimes:
-    """The windows of ``scope``'s modules in ``trace`` at ``offload_lag`` and
-    ``prefetch_depth`` (as ``SwapManager`` takes them)."""
+def step_times(trace: StepTrace, scope: str, schedule: SwapSchedule) -> StepTimes:
+    """The windows of ``scope``'s modules in ``trace`` at ``schedule``'s
+    ``swap_offload_lag`` (:meth:`~SwapSchedule.lag`) and ``swap_prefetch_depth``, as
+    ``SwapManager`` takes them."""
+    offload_lag, prefetch_depth = schedule.lag(), schedule.swap_prefetch_depth
     layers = trace.num_layers
     times = _pass(trace, scope)
     enter, leave, begins = times.enter, times.leave, times.begins

@@ -94,7 +94,7 @@ from graphswap.runtime._engines import (
 from graphswap.runtime._group import GroupInfo
 from graphswap.runtime._loss_head import chunked_linear_cross_entropy
 from graphswap.runtime._manager import SwapManager
-from graphswap.runtime._pool import host_budget
+from graphswap.runtime._pool import default_max_host_bytes
 from graphswap.runtime._recompute import (
     is_recompute_wrapped,
     recompute_wrapper,
@@ -119,7 +119,7 @@ __all__ = [
     "SwapManager",
     "SwapStats",
     "chunked_linear_cross_entropy",
-    "host_budget",
+    "default_max_host_bytes",
     "is_recompute_wrapped",
     "is_swap_wrapped",
     "recompute_wrapper",

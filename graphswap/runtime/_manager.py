@@ -40,7 +40,7 @@ from graphswap.runtime._engines import CopyEngine
 from graphswap.runtime._forward import _Forward
 from graphswap.runtime._group import GroupInfo, _excluded, _Group, _refuse, _refuse_traced
 from graphswap.runtime._handles import unpack_hook
-from graphswap.runtime._pool import HostPool, check_host_bytes, host_budget
+from graphswap.runtime._pool import HostPool, check_host_bytes, default_max_host_bytes
 from graphswap.runtime._stats import GroupStats, SwapStats
 from graphswap.runtime.policy import SwapPolicy, policy_name
 
@@ -68,14 +68,14 @@ def _check_bool(name: str, value: object) -> bool:
 class SwapManager:
     """Owns the swap of one model's wrapped modules: links, copy engine, host pool, stats.
 
-    ``prefetch_depth``: how many earlier layers start coming back when a layer's
+    ``swap_prefetch_depth``: how many earlier layers start coming back when a layer's
     backward begins. ``keep_last``: the end of a linked chain keeps its tensors on
     device, since its backward starts right after forward. ``max_host_bytes``: cap of
     the host pool (default: this rank's share of the memory its container or node
-    allows, ``graphswap.runtime._pool.host_budget``); past it tensors stay on device
-    and ``pool_exhausted`` counts them. ``offload_lag``: a layer's swapped storages
-    leave device memory no later than when the forward of the wrapped module
-    ``offload_lag`` forwards later begins (0: at the end of its own forward); the
+    allows, :func:`~graphswap.runtime.default_max_host_bytes`); past it tensors stay on
+    device and ``pool_exhausted`` counts them. ``swap_offload_lag``: a layer's swapped
+    storages leave device memory no later than when the forward of the wrapped module
+    ``swap_offload_lag`` forwards later begins (0: at the end of its own forward); the
     stream that produced the tensor waits for the copy there, the host never blocks.
     ``engine``: the copy engine (default: ``AcceleratorCopyEngine`` for accelerator
     tensors, ``NoOpAccelerator`` for CPU tensors, where nothing needs ordering; pass a
@@ -85,21 +85,26 @@ class SwapManager:
     Every forward of a wrapped module is recorded on its own, linked to the forward
     its prev module ran last, so several forwards before one backward (gradient
     accumulation with all graphs alive) prefetch within their own pass.
+
+    The options are spelled as the trainer config's keys and the planner's
+    :class:`~graphswap.planning.trace.SwapSchedule` fields; 0.2.0's names
+    (``prefetch_depth=``, ``offload_lag=``) warn and work until 0.3.
     """
 
+    @_compat.renamed_kwargs(**_compat.RENAMED_SWAP_OPTIONS)
     def __init__(
         self,
         *,
-        prefetch_depth: int = 1,
+        swap_prefetch_depth: int = 1,
         keep_last: bool = True,
         max_host_bytes: int | None = None,
-        offload_lag: int = 1,
+        swap_offload_lag: int = 1,
         engine: CopyEngine | None = None,
     ) -> None:
-        # Options (kept by pickling): see the class docstring. ``prefetch_depth`` and
-        # ``offload_lag`` are the context's, which the forwards read.
-        depth = _check_int("prefetch_depth", prefetch_depth, 1)
-        lag = _check_int("offload_lag", offload_lag, 0)
+        # Options (kept by pickling): see the class docstring. The prefetch depth and the
+        # offload lag are the context's, which the forwards read.
+        depth = _check_int("swap_prefetch_depth", swap_prefetch_depth, 1)
+        lag = _check_int("swap_offload_lag", swap_offload_lag, 0)
         if engine is not None and not isinstance(engine, CopyEngine):
             raise SwapSetupError(
                 f"engine must be a graphswap.runtime CopyEngine (AcceleratorCopyEngine,"
@@ -108,7 +113,7 @@ class SwapManager:
         self.keep_last = _check_bool("keep_last", keep_last)
         # Pinned host buffers the offloads copy into, capped at ``max_host_bytes``.
         pool = HostPool(
-            host_budget()
+            default_max_host_bytes()
             if max_host_bytes is None
             else check_host_bytes(
                 _check_int("max_host_bytes", max_host_bytes, 0, " (or None: a share of the node)")
@@ -127,23 +132,27 @@ class SwapManager:
         self._stats: dict[str, GroupStats] = {}  # per group name; outlives unregister
 
     @property
-    def prefetch_depth(self) -> int:
+    def swap_prefetch_depth(self) -> int:
         """How many earlier layers come back when a layer's backward begins."""
         return self._ctx.prefetch_depth
 
     @property
-    def offload_lag(self) -> int:
+    def swap_offload_lag(self) -> int:
         """Forwards after which a layer's swapped storages have left device memory."""
         return self._ctx.offload_lag
+
+    # 0.2.0's names of the two options, readable until 0.3.
+    prefetch_depth = _compat.Renamed("swap_prefetch_depth")
+    offload_lag = _compat.Renamed("swap_offload_lag")
 
     def __getstate__(self) -> dict[str, Any]:
         """Options, wrapped modules and links; a copy starts with fresh stats, pool and engines."""
         return {
             "options": {
-                "prefetch_depth": self.prefetch_depth,
+                "swap_prefetch_depth": self.swap_prefetch_depth,
                 "keep_last": self.keep_last,
                 "max_host_bytes": self._ctx.pool.max_bytes,
-                "offload_lag": self.offload_lag,
+                "swap_offload_lag": self.swap_offload_lag,
                 "engine": self._ctx.engine_override,
             },
             "groups": [
@@ -154,7 +163,7 @@ class SwapManager:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state = _compat.manager_state(state)  # 0.1.0's, converted with a warning
+        state = _compat.manager_state(state)  # an older version's, converted with a warning
         self.__init__(**state["options"])  # type: ignore[misc]
         for module, name, index, policy, module_type in state["groups"]:
             self._groups[module] = _Group(module, name, index, policy, module_type)
@@ -257,14 +266,14 @@ class SwapManager:
         """(trigger, target) pairs, each swapped target once, in backward order.
 
         A target is reloaded by the first backward that reaches it: the furthest
-        layer after it within ``prefetch_depth`` links.
+        layer after it within ``swap_prefetch_depth`` links.
         """
         pairs = []
         for target, group in self._groups.items():
             if self.is_kept(target) or target not in self._next:
                 continue
             trigger = target
-            for _ in range(self.prefetch_depth):
+            for _ in range(self.swap_prefetch_depth):
                 if trigger not in self._next:
                     break
                 trigger = self._next[trigger]
@@ -277,7 +286,7 @@ class SwapManager:
         pool = self._ctx.pool
         with self._ctx.lock:
             snapshot = SwapStats(
-                host_budget_bytes=pool.max_bytes,
+                max_host_bytes=pool.max_bytes,
                 peak_host_bytes=pool.peak_in_use_bytes,
                 host_reserved_bytes=pool.reserved_bytes,
                 host_in_use_bytes=pool.in_use_bytes,

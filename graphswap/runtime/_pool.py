@@ -90,7 +90,7 @@ def local_ranks() -> int:
     return int(value)
 
 
-def host_budget() -> int:
+def default_max_host_bytes() -> int:
     """The default ``max_host_bytes``: ``HOST_SHARE`` of :func:`node_memory`, divided by
     :func:`local_ranks`, so that the ranks of a node together stay within it."""
     return int(node_memory() * HOST_SHARE) // local_ranks()

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphswap import _compat
+
 
 @dataclass
 class GroupStats:
@@ -57,13 +59,15 @@ class SwapStats(GroupStats):
     ``host_reserved_bytes`` counts buffers as the host allocator holds them (size
     classes; powers of two when pinned); ``host_in_use_bytes`` the part lent to saved
     tensors now; ``peak_host_bytes`` the most in use since the last ``reset_stats``;
-    ``host_budget_bytes`` the cap on reserved bytes (``max_host_bytes``)."""
+    ``max_host_bytes`` the cap on reserved bytes (the ``SwapManager``'s)."""
 
-    host_budget_bytes: int = 0
+    max_host_bytes: int = 0
     peak_host_bytes: int = 0
     host_reserved_bytes: int = 0
     host_in_use_bytes: int = 0
     per_group: dict[str, GroupStats] = field(default_factory=dict)
+
+    host_budget_bytes = _compat.Renamed("max_host_bytes")  # 0.2.0's name, until 0.3
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -23,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from graphswap import _compat
 from graphswap.errors import GraphswapError
 
 HOST_SHARE = 0.5
@@ -62,7 +63,7 @@ class DeviceProfile:
     the scores it computes; the GPU check measures it (``tools/device_check.sh``)."""
     host_memory_bytes: int = 2 << 40
     """Host memory of a typical node that holds this device: what the host pool's default
-    budget is a share of (``graphswap.runtime._pool.host_budget``)."""
+    budget is a share of (:func:`graphswap.runtime.default_max_host_bytes`)."""
     ranks_per_node: int = 8
     """Devices (ranks) per such node: they share its host memory."""
     source: str = ""
@@ -83,10 +84,13 @@ class DeviceProfile:
                 )
 
     @property
-    def host_budget_bytes(self) -> int:
-        """The host pool's default budget per rank on such a node (``max_host_bytes``):
-        :data:`HOST_SHARE` of its host memory, divided among its ranks."""
+    def default_max_host_bytes(self) -> int:
+        """The host pool's default budget per rank on such a node (``max_host_bytes``
+        unset): :data:`HOST_SHARE` of its host memory, divided among its ranks, as
+        :func:`graphswap.runtime.default_max_host_bytes` takes it on the node it runs on."""
         return int(self.host_memory_bytes * HOST_SHARE) // self.ranks_per_node
+
+    host_budget_bytes = _compat.Renamed("default_max_host_bytes")  # 0.2.0's name, until 0.3
 
     def with_figures(self, **figures: Any) -> DeviceProfile:
         """This profile with some figures replaced (``link_gbps`` sets both directions)."""

@@ -129,8 +129,8 @@ def apply_budget(
         report = apply_swap(
             model,
             activation_swap="budget",
-            prefetch_depth=config.swap_prefetch_depth,
-            offload_lag=config.swap_offload_lag,
+            swap_prefetch_depth=config.swap_prefetch_depth,
+            swap_offload_lag=config.swap_offload_lag,
             engine=swap_engine(config.device),
             auto=auto,
         )

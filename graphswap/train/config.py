@@ -76,10 +76,10 @@ class SwapSettings:
     (an integer), a size (``120GiB``, ``80GB``) or a fraction of the device's memory
     (``0.85``; on ``sim:<profile>`` the profile's)."""
     swap_prefetch_depth: int = 1
-    """Layers prefetched ahead of the backward (``SwapManager(prefetch_depth=)``), >= 1."""
+    """Layers prefetched ahead of the backward (``SwapManager(swap_prefetch_depth=)``), >= 1."""
     swap_offload_lag: int | None = None
     """A layer's swapped tensors leave the device no later than when the forward of the
-    wrapped module this many forwards later begins (``SwapManager(offload_lag=)``).
+    wrapped module this many forwards later begins (``SwapManager(swap_offload_lag=)``).
     Unset: ``auto`` takes the lag its plan chose (1 or 2, the lower peak); the other
     modes 1."""
 

@@ -420,7 +420,7 @@ def format_summary(results: list[TrainResult]) -> str:
         (
             "host pool peak / budget",
             [
-                f"{_mib(r.swap.get('peak_host_bytes', 0))} / {_mib(r.swap['host_budget_bytes'])}"
+                f"{_mib(r.swap.get('peak_host_bytes', 0))} / {_mib(r.swap['max_host_bytes'])}"
                 if r.swap
                 else "-"
                 for r in results

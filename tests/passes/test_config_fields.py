@@ -129,7 +129,7 @@ def test_swap_prefetch_depth_reaches_the_swap_manager(base: TrainerConfig) -> No
     for depth in (1, 2):
         manager = build(dataclasses.replace(swap, swap_prefetch_depth=depth)).swap_manager
         assert manager is not None
-        depths.append(manager.prefetch_depth)
+        depths.append(manager.swap_prefetch_depth)
     assert depths == [1, 2]
 
 
@@ -140,10 +140,10 @@ def test_swap_offload_lag_reaches_the_swap_manager(base: TrainerConfig) -> None:
     for lag in (0, 2):
         manager = build(dataclasses.replace(swap, swap_offload_lag=lag)).swap_manager
         assert manager is not None
-        lags.append(manager.offload_lag)
+        lags.append(manager.swap_offload_lag)
     assert lags == [0, 2]
     unset = build(swap).swap_manager
-    assert unset is not None and unset.offload_lag == 1
+    assert unset is not None and unset.swap_offload_lag == 1
     with pytest.raises(ConfigError) as info:
         dataclasses.replace(base, swap_offload_lag=2)
     assert info.value.key == "swap_offload_lag"

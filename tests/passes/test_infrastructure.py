@@ -73,7 +73,7 @@ def test_swap_wraps_and_links_every_layer(tiny_model: Model) -> None:
     assert all(is_swap_wrapped(layer.self_attn) for layer in layers)
     assert all(swap_manager_of(layer.self_attn) is manager for layer in layers)
     assert len(manager.links) == len(layers) - 1
-    assert manager.prefetch_depth == 2
+    assert manager.swap_prefetch_depth == 2
 
 
 def test_swap_post_condition_catches_an_unwrapped_layer(tiny_model: Model) -> None:
@@ -83,7 +83,7 @@ def test_swap_post_condition_catches_an_unwrapped_layer(tiny_model: Model) -> No
     report = apply_swap(model)
     unwrap_swap(model.model.layers[2].self_attn)
     with pytest.raises(PassPostconditionError, match=r"model\.layers\.2\.self_attn is not swap"):
-        verify_swap(model, report, prefetch_depth=1)
+        verify_swap(model, report, swap_prefetch_depth=1)
 
 
 @pytest.mark.parametrize("mode", ["layer", "auto"])
@@ -108,7 +108,7 @@ def test_layer_post_condition_catches_an_unwrapped_layer(tiny_model: Model) -> N
     report = apply_swap(model, activation_swap="layer")
     unwrap_swap(model.model.layers[1])
     with pytest.raises(PassPostconditionError, match=r"model\.layers\.1 is not swap-wrapped"):
-        verify_swap(model, report, prefetch_depth=1, activation_swap="layer")
+        verify_swap(model, report, swap_prefetch_depth=1, activation_swap="layer")
 
 
 def test_activation_checkpointing_keeps_the_numbers(tiny_model: Model, ids: torch.Tensor) -> None:

@@ -275,7 +275,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         type=int,
         metavar="N",
-        help="the SwapManager's offload_lag: a module's copies to host are fenced when the "
+        help="the SwapManager's swap_offload_lag: a module's copies to host are fenced when the "
         "forward N modules later begins (default: auto plans 1 and 2 and keeps the lower "
         "peak, the other modes 1)",
     )
@@ -285,7 +285,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         type=int,
         metavar="N",
-        help="the SwapManager's prefetch_depth: a module's tensors come back when backward "
+        help="the SwapManager's swap_prefetch_depth: a module's tensors come back when backward "
         "reaches the module N later (default 1)",
     )
     parser.add_argument(
@@ -440,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
         plan_memory,
     )
     from graphswap.planning._budget import resolve_memory_budget
-    from graphswap.planning._fit import DEFAULT_SEQ_STEP
+    from graphswap.planning._fit import DEFAULT_SEQ_STEP, fit_settings
     from graphswap.planning._registry import memory_strategy
     from graphswap.planning._settings import (
         PROFILE_FIGURES,
@@ -482,13 +482,17 @@ def run(args: argparse.Namespace) -> int:
         settings["autocast_dtype"] = getattr(torch, args.autocast_dtype)
     try:
         if args.fit is not None:
+            shape, schedule, figures = fit_settings(
+                "fit_sequence", settings, args.seq_step or DEFAULT_SEQ_STEP
+            )
             fit = fit_sequence(
                 config,
+                shape,
+                schedule=schedule,
                 memory_bytes=args.fit or None,
                 profile=profile,
-                seq_step=args.seq_step or DEFAULT_SEQ_STEP,
                 max_step_ratio=args.max_step_ratio,
-                **settings,
+                **figures,
             )
             data = fit.to_dict()
         else:

@@ -66,12 +66,12 @@ def test_a_model_pickled_by_0_1_0_loads_with_a_warning_and_trains_as_one_wrapped
     assert "save the loaded model again" in str(warning.message)
     assert warning.filename == __file__  # the caller's line, past torch.load and pickle
     manager = swap_manager_of(loaded[0])
-    assert manager is not None and manager.prefetch_depth == 2
+    assert manager is not None and manager.swap_prefetch_depth == 2
     assert manager.links == [("b0", "b1"), ("b1", "b2")]
 
     fresh = toy_blocks()
     fresh.load_state_dict(loaded.state_dict())
-    fresh_manager = SwapManager(prefetch_depth=2, max_host_bytes=1 << 20)
+    fresh_manager = SwapManager(swap_prefetch_depth=2, max_host_bytes=1 << 20)
     for i, block in enumerate(fresh):
         swap_wrapper(block, manager=fresh_manager, policy=size_threshold_policy(0), name=f"b{i}")
     for earlier, later in itertools.pairwise(fresh):

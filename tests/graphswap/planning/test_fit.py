@@ -37,7 +37,8 @@ def test_every_length_up_to_an_answer_fits(
     memory; the answer is where the first run of fitting lengths ends. Each model's lengths
     reach past every mode's answer (the 30B's longest, budget's, is 12288 at 24 GiB)."""
     config = _short(preset_config(name), max_seq)
-    fit = fit_sequence(config, memory_bytes=memory, state_shards=8, swap_offload_lag=offload_lag)
+    schedule = SwapSchedule(swap_offload_lag=offload_lag, state_shards=8)
+    fit = fit_sequence(config, memory_bytes=memory, schedule=schedule)
     answers = {mode.activation_swap: mode for mode in fit.modes}
     assert all(mode.seq_len is not None for mode in fit.modes)
     for mode in fit.modes:
@@ -80,7 +81,7 @@ def test_a_fit_stops_where_what_no_mode_moves_exceeds_the_memory() -> None:
     from graphswap.train.cli._memory import format_fit
 
     config = _short(preset_config("llama-3.1-8b"))
-    fit = fit_sequence(config, memory_bytes=10 * GIB, state_shards=8)
+    fit = fit_sequence(config, memory_bytes=10 * GIB, schedule=SwapSchedule(state_shards=8))
     assert 0 < fit.planned < 48 and all(len(m.points) == fit.planned for m in fit.modes)
     last = fit.planned * fit.seq_step
     for seq in (last, last + fit.seq_step):
@@ -160,7 +161,8 @@ def test_a_config_with_rope_scaling_fits_up_to_its_stretched_window(
     config = preset_config("tiny-qwen3")
     config.num_hidden_layers = 1
     config.rope_parameters = {"rope_theta": 1e6, **rope}
-    fit = fit_sequence(config, memory_bytes=64 * GIB, seq_step=2048, device="cpu", modes=("none",))
+    step = StepShape(seq_len=2048, device="cpu")
+    fit = fit_sequence(config, step, memory_bytes=64 * GIB, modes=("none",))
     [none] = fit.modes
     assert fit.max_seq == lengths[-1] and [p.seq_len for p in none.points] == lengths
     assert none.seq_len == lengths[-1] and none.capped
@@ -170,7 +172,8 @@ def test_the_fit_table_names_the_runs_of_a_broken_fit() -> None:
     from graphswap.train.cli._memory import format_fit
 
     config = _short(qwen3_moe_config("qwen3-30b-a3b"))
-    data = fit_sequence(config, memory_bytes=24 * GIB, state_shards=8, modes=("auto",)).to_dict()
+    sharded = SwapSchedule(state_shards=8)
+    data = fit_sequence(config, memory_bytes=24 * GIB, schedule=sharded, modes=("auto",)).to_dict()
     data["modes"][0]["fits"] = [[512, 8192], [9216, 10240]]
     text = format_fit(data)
     assert "auto: the lengths that fit are not one interval: 512-8192, 9216-10240" in text
@@ -183,7 +186,7 @@ def test_a_host_budget_keeps_on_device_what_it_cannot_hold() -> None:
     tight = plan_memory(
         config, seq_len=8192, activation_swap="layer", state_shards=8, max_host_bytes=2 * GIB
     )
-    assert roomy.max_host_bytes == device_profile("h200").host_budget_bytes == 128 * GIB
+    assert roomy.max_host_bytes == device_profile("h200").default_max_host_bytes == 128 * GIB
     assert roomy.refused_bytes == 0 and roomy.host_peak_bytes > 2 * GIB
     assert 0 < tight.host_peak_bytes <= 2 * GIB < tight.host_peak_bytes + tight.refused_bytes
     assert tight.timeline.peak_bytes > roomy.timeline.peak_bytes
@@ -195,7 +198,11 @@ def test_a_node_with_less_host_memory_answers_shorter_and_within_its_budget() ->
 
     def layer_fit(profile: str) -> tuple[FitResult, int]:
         fit = fit_sequence(
-            config, memory_bytes=24 * GIB, state_shards=8, modes=("layer",), profile=profile
+            config,
+            memory_bytes=24 * GIB,
+            schedule=SwapSchedule(state_shards=8),
+            modes=("layer",),
+            profile=profile,
         )
         [layer] = fit.modes
         assert layer.plan is not None and layer.seq_len is not None
@@ -236,9 +243,8 @@ def test_a_mode_whose_rule_refuses_the_model_is_refused_not_planned(
     and plans the modes that can."""
     config = tour_config("jamba")
     config.max_position_embeddings = 256
-    fit = fit_sequence(
-        config, memory_bytes=8 * GIB, device="cpu", modes=("attention", "layer"), seq_step=128
-    )
+    step = StepShape(seq_len=128, device="cpu")
+    fit = fit_sequence(config, step, memory_bytes=8 * GIB, modes=("attention", "layer"))
     attention, layer = fit.modes
     assert attention.refused is not None and "attn_swap" in attention.refused
     assert (attention.seq_len, attention.plan, attention.points) == (None, None, ())

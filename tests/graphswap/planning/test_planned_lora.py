@@ -53,11 +53,11 @@ def test_a_fit_of_a_lora_step_counts_gradients_and_state_for_the_adapters() -> N
     AdamW's moments of the adapters alone."""
     config = preset_config("tiny-qwen3")
     config.num_hidden_layers = 1
-    fit = fit_sequence(
-        config, memory_bytes=1 << 30, seq_step=512, device="cpu", modes=("none",), lora_rank=4
-    )
-    full = fit_sequence(config, memory_bytes=1 << 30, seq_step=512, device="cpu", modes=("none",))
     shape = StepShape(seq_len=512, device="cpu", lora_rank=4)
+    fit = fit_sequence(config, shape, memory_bytes=1 << 30, modes=("none",))
+    full = fit_sequence(
+        config, StepShape(seq_len=512, device="cpu"), memory_bytes=1 << 30, modes=("none",)
+    )
     model = build_meta_model(config, shape).model
     adapters = storage_bytes([p for p in model.parameters() if p.requires_grad])
     assert fit.lora_rank == 4 and fit.parameter_bytes == full.parameter_bytes + adapters

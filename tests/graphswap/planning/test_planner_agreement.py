@@ -98,13 +98,15 @@ def measure(
     sim = SimulatedAccelerator(profile=PROFILE)
     report = None
     if max_host_bytes is not None:
-        manager = SwapManager(offload_lag=offload_lag, engine=sim, max_host_bytes=max_host_bytes)
+        manager = SwapManager(
+            swap_offload_lag=offload_lag, engine=sim, max_host_bytes=max_host_bytes
+        )
         report = graphswap.rewrite(model, rules=[SWAP_RULES[mode]], manager=manager)
     elif mode != "none":
         planned = mode in ("auto", "budget")
         auto = PlanExecutor(plan, made_for="the agreement test") if planned else None
         report = apply_swap(
-            model, activation_swap=mode, offload_lag=offload_lag, engine=sim, auto=auto
+            model, activation_swap=mode, swap_offload_lag=offload_lag, engine=sim, auto=auto
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(

@@ -16,7 +16,7 @@ import torch
 from graphswap.planning._trace import Block, BlockKind, Event, TracedSave
 from graphswap.planning._windows import step_times
 from graphswap.planning.saved_tensors import LAYER_SCOPE, LayerTrace, SavedTensor, SavedTensorTrace
-from graphswap.planning.trace import StepTrace, SwapChoice, replay
+from graphswap.planning.trace import StepTrace, SwapChoice, SwapSchedule, replay
 from graphswap.runtime.profile import device_profile
 
 MB = 10**6
@@ -101,7 +101,7 @@ SWAP_BOTH = SwapChoice(LAYER_SCOPE, frozenset({0, 1}))
 
 
 def test_compute_waits_for_the_offload_where_the_next_layer_begins() -> None:
-    run = replay(_one_swapped_storage(), SWAP_BOTH, offload_lag=1, prefetch_depth=1)
+    run = replay(_one_swapped_storage(), SWAP_BOTH)
     timeline = run.timeline
     # Copy 1..3 ms; layer 1 begins at 2 ms and waits 1 ms, in its own label.
     assert timeline.stalls == {"F1": pytest.approx(MS)}
@@ -116,12 +116,12 @@ def test_compute_waits_for_the_offload_where_the_next_layer_begins() -> None:
 
 
 def test_a_longer_offload_lag_moves_the_fence_and_the_stall_goes() -> None:
-    run = replay(_one_swapped_storage(), SWAP_BOTH, offload_lag=2, prefetch_depth=1)
+    run = replay(_one_swapped_storage(), SWAP_BOTH, SwapSchedule(swap_offload_lag=2))
     assert run.timeline.stalls == {} and run.timeline.step_seconds == pytest.approx(8 * MS)
 
 
 def test_memory_follows_the_sources_the_reloads_and_autograds_releases() -> None:
-    run = replay(_one_swapped_storage(), SWAP_BOTH, offload_lag=1, prefetch_depth=1)
+    run = replay(_one_swapped_storage(), SWAP_BOTH)
     # 2 MB at 1 ms; 4 MB at 4 ms (layer 1's save, after the 1 ms stall); the head drops
     # layer 0's source (fenced already) at 5 ms and its reload is allocated at once;
     # layer 1's save is released at 7 ms, the reload when layer 0's save is, at 9 ms.
@@ -139,9 +139,7 @@ def test_memory_follows_the_sources_the_reloads_and_autograds_releases() -> None
 
 
 def test_without_swap_a_saved_storage_lives_until_autograd_releases_it() -> None:
-    run = replay(
-        _one_swapped_storage(), SwapChoice(None, frozenset()), offload_lag=1, prefetch_depth=1
-    )
+    run = replay(_one_swapped_storage(), SwapChoice(None, frozenset()))
     memory = [nbytes for _, nbytes in run.timeline.memory]
     assert memory == [0, 2 * MB, 4 * MB, 2 * MB, 0]  # the frees at 4 ms drop nothing
     assert run.timeline.stalls == {} and run.timeline.step_seconds == pytest.approx(8 * MS)
@@ -154,7 +152,7 @@ def test_a_source_another_reference_holds_stays_on_device_after_its_copy() -> No
     trace = _one_swapped_storage()
     events = [e for e in trace.events if e != (Event.FREE, 0)] + [(Event.FREE, 0)]
     kept = _trace(events, trace.saves, [2 * MB, 2 * MB])
-    run = replay(kept, SWAP_BOTH, offload_lag=1, prefetch_depth=1)
+    run = replay(kept, SWAP_BOTH)
     assert max(nbytes for _, nbytes in run.timeline.memory) == 6 * MB  # both, and the reload
 
 
@@ -191,7 +189,7 @@ def test_reloads_come_back_first_needed_first() -> None:
     """Backward reads the last save first: B's reload is issued first and is back when
     layer 0's backward begins; A's by the time it is read. In saving order B would wait."""
     swap = SwapChoice(LAYER_SCOPE, frozenset({0, 1}))
-    run = replay(_two_storages([1, 0]), swap, offload_lag=1, prefetch_depth=1)
+    run = replay(_two_storages([1, 0]), swap)
     assert run.timeline.stalls == {}
     assert run.groups[0].reloaded_bytes == 2 * MB
 
@@ -199,20 +197,18 @@ def test_reloads_come_back_first_needed_first() -> None:
 def test_an_unpack_waits_for_its_own_reload_only() -> None:
     """Read in saving order, A waits for B's reload ahead of it on the queue (1 ms)."""
     swap = SwapChoice(LAYER_SCOPE, frozenset({0, 1}))
-    run = replay(_two_storages([0, 1]), swap, offload_lag=1, prefetch_depth=1)
+    run = replay(_two_storages([0, 1]), swap)
     assert run.timeline.stalls == {"B0": pytest.approx(MS)}
     assert run.groups[0].backward_stall == pytest.approx(MS)
 
 
 def test_windows_are_the_compute_between_issue_and_need() -> None:
-    times = step_times(_one_swapped_storage(), LAYER_SCOPE, offload_lag=1, prefetch_depth=1)
+    times = step_times(_one_swapped_storage(), LAYER_SCOPE, SwapSchedule())
     first = times.groups[0]
     assert first.forward_window == pytest.approx(2 * MS)  # layer 0's forward, to layer 1's start
     assert first.backward_window == pytest.approx(2 * MS)  # layer 1's backward
     assert times.pack_seconds == (pytest.approx(MS), pytest.approx(3 * MS))
-    last = step_times(_one_swapped_storage(), LAYER_SCOPE, offload_lag=1, prefetch_depth=1).groups[
-        1
-    ]
+    last = step_times(_one_swapped_storage(), LAYER_SCOPE, SwapSchedule()).groups[1]
     assert last.trigger_seconds is None and last.backward_window == 0
     # Past the last layer the fence is the first backward boundary.
     assert last.fence_seconds == pytest.approx(4 * MS)

@@ -165,20 +165,15 @@ def test_auto_on_qwen3_30b_hides_both_windows_and_swaps_as_much_as_fits(
         [c for c in candidates[layer.name] if c.saves[0] in layer.swapped_saves]
         for layer in auto.layers
     ]
-    lag = auto.swap_offload_lag
-    assert (
-        replay(
-            narrower, swap_choice(trace, plan), offload_lag=lag, prefetch_depth=1
-        ).timeline.stalls
-        == {}
-    )
+    at_lag = SwapSchedule(swap_offload_lag=auto.swap_offload_lag)
+    assert replay(narrower, swap_choice(trace, plan), at_lag).timeline.stalls == {}
     middle = auto.layers[24]
     left = [c for c in candidates[middle.name] if c.saves[0] not in middle.swapped_saves]
     assert left
     for extra in left:
         more = [list(cs) for cs in plan]
         more[24].append(extra)
-        stalled = replay(narrower, swap_choice(trace, more), offload_lag=lag, prefetch_depth=1)
+        stalled = replay(narrower, swap_choice(trace, more), at_lag)
         assert stalled.timeline.stall_seconds > 0
 
 
@@ -188,7 +183,7 @@ def test_a_plan_budgeted_against_backward_alone_stalls_in_forward(
     """The old rule: per layer, largest first, what copies in 90% of the backward it
     overlaps (the window of its prefetch). Replayed, every fence waits."""
     trace, _, auto = qwen3_30b
-    windows = step_times(trace, LAYER_SCOPE, offload_lag=1, prefetch_depth=1).groups
+    windows = step_times(trace, LAYER_SCOPE, SwapSchedule()).groups
     candidates = layer_candidates(trace.saved)
     plan = []
     for i, layer in enumerate(auto.layers):
@@ -199,7 +194,7 @@ def test_a_plan_budgeted_against_backward_alone_stalls_in_forward(
                 chosen.append(c)
                 used += c.nbytes
         plan.append(chosen)
-    old = replay(trace, swap_choice(trace, plan), offload_lag=1, prefetch_depth=1)
+    old = replay(trace, swap_choice(trace, plan))
     assert sum(len(c) for c in plan) > sum(len(layer.swapped_saves) > 0 for layer in auto.layers)
     assert all(g.forward_stall > 0 for g in old.groups[:-1])
     assert old.timeline.step_seconds > 1.05 * auto.baseline.step_seconds
@@ -231,13 +226,9 @@ def test_auto_takes_back_what_the_replay_shows_stalling(
     trace = slow_compute_at(2.0)
     saved = trace.saved
     candidates = layer_candidates(saved)
-    auto = plan_auto(
-        trace,
-        [candidates[layer.name] for layer in saved.layers],
-        offload_lag=1,
-        prefetch_depth=1,
-        hide_margin=-1.0,
-    )
+    overbooked = SwapSchedule()
+    object.__setattr__(overbooked, "swap_hide_margin", -1.0)  # below what a user may set
+    auto = plan_auto(trace, [candidates[layer.name] for layer in saved.layers], overbooked)
     assert auto.dropped > 0
     assert auto.replay.timeline.stalls == {}
     assert any(auto.chosen[:-1])
@@ -255,7 +246,8 @@ def test_with_the_state_sharded_auto_fits_longer_than_none_at_no_cost() -> None:
     config = qwen3_moe_config("qwen3-30b-a3b", num_hidden_layers=4)
     tight = fit_sequence(config, memory_bytes=20 * GIB, modes=("none", "auto"))
     assert not tight.state_fits and tight.shards_needed == 2
-    fit = fit_sequence(config, memory_bytes=24 * GIB, state_shards=4, modes=("none", "auto"))
+    sharded = SwapSchedule(state_shards=4)
+    fit = fit_sequence(config, memory_bytes=24 * GIB, schedule=sharded, modes=("none", "auto"))
     none, auto = fit.modes
     assert fit.state_fits and none.seq_len is not None and auto.seq_len is not None
     assert auto.seq_len > none.seq_len and auto.plan is not None and auto.plan.step_ratio <= 1.01
@@ -270,7 +262,8 @@ def test_with_the_state_sharded_auto_fits_longer_than_none_at_no_cost() -> None:
 
 def test_a_model_that_fits_at_its_longest_sequence_says_so() -> None:
     config = qwen3_moe_config("tiny", num_hidden_layers=1)
-    fit = fit_sequence(config, dtype=torch.float32, device="cpu", modes=("none",))
+    step = StepShape(seq_len=512, dtype=torch.float32, device="cpu")
+    fit = fit_sequence(config, step, modes=("none",))
     (none,) = fit.modes
     assert none.capped and none.seq_len == fit.max_seq == 2048
 

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import PlanSettingError, _trace_cache, fit_sequence, plan_memory
-from graphswap.planning.trace import StepTrace
+from graphswap.planning.trace import StepShape, StepTrace
 
 SHAPE_BUT_LENGTH = {"batch_size": 2, "dtype": torch.float32, "device": "cpu"}
 SHAPE = {"seq_len": 512, **SHAPE_BUT_LENGTH}
@@ -88,10 +88,10 @@ def test_a_refused_plan_is_refused_again(traces: list[StepTrace]) -> None:
 
 def test_a_fit_in_less_memory_traces_nothing(traces: list[StepTrace]) -> None:
     config = tiny()
-    settings = {"seq_step": 512, "modes": ("attention",), **SHAPE_BUT_LENGTH}
-    roomy = fit_sequence(config, **settings)  # type: ignore[arg-type]
+    step = StepShape(**SHAPE)  # type: ignore[arg-type]
+    roomy = fit_sequence(config, step, modes=("attention",))
     assert len(traces) == len(roomy.traced) > 1
     peak = roomy.modes[0].points[1].peak_bytes
-    tight = fit_sequence(config, memory_bytes=peak, **settings)  # type: ignore[arg-type]
+    tight = fit_sequence(config, step, memory_bytes=peak, modes=("attention",))
     assert len(traces) == len(roomy.traced)
     assert tight.modes[0].seq_len == 1024 < roomy.modes[0].seq_len  # type: ignore[operator]

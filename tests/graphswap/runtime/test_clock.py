@@ -61,12 +61,12 @@ def forward_window(profile: DeviceProfile) -> float:
 
 def build(engine: SimulatedAccelerator | None) -> tuple[list[Block], torch.Tensor, Any]:
     """A chain of ``LAYERS`` blocks and its input; with ``engine``, swapped and linked (the
-    last block kept, ``offload_lag=1``) by the manager returned beside them."""
+    last block kept, ``swap_offload_lag=1``) by the manager returned beside them."""
     torch.manual_seed(0)
     blocks = [Block() for _ in range(LAYERS)]
     manager = None
     if engine is not None:
-        manager = SwapManager(engine=engine, offload_lag=1)
+        manager = SwapManager(engine=engine, swap_offload_lag=1)
         wrapped = [
             swap_wrapper(b, manager=manager, policy=swap_wide, name=f"block{i}")
             for i, b in enumerate(blocks)
@@ -159,7 +159,7 @@ def test_compute_is_the_sum_of_the_operators_roofline_times_with_or_without_swap
 def test_the_peak_is_the_peak_without_swap_less_what_swap_freed() -> None:
     """Without swap, the last block's add holds every block's wide tensor, its input, the
     matmul's output and its own output. With swap, every block but the kept last one has
-    left device memory by then (``offload_lag=1``: block i's at block i + 1's start)."""
+    left device memory by then (``swap_offload_lag=1``: block i's at block i + 1's start)."""
     profile = toy_profile(d2h_gbps=1.0)
     base = ROWS * WIDTH * 4 + LAYERS * WEIGHT_BYTES
     plain = timeline(profile, swap=False)

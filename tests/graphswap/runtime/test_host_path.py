@@ -201,9 +201,9 @@ def test_a_new_shape_allocates_in_its_first_step_only() -> None:
 def test_default_host_budget_is_a_share_of_the_node_per_local_rank(monkeypatch) -> None:
     monkeypatch.setattr(pool_module, "node_memory", lambda: 64 << 30)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert SwapManager().stats.host_budget_bytes == 32 << 30
+    assert SwapManager().stats.max_host_bytes == 32 << 30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert SwapManager().stats.host_budget_bytes == 4 << 30
+    assert SwapManager().stats.max_host_bytes == 4 << 30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='eight'"):
         SwapManager()
@@ -230,7 +230,7 @@ def test_a_host_budget_over_the_node_warns_naming_it_and_negative_is_an_error(
 ) -> None:
     monkeypatch.setattr(pool_module, "node_memory", lambda: 16 << 30)
     with pytest.warns(RuntimeWarning, match=r"max_host_bytes=34359738368 \(32.0 GiB\)"):
-        assert SwapManager(max_host_bytes=32 << 30).stats.host_budget_bytes == 32 << 30
+        assert SwapManager(max_host_bytes=32 << 30).stats.max_host_bytes == 32 << 30
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SwapManager(max_host_bytes=8 << 30)

@@ -176,7 +176,7 @@ def test_a_saved_tensor_changed_then_dropped_raises_where_pytorch_does(
 
         plain = chain_grads(None, change)
         assert isinstance(plain, RuntimeError) and "inplace operation" in str(plain)
-        manager = SwapManager(engine=SimulatedAccelerator(lag=lag), offload_lag=offload_lag)
+        manager = SwapManager(engine=SimulatedAccelerator(lag=lag), swap_offload_lag=offload_lag)
         swapped = chain_grads(manager, change)
         assert isinstance(swapped, SwapIntegrityError), (block, swapped)
         assert f"'b{block}'" in str(swapped) and "(64, 64)" in str(swapped)
@@ -186,7 +186,7 @@ def test_a_saved_tensor_changed_then_dropped_raises_where_pytorch_does(
 
 def test_unchanged_returned_tensors_dropped_before_backward_give_the_same_gradients() -> None:
     plain = chain_grads(None, lambda returned: None)
-    manager = SwapManager(engine=SimulatedAccelerator(lag=50), offload_lag=3)
+    manager = SwapManager(engine=SimulatedAccelerator(lag=50), swap_offload_lag=3)
     swapped = chain_grads(manager, lambda returned: None)
     assert not isinstance(plain, RuntimeError) and not isinstance(swapped, RuntimeError)
     assert all(torch.equal(p, q) for p, q in zip(plain, swapped, strict=True))
@@ -272,7 +272,7 @@ def dtensor_chain_grad(mesh: object, swap: bool, change: bool) -> torch.Tensor |
     from torch.distributed.tensor import DTensor, Shard
 
     chain: list[torch.nn.Module] = [Doubles() for _ in range(3)]
-    manager = SwapManager(engine=SimulatedAccelerator(lag=50), offload_lag=2)
+    manager = SwapManager(engine=SimulatedAccelerator(lag=50), swap_offload_lag=2)
     if swap:
         for i, block in enumerate(chain):
             swap_wrapper(block, manager=manager, name=f"d{i}", policy=size_threshold_policy(1024))
@@ -427,9 +427,9 @@ def test_failed_host_allocation_keeps_the_tensor_and_counts_it(toy_model, monkey
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"offload_lag": -1}, "offload_lag"),
-        ({"offload_lag": 1.5}, "offload_lag"),
-        ({"prefetch_depth": 0}, "prefetch_depth"),
+        ({"swap_offload_lag": -1}, "swap_offload_lag"),
+        ({"swap_offload_lag": 1.5}, "swap_offload_lag"),
+        ({"swap_prefetch_depth": 0}, "swap_prefetch_depth"),
         ({"max_host_bytes": -1}, "max_host_bytes"),
         ({"engine": object()}, "engine"),
         ({"engine": "cpu"}, "engine"),
@@ -439,8 +439,8 @@ def test_failed_host_allocation_keeps_the_tensor_and_counts_it(toy_model, monkey
         ),
         ({"max_host_bytes": "1GiB"}, r"^max_host_bytes must be an int >= 0"),
         ({"max_host_bytes": 2.0**30}, r"^max_host_bytes must be an int >= 0"),
-        ({"prefetch_depth": True}, r"^prefetch_depth must be an int >= 1, got True"),
-        ({"offload_lag": "2"}, r"^offload_lag must be an int >= 0, got '2'"),
+        ({"swap_prefetch_depth": True}, r"^swap_prefetch_depth must be an int >= 1, got True"),
+        ({"swap_offload_lag": "2"}, r"^swap_offload_lag must be an int >= 0, got '2'"),
         ({"keep_last": "no"}, r"^keep_last must be True or False, got 'no'"),
         ({"keep_last": 0}, r"^keep_last must be True or False, got 0"),
     ],

@@ -54,7 +54,7 @@ class SwapVsPlain(RuleBasedStateMachine):
         self.entries.clear()  # an earlier example's, if a cycle held them: not this one's
         self.plain = self.make_model(layers=LAYERS)
         engine = None if self.engine_lag is None else SimulatedAccelerator(lag=self.engine_lag)
-        self.manager = SwapManager(engine=engine, offload_lag=self.offload_lag)
+        self.manager = SwapManager(engine=engine, swap_offload_lag=self.offload_lag)
         self.swap = self.make_model(layers=LAYERS, manager=self.manager, policy=swap_from_4k)
         self.graphs: list[tuple] = []
 

@@ -41,7 +41,7 @@ def resident_at_each_layer(
 ) -> tuple[list[int], int, int]:
     """Swapped bytes of earlier layers still alive when each attention's forward is
     called, and the largest and smallest layer's swappable bytes."""
-    manager = SwapManager(engine=SimulatedAccelerator(lag=engine_lag), offload_lag=offload_lag)
+    manager = SwapManager(engine=SimulatedAccelerator(lag=engine_lag), swap_offload_lag=offload_lag)
     records: list[list[tuple[StorageWeakRef, int]]] = [[] for _ in range(LAYERS)]
     model = toy_model(layers=LAYERS, manager=manager, policy=[recording(r) for r in records])
     attns = [layer.attn for layer in model.layers]
@@ -112,7 +112,7 @@ class SideStreamBlock(torch.nn.Module):
 def side_stream_step(engine: SimulatedAccelerator, swap: bool) -> tuple[list, SwapManager]:
     torch.manual_seed(0)
     blocks = [SideStreamBlock(engine, 64) for _ in range(3)]
-    manager = SwapManager(engine=engine, offload_lag=1)
+    manager = SwapManager(engine=engine, swap_offload_lag=1)
     if swap:
         wrapped = [
             swap_wrapper(b, manager=manager, name=f"b{i}", policy=size_threshold_policy(0))

@@ -90,10 +90,10 @@ def test_attention_efficiency_slows_the_attention_kernels_only() -> None:
 def test_a_profile_carries_the_node_that_sizes_the_host_budget() -> None:
     h200 = device_profile("h200")
     assert (h200.host_memory_bytes, h200.ranks_per_node) == (2 << 40, 8)
-    assert h200.host_budget_bytes == 128 << 30  # half of 2 TiB over 8 ranks
+    assert h200.default_max_host_bytes == 128 << 30  # half of 2 TiB over 8 ranks
     assert "8 GPUs and 2 TiB" in h200.source
     node = device_profile("h200,host_memory_bytes=1e12,ranks_per_node=4")
-    assert node.host_budget_bytes == 125 * 10**9
+    assert node.default_max_host_bytes == 125 * 10**9
     assert isinstance(node.ranks_per_node, int)
 
 

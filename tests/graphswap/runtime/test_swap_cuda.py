@@ -76,7 +76,7 @@ def attention_names() -> list[str]:
 @contextmanager
 def swapped(model: torch.nn.Module, offload_lag: int = 1) -> Iterator[SwapManager]:
     """Every attention swap-wrapped and linked, as ``qwen3_attn_swap`` does; undone after."""
-    manager = SwapManager(offload_lag=offload_lag)
+    manager = SwapManager(swap_offload_lag=offload_lag)
     attns = [
         swap_wrapper(layer.self_attn, manager=manager, name=name)
         for name, layer in zip(attention_names(), model.model.layers, strict=True)

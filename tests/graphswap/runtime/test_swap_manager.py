@@ -192,7 +192,7 @@ def test_prefetch_is_issued_when_next_layer_backward_begins(toy_model, timeline)
 
 def test_prefetch_depth_two(toy_model) -> None:
     _, base = train(toy_model(), steps=1)
-    manager = SwapManager(prefetch_depth=2)
+    manager = SwapManager(swap_prefetch_depth=2)
     _, grads = train(toy_model(manager=manager), steps=1)
     name = "layers.{}.attn".format
     assert manager.prefetch_schedule() == [
@@ -449,8 +449,8 @@ def test_linking_requires_wrapped_modules_and_refuses_cycles() -> None:
 
 
 def test_invalid_options_are_rejected() -> None:
-    with pytest.raises(ValueError, match="prefetch_depth"):
-        SwapManager(prefetch_depth=0)
+    with pytest.raises(ValueError, match="swap_prefetch_depth"):
+        SwapManager(swap_prefetch_depth=0)
     with pytest.raises(ValueError, match="max_host_bytes"):
         SwapManager(max_host_bytes=-1)
 

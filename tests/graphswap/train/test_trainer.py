@@ -45,7 +45,7 @@ def test_swap_changes_no_loss_and_lowers_resident_activations(
         line.split("  ", 1) for line in format_summary([none, swap]).splitlines() if "  " in line
     )
     assert rows["swap copied, not freed / step"].split() == ["0.0", "MiB", "0.0", "MiB"]
-    budget = swap.swap["host_budget_bytes"]
+    budget = swap.swap["max_host_bytes"]
     assert rows["host pool peak / budget"].split()[-2:] == [f"{budget / 2**20:,.1f}", "MiB"]
 
 

@@ -379,7 +379,7 @@ def test_a_smaller_node_is_a_smaller_host_budget_and_the_plan_says_what_stays(
     assert "budget 2.00 GiB;" in tight and "chosen for swap stays on device" in tight
     assert any("capped at 2.0 GiB per rank" in line for line in lines)
     settings = lines[0]
-    assert "attention_timing=causal" in settings and "offload_lag=1 " in settings
+    assert "attention_timing=causal" in settings and "swap_offload_lag=1 " in settings
 
 
 QWEN3_30B = ("--preset", "qwen3-30b-a3b", "--seq-len", "8192", "--num-layers", "2")

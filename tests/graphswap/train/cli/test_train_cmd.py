@@ -68,7 +68,7 @@ def test_train_auto_prints_the_plan_and_swaps_what_it_planned(tmp_path: Path, ru
     out = done.stdout
     assert "activation_swap: auto, planned for seq_len: 512, batch_size: 2" in out
     # Two layers' sources held to the fence cost less than they free: the plan chose lag 2.
-    assert "offload_lag=2 (chosen)" in out
+    assert "swap_offload_lag=2 (chosen)" in out
     assert "auto swaps 3.00 MiB of the 12.00 MiB that layer swap would move" in out
     planned = next(line for line in out.splitlines() if line.startswith("auto plan / step"))
     offloaded = next(line for line in out.splitlines() if line.startswith("swap offloaded"))
