@@ -28,10 +28,10 @@ def dotted(target: str) -> str:
 
 
 def warn(message: str, inside: str | tuple[str, ...] | None = None) -> None:
-    """A :class:`GraphswapDeprecationWarning` that points at the user's line: past this package, the
-    import machinery, 0.1.0's top-level ``passes`` and the packages ``inside`` (the one
-    whose function was called; for an unpickled object, also torch and pickle, which
-    called it), so Python's default filter shows it in scripts."""
+    """A :class:`GraphswapDeprecationWarning` that points at the user's line: past this
+    package, the import machinery, 0.1.0's top-level ``passes`` and the packages
+    ``inside`` (the one whose function was called; for an unpickled object, also torch
+    and pickle, which called it), so Python's default filter shows it in scripts."""
     level = 2
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and _skipped(frame, inside):
