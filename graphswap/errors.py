@@ -1,5 +1,6 @@
-"""The typed errors graphswap raises, at the bottom of the core so that every module
-raises the same type for the same fact, and users import them from one place."""
+"""The typed errors graphswap raises, and the class of its deprecation warnings, at the
+bottom of the core so that every module raises the same type for the same fact, and users
+import them from one place."""
 
 from __future__ import annotations
 
@@ -69,6 +70,15 @@ class SwapExclusionError(GraphswapError, RuntimeError):
 class SwapIntegrityError(GraphswapError, RuntimeError):
     """A tensor saved for backward, swapped, kept or saved by a recompute region, changed
     after it was saved: its gradient would be wrong."""
+
+
+class GraphswapDeprecationWarning(DeprecationWarning):
+    """What graphswap warns when code uses a name, keyword or pickle of an earlier release
+    that still works until its removal (0.1.0's until 0.3), naming what to use instead.
+    Its own class, so that a test suite can turn graphswap's deprecations into errors
+    without failing on other libraries' (pytest: ``filterwarnings =
+    ["error::graphswap.errors.GraphswapDeprecationWarning"]``); a ``DeprecationWarning``,
+    so that every filter of that class still applies to it."""
 
 
 class LossHeadError(GraphswapError, ValueError):

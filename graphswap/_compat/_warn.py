@@ -1,4 +1,5 @@
-"""The ``DeprecationWarning`` every old path gives, pointing at the user's line."""
+"""The deprecation warning every old path gives (a
+:class:`~graphswap.errors.GraphswapDeprecationWarning`), pointing at the user's line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import warnings
 from typing import Any
 
 from graphswap._compat._table import PACKAGES
+from graphswap.errors import GraphswapDeprecationWarning
 
 REMOVED_IN = "0.3"
 """The release that deletes :mod:`graphswap._compat`, and with it every old path."""
@@ -26,16 +28,18 @@ def dotted(target: str) -> str:
 
 
 def warn(message: str, inside: str | tuple[str, ...] | None = None) -> None:
-    """A ``DeprecationWarning`` that points at the user's line: past this package, the
-    import machinery, 0.1.0's top-level ``passes`` and the packages ``inside`` (the one
-    whose function was called; for an unpickled object, also torch and pickle, which
-    called it), so Python's default filter shows it in scripts."""
+    """A :class:`GraphswapDeprecationWarning` that points at the user's line: past this
+    package, the import machinery, 0.1.0's top-level ``passes`` and the packages
+    ``inside`` (the one whose function was called; for an unpickled object, also torch
+    and pickle, which called it), so Python's default filter shows it in scripts."""
     level = 2
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and _skipped(frame, inside):
         # warnings.warn leaves the import system's own frames out of the count itself.
         level, frame = level + (not _bootstrap(frame)), frame.f_back
-    warnings.warn(f"{message} (removed in {REMOVED_IN})", DeprecationWarning, stacklevel=level)
+    warnings.warn(
+        f"{message} (removed in {REMOVED_IN})", GraphswapDeprecationWarning, stacklevel=level
+    )
 
 
 def _skipped(frame: types.FrameType, inside: str | tuple[str, ...] | None) -> bool:

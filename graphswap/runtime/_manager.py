@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from graphswap import _compat
-from graphswap.errors import SwapSetupError
+from graphswap.errors import GraphswapDeprecationWarning, SwapSetupError
 from graphswap.runtime._context import _Context
 from graphswap.runtime._engines import CopyEngine
 from graphswap.runtime._forward import _Forward
@@ -232,7 +232,7 @@ class SwapManager:
         """The origin's name of :meth:`link`."""
         warnings.warn(
             "SwapManager.set_forward_prefetch_layer is the origin's name of SwapManager.link",
-            DeprecationWarning,
+            GraphswapDeprecationWarning,
             stacklevel=2,
         )
         self.link(earlier, later)

@@ -225,6 +225,7 @@ def test_a_swapped_module_under_activation_checkpointing_is_refused() -> None:
         checkpoint(module, x, use_reentrant=False).sum().backward()
 
 
+@pytest.mark.compat
 def test_the_origins_names_still_work_and_say_the_new_ones() -> None:
     """What users of the origin wrote: its policy name and its link method."""
     with pytest.warns(DeprecationWarning, match="swap_large_activations"):
@@ -232,7 +233,7 @@ def test_the_origins_names_still_work_and_say_the_new_ones() -> None:
     assert policy is swap_large_activations
     manager = graphswap.SwapManager()
     first, second = (graphswap.swap_wrapper(nn.Linear(4, 4), manager=manager) for _ in range(2))
-    with pytest.warns(DeprecationWarning, match="SwapManager.link"):
+    with pytest.warns(errors.GraphswapDeprecationWarning, match="SwapManager.link"):
         manager.set_forward_prefetch_layer(first, second)
     assert manager.links == [(manager.groups()[0].name, manager.groups()[1].name)]
     assert {m.name for m in graphswap.CheckpointPolicy} == {"MUST_SWAP", "MUST_SAVE"}

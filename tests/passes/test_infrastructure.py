@@ -373,6 +373,7 @@ def test_a_wrong_pass_order_changes_nothing(tiny_model: Model) -> None:
     assert type(model.model.layers[0]).__name__ == "Qwen3MoeDecoderLayer"
 
 
+@pytest.mark.compat
 def test_the_result_s_0_1_plan_warns_and_is_the_pass_plan(tiny_model: Model) -> None:
     config = TrainerConfig(activation_swap="attention")
     result = passes.apply_model_infrastructure(tiny_model(), config)

@@ -13,6 +13,7 @@ from graphswap.hf.checkpoints import build_model
 from graphswap.passes import PassRequirementError
 from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_head_layout
 from graphswap.planning import PlanSettingError, plan_memory
+from graphswap.planning.trace import StepShape
 from graphswap.train.config import TrainerConfig
 from graphswap.train.preflight import check_model
 
@@ -52,7 +53,7 @@ def test_the_planner_refuses_tp_for_an_attention_it_cannot_shard(
 ) -> None:
     config = family_config("tiny-deepseek-v3", "eager")
     with pytest.raises(PlanSettingError, match=r"^tp_size=2: shards attention heads") as info:
-        plan_memory(config, seq_len=64, tp_size=2, device="cpu", dtype=torch.float32)
+        plan_memory(config, StepShape(seq_len=64, tp_size=2, device="cpu", dtype=torch.float32))
     assert "no q_proj, k_proj, v_proj projection" in str(info.value)
 
 

@@ -13,6 +13,8 @@ import pytest
 from graphswap._compat._cli import FLAGS
 from graphswap.train.cli import build_parser, main
 
+pytestmark = pytest.mark.compat
+
 Command = Callable[..., subprocess.CompletedProcess[str]]
 
 

@@ -21,6 +21,8 @@ from graphswap.rewriting.rules import get_rule
 from graphswap.runtime import SwapManager, is_swap_wrapped, swap_manager_of, swap_wrapper
 from graphswap.runtime.policy import size_threshold_policy
 
+pytestmark = pytest.mark.compat
+
 DATA = Path(__file__).parent / "data"
 
 

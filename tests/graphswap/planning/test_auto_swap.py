@@ -374,6 +374,7 @@ def test_a_budget_plan_is_named_budget_in_what_it_says(
     assert format_auto_report(budget.to_dict()).startswith("activation_swap: budget, planned")
 
 
+@pytest.mark.compat
 def test_the_released_report_method_warns_and_renders_what_train_prints(
     fast_link_plan: MemoryPlan,
 ) -> None:

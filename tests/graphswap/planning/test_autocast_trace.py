@@ -126,16 +126,15 @@ def test_a_budget_plan_made_under_autocast_is_the_step_autocast_runs() -> None:
     config = preset_config("tiny-llama", attn_implementation="sdpa")
     config.num_hidden_layers = 2
     seq_len = 512
-    whole = plan_memory(
-        config,
+    shape = StepShape(
         seq_len=seq_len,
         batch_size=BATCH_SIZE,
         dtype=torch.float32,
         autocast_dtype=torch.bfloat16,
         attn_implementation="sdpa",
         device="cpu",
-        activation_swap="none",
     )
+    whole = plan_memory(config, shape, activation_swap="none")
     trainer = TrainerConfig(
         activation_swap="budget",
         activation_memory_budget=int(whole.timeline.peak_bytes * 0.85),

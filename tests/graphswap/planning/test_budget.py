@@ -44,13 +44,16 @@ def _shape(config: Any) -> tuple[int, int]:
 
 
 def _plan(config: Any, budget: int) -> Any:
+    seq_len, batch_size = _shape(config)
     return plan_memory(
         config,
-        seq_len=_shape(config)[0],
-        batch_size=_shape(config)[1],
-        dtype=torch.float32,
-        attn_implementation=config._attn_implementation,
-        device="cpu",
+        StepShape(
+            seq_len=seq_len,
+            batch_size=batch_size,
+            dtype=torch.float32,
+            attn_implementation=config._attn_implementation,
+            device="cpu",
+        ),
         activation_swap="budget",
         activation_memory_budget=budget,
     )
@@ -225,20 +228,20 @@ def test_a_trainer_that_checkpoints_gets_whole_layers_whatever_the_budget() -> N
     level, the only one weighed, even where a roomy budget would recompute nothing; it is
     a decision of the budget mode alone."""
     config = preset_config("tiny-llama", attn_implementation="sdpa")
-    settings = {"seq_len": 256, "dtype": torch.float32, "device": "cpu"}
+    shape = StepShape(seq_len=256, dtype=torch.float32, device="cpu")
     plan = plan_memory(
         config,
+        shape,
         activation_swap="budget",
         activation_memory_budget=1 << 40,
         activation_checkpointing=True,
-        **settings,
     )
     assert plan.recompute == ("layer",)
     assert [option.recompute for option in plan.budget_options] == [("layer",)]
     assert all(layer.recomputed == ("",) for layer in plan.layers)
     assert "recompute levels tried: layer" in " ".join(plan.assumptions)
     with pytest.raises(PlanSettingError, match="activation_checkpointing=True: is honoured by"):
-        plan_memory(config, activation_swap="auto", activation_checkpointing=True, **settings)
+        plan_memory(config, shape, activation_swap="auto", activation_checkpointing=True)
 
 
 def test_recompute_wrapper_keeps_the_module_and_undoes_exactly() -> None:
@@ -496,11 +499,13 @@ def _options_at(config: Any, seq_len: int, batch_size: int) -> tuple[Any, ...]:
     with pytest.raises(PlanSettingError) as info:
         plan_memory(
             config,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            dtype=torch.float32,
-            attn_implementation=config._attn_implementation,
-            device="cpu",
+            StepShape(
+                seq_len=seq_len,
+                batch_size=batch_size,
+                dtype=torch.float32,
+                attn_implementation=config._attn_implementation,
+                device="cpu",
+            ),
             activation_swap="budget",
             activation_memory_budget=1,
         )

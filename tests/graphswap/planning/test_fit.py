@@ -53,11 +53,10 @@ def test_every_length_up_to_an_answer_fits(
                 plan = (
                     plan_memory(
                         config,
-                        seq_len=seq,
+                        StepShape(seq_len=seq),
                         activation_swap="budget",
                         activation_memory_budget=memory,
-                        swap_offload_lag=offload_lag,
-                        state_shards=8,
+                        schedule=SwapSchedule(swap_offload_lag=offload_lag, state_shards=8),
                     )
                     if mode == "budget"
                     else plan_step(
@@ -182,9 +181,15 @@ def test_the_fit_table_names_the_runs_of_a_broken_fit() -> None:
 
 def test_a_host_budget_keeps_on_device_what_it_cannot_hold() -> None:
     config = _short(qwen3_moe_config("qwen3-30b-a3b"))
-    roomy = plan_memory(config, seq_len=8192, activation_swap="layer", state_shards=8)
+    shape = StepShape(seq_len=8192)
+    roomy = plan_memory(
+        config, shape, activation_swap="layer", schedule=SwapSchedule(state_shards=8)
+    )
     tight = plan_memory(
-        config, seq_len=8192, activation_swap="layer", state_shards=8, max_host_bytes=2 * GIB
+        config,
+        shape,
+        activation_swap="layer",
+        schedule=SwapSchedule(state_shards=8, max_host_bytes=2 * GIB),
     )
     assert roomy.max_host_bytes == device_profile("h200").default_max_host_bytes == 128 * GIB
     assert roomy.refused_bytes == 0 and roomy.host_peak_bytes > 2 * GIB

@@ -84,7 +84,7 @@ def test_lora_settings_that_change_nothing_or_match_nothing_are_refused(
     settings: dict[str, object], named: str, detail: str
 ) -> None:
     with pytest.raises(PlanSettingError) as info:
-        plan_memory(preset_config("tiny-llama"), seq_len=64, device="cpu", **settings)
+        plan_memory(preset_config("tiny-llama"), StepShape(seq_len=64, device="cpu", **settings))
     assert info.value.setting == named and detail in str(info.value)
 
 
@@ -102,16 +102,15 @@ def test_the_plan_of_a_lora_step_is_the_clocked_peft_step(
     net = peft.get_peft_model(build_model(config).to(dtype), lora)
     settings = lora_settings(net)
     assert settings is not None and settings["lora_dropout"] == dropout
-    plan = plan_memory(
-        config,
+    shape = StepShape(
         seq_len=SEQ,
         batch_size=BATCH,
         dtype=dtype,
         attn_implementation=config._attn_implementation,
         device="cpu",
-        activation_swap="none",
         **settings,
     )
+    plan = plan_memory(config, shape, activation_swap="none")
     ids = torch.randint(2, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     clocked = clocked_step(net, ids)
     assert plan.timeline.peak_bytes == pytest.approx(clocked.peak_bytes, rel=0.03)

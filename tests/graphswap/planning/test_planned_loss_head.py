@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from graphswap.hf.presets import preset_config
-from graphswap.planning import MemoryPlan, PlanSettingError, plan_memory
+from graphswap.planning import MemoryPlan, PlanSettingError, SwapMode, plan_memory
+from graphswap.planning.trace import StepShape
 
 
 def _config() -> Any:
@@ -20,17 +21,26 @@ def _config() -> Any:
     return config
 
 
-def _plan(**settings: Any) -> MemoryPlan:
-    return plan_memory(
-        _config(),
+def _plan(
+    activation_swap: SwapMode = "none",
+    activation_memory_budget: int | None = None,
+    **shape: Any,
+) -> MemoryPlan:
+    """One sequence of 2048 tokens in bfloat16 under sdpa, but for ``shape``'s settings."""
+    step = StepShape(
         **{
             "seq_len": 2048,
             "batch_size": 1,
             "dtype": torch.bfloat16,
             "attn_implementation": "sdpa",
-            "activation_swap": "none",
-            **settings,
-        },
+            **shape,
+        }
+    )
+    return plan_memory(
+        _config(),
+        step,
+        activation_swap=activation_swap,
+        activation_memory_budget=activation_memory_budget,
     )
 
 

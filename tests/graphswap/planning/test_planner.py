@@ -62,14 +62,14 @@ def test_cpu_prediction_matches_the_independent_tracker(
     the 1 MiB threshold across these shapes (2048 tokens make sdpa's query 1 MiB in
     bfloat16; 512 leave it below), and sdpa runs the CPU flash kernel."""
     config = qwen3_moe_config("tiny", attn_implementation=attn_implementation, num_hidden_layers=2)
-    plan = plan_memory(
-        config,
+    shape = StepShape(
         seq_len=seq,
         batch_size=batch,
         dtype=dtype,
         attn_implementation=attn_implementation,
         device="cpu",
     )
+    plan = plan_memory(config, shape)
     torch.manual_seed(0)
     model = build_model(config, dtype=dtype).train()
     ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -94,7 +94,9 @@ def test_cuda_prediction_matches_the_tracker_for_each_kernel(kernel: str) -> Non
     }[kernel]
     seq, dtype = 2048, torch.bfloat16
     config = qwen3_moe_config("tiny", attn_implementation="sdpa", num_hidden_layers=2)
-    plan = plan_memory(config, seq_len=seq, dtype=dtype, device="cuda", attn_kernel=kernel)
+    plan = plan_memory(
+        config, StepShape(seq_len=seq, dtype=dtype, device="cuda", attn_kernel=kernel)
+    )
     torch.manual_seed(0)
     model = build_model(config, device="cuda", dtype=dtype).train()
     ids = torch.randint(0, 512, (1, seq), device="cuda")
@@ -113,11 +115,13 @@ def test_sdpa_saves_less_than_eager_and_only_sdpa_names_a_kernel(tiny_plan: Memo
     sdpa = tiny_plan
     eager = plan_memory(
         qwen3_moe_config("tiny"),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        dtype=torch.float32,
-        device="cpu",
-        attn_implementation="eager",
+        StepShape(
+            seq_len=SEQ,
+            batch_size=BATCH,
+            dtype=torch.float32,
+            device="cpu",
+            attn_implementation="eager",
+        ),
     )
     assert sdpa.attn_kernel == "flash" and eager.attn_kernel is None
     assert sdpa.total_saved_bytes < eager.total_saved_bytes
@@ -171,10 +175,7 @@ def test_copy_time_is_at_the_link_and_stalls_decide_hiding(
     config = qwen3_moe_config("tiny")
     slow = plan_memory(
         config,
-        seq_len=SEQ,
-        batch_size=BATCH,
-        dtype=torch.float32,
-        device="cpu",
+        StepShape(seq_len=SEQ, batch_size=BATCH, dtype=torch.float32, device="cpu"),
         swap_bandwidth_gbps=0.001,
         swap_tflops=0.5,
     )
@@ -198,7 +199,7 @@ def test_attention_time_grows_quadratically_in_the_sequence() -> None:
     seq * (seq + 1) / 2 of them."""
     config = qwen3_moe_config("qwen3-30b-a3b", num_hidden_layers=2)
     one, two = (
-        plan_memory(config, seq_len=seq, swap_tflops=1.0, activation_swap="none")
+        plan_memory(config, StepShape(seq_len=seq), swap_tflops=1.0, activation_swap="none")
         .layers[0]
         .forward_seconds
         for seq in (1024, 2048)
@@ -228,27 +229,36 @@ def test_plan_to_dict_and_table(tiny_plan) -> None:  # type: ignore[no-untyped-d
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "word"),
+    ("shape", "schedule", "keywords", "word"),
     [
-        ({"seq_len": 0}, "seq_len"),
-        ({"seq_len": 8, "batch_size": -1}, "batch_size"),
-        ({"seq_len": 8, "swap_bandwidth_gbps": 0}, "swap_bandwidth_gbps"),
-        ({"seq_len": 8, "swap_bandwidth_gbps": float("inf")}, "swap_bandwidth_gbps"),
-        ({"seq_len": 8, "swap_tflops": -1.0}, "swap_tflops"),
-        ({"seq_len": 8, "swap_offload_lag": -1}, "swap_offload_lag"),
-        ({"seq_len": 8, "swap_prefetch_depth": 0}, "swap_prefetch_depth"),
-        ({"seq_len": 8, "state_shards": 0}, "state_shards"),
-        ({"seq_len": 8, "tp_size": 3}, "tp_size"),
-        ({"seq_len": 8, "attn_kernel": "flash", "dtype": torch.float32}, "attn_kernel"),
-        ({"seq_len": 8, "device": "xpu"}, "device"),
-        ({"seq_len": 8, "activation_swap": "experts"}, "activation_swap"),
-        ({"seq_len": 8, "activation_swap": "auto", "swap_hide_margin": 1.0}, "swap_hide_margin"),
-        ({"seq_len": 8, "activation_swap": "auto", "swap_hide_margin": -0.5}, "swap_hide_margin"),
+        ({"seq_len": 0}, {}, {}, "seq_len"),
+        ({"batch_size": -1}, {}, {}, "batch_size"),
+        ({}, {}, {"swap_bandwidth_gbps": 0}, "swap_bandwidth_gbps"),
+        ({}, {}, {"swap_bandwidth_gbps": float("inf")}, "swap_bandwidth_gbps"),
+        ({}, {}, {"swap_tflops": -1.0}, "swap_tflops"),
+        ({}, {"swap_offload_lag": -1}, {}, "swap_offload_lag"),
+        ({}, {"swap_prefetch_depth": 0}, {}, "swap_prefetch_depth"),
+        ({}, {"state_shards": 0}, {}, "state_shards"),
+        ({"tp_size": 3}, {}, {}, "tp_size"),
+        ({"attn_kernel": "flash", "dtype": torch.float32}, {}, {}, "attn_kernel"),
+        ({"device": "xpu"}, {}, {}, "device"),
+        ({}, {}, {"activation_swap": "experts"}, "activation_swap"),
+        ({}, {"swap_hide_margin": 1.0}, {"activation_swap": "auto"}, "swap_hide_margin"),
+        ({}, {"swap_hide_margin": -0.5}, {"activation_swap": "auto"}, "swap_hide_margin"),
     ],
 )
-def test_bad_inputs_name_the_input(kwargs, word) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_name_the_input(
+    shape: dict[str, object], schedule: dict[str, object], keywords: dict[str, object], word: str
+) -> None:
+    """Refused by the value that holds the setting, or by the plan: the step of 8 tokens
+    is good but for the setting named."""
     with pytest.raises(PlanSettingError, match=word) as caught:
-        plan_memory(qwen3_moe_config("tiny"), **kwargs)
+        plan_memory(
+            qwen3_moe_config("tiny"),
+            StepShape(**{"seq_len": 8, **shape}),
+            schedule=SwapSchedule(**schedule),
+            **keywords,
+        )
     assert caught.value.setting == word
 
 
@@ -266,7 +276,7 @@ def test_bad_profiles_name_the_key_the_value_and_the_choices(
     profile: str, words: list[str]
 ) -> None:
     with pytest.raises(ProfileError) as caught:
-        plan_memory(qwen3_moe_config("tiny"), seq_len=8, profile=profile)
+        plan_memory(qwen3_moe_config("tiny"), StepShape(seq_len=8), profile=profile)
     for word in words:
         assert word in str(caught.value)
 
@@ -274,7 +284,7 @@ def test_bad_profiles_name_the_key_the_value_and_the_choices(
 def test_eager_experts_are_refused_with_the_fix() -> None:
     config = qwen3_moe_config("tiny", experts_implementation="eager")
     with pytest.raises(PlanSettingError, match="grouped_mm"):
-        plan_memory(config, seq_len=8)
+        plan_memory(config, StepShape(seq_len=8))
 
 
 def test_a_model_without_experts_is_planned_whatever_its_experts_implementation() -> None:
@@ -284,18 +294,19 @@ def test_a_model_without_experts_is_planned_whatever_its_experts_implementation(
 
     config = build_model(preset_config("tiny-llama"), device="meta").config
     assert config._experts_implementation == "eager"
-    assert len(plan_memory(config, seq_len=8, activation_swap="auto").layers) == 3
+    assert len(plan_memory(config, StepShape(seq_len=8), activation_swap="auto").layers) == 3
 
 
 def test_the_planner_refuses_what_the_swap_rule_refuses(tour_config: Callable[..., object]) -> None:
     """Jamba's Mamba layers hold no attention: attn_swap refuses the model, and a plan of
     attention swap (negative forward windows, infinite backward ones) is never made."""
     config = tour_config("jamba")
+    shape = StepShape(seq_len=8, device="cpu")
     with pytest.raises(
         PlanSettingError, match=r"^activation_swap='attention': attn_swap: 'model.layers.0' holds"
     ):
-        plan_memory(config, seq_len=8, activation_swap="attention", device="cpu")
-    assert len(plan_memory(config, seq_len=8, activation_swap="layer", device="cpu").layers) == 4
+        plan_memory(config, shape, activation_swap="attention")
+    assert len(plan_memory(config, shape, activation_swap="layer").layers) == 4
 
 
 def test_layer_candidates_leave_storages_other_layers_save() -> None:

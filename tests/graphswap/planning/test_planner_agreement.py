@@ -251,11 +251,10 @@ def test_a_plan_budgeted_against_backward_alone_stalls_the_simulated_forward(
     layer, auto = predict(config, trace, "layer", 1), predict(config, trace, "auto", 1)
     old_layers = tuple(
         dataclasses.replace(
-            mine,
-            swapped_saves=whole.swapped_saves
-            if whole.copy_seconds <= (1 - DEFAULT_HIDE_MARGIN) * whole.backward_window
-            else (),
+            mine, swapped_saves=whole.swapped_saves, offloaded_bytes=whole.offloaded_bytes
         )
+        if whole.copy_seconds <= (1 - DEFAULT_HIDE_MARGIN) * whole.backward_window
+        else dataclasses.replace(mine, swapped_saves=(), offloaded_bytes=0)
         for mine, whole in zip(auto.layers, layer.layers, strict=True)
     )
     assert any(old.swapped_saves for old in old_layers)

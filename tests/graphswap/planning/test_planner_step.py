@@ -255,7 +255,10 @@ def test_with_the_state_sharded_auto_fits_longer_than_none_at_no_cost() -> None:
     assert not auto.capped and auto.seq_len % fit.seq_step == 0
     assert none.plan is not None and none.plan.seq_len == none.seq_len
     longer = plan_memory(
-        config, seq_len=none.seq_len + fit.seq_step, activation_swap="none", state_shards=4
+        config,
+        StepShape(seq_len=none.seq_len + fit.seq_step),
+        activation_swap="none",
+        schedule=SwapSchedule(state_shards=4),
     )
     assert longer.timeline.peak_bytes > fit.memory_bytes  # the next step does not fit
 
@@ -280,7 +283,7 @@ def test_a_step_without_the_optimizer_holds_parameters_and_buffers_only(
         "dtype": torch.float32,
         "device": "cpu",
     }
-    plan = plan_memory(config, optimizer=False, activation_swap="attention", **shape)
+    plan = plan_memory(config, StepShape(**shape), optimizer=False, activation_swap="attention")
     meta = build_meta_model(config, StepShape(**shape))
     trace = trace_step(meta, device_profile("h200"), optimizer=False)
     assert trace.optimizer_state_bytes == 0 and not trace.optimizer

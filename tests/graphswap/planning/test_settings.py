@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from graphswap.errors import GraphswapDeprecationWarning
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import PlanSettingError, fit_sequence, plan_memory
 from graphswap.planning._fit import LengthPoint, ModeFit
@@ -40,12 +41,14 @@ def test_a_bad_value_is_refused_when_made_naming_the_config_key(make, setting) -
     assert str(caught.value).startswith(f"{setting}=")
 
 
+@pytest.mark.compat
 def test_an_unknown_keyword_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(PlanSettingError, match="use one of seq_len, batch_size") as caught:
         plan_memory(qwen3_moe_config("tiny"), seq_len=8, seqlen=8)
     assert caught.value.setting == "seqlen"
 
 
+@pytest.mark.compat
 def test_the_old_keywords_warn_naming_the_new_one_and_plan_the_same() -> None:
     config = qwen3_moe_config("tiny", num_hidden_layers=2)
     with pytest.warns(DeprecationWarning) as caught:
@@ -64,7 +67,12 @@ def test_the_old_keywords_warn_naming_the_new_one_and_plan_the_same() -> None:
         " schedule=SwapSchedule(...)) (graphswap.planning.trace) (removed in 0.3)"
     ]
     assert all(w.filename == __file__ for w in caught), "the warning points at the caller"
-    new = plan_memory(config, seq_len=64, batch_size=2, tp_size=1, swap_offload_lag=1, **SMALL)
+    new = plan_memory(
+        config,
+        StepShape(seq_len=64, batch_size=2, tp_size=1, device="cpu", dtype=torch.float32),
+        activation_swap="none",
+        schedule=SwapSchedule(swap_offload_lag=1),
+    )
     assert old.to_dict() == new.to_dict()
 
 
@@ -83,6 +91,7 @@ def results(tiny_trace: StepTrace) -> dict[str, Any]:
     }
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     ("owner", "old", "new"),
     [
@@ -111,7 +120,7 @@ def test_a_results_old_attribute_warns_at_the_callers_line_and_reads_the_new_fie
     assert [str(w.message) for w in caught] == [
         f"{owner}.{old} is deprecated: use {owner}.{new} (removed in 0.3)"
     ]
-    assert caught[0].category is DeprecationWarning and caught[0].filename == __file__
+    assert caught[0].category is GraphswapDeprecationWarning and caught[0].filename == __file__
     # Only the new name is a field and a key of the JSON: the old one cannot warn there.
     keys = result.to_dict() if hasattr(result, "to_dict") else dataclasses.fields(result)
     names = keys if isinstance(keys, dict) else {f.name for f in keys}

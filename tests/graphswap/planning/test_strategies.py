@@ -48,6 +48,7 @@ def test_plan_memory_takes_the_step_and_schedule_as_values() -> None:
     assert list(signature.parameters)[:2] == ["config", "shape"]
 
 
+@pytest.mark.compat
 def test_flat_settings_warn_naming_the_typed_call_and_plan_the_same() -> None:
     config = qwen3_moe_config("tiny")
     typed = plan_memory(
@@ -66,6 +67,7 @@ def test_flat_settings_warn_naming_the_typed_call_and_plan_the_same() -> None:
     assert flat == typed
 
 
+@pytest.mark.compat
 def test_a_shape_and_flat_settings_together_are_refused() -> None:
     with pytest.raises(PlanSettingError, match="not both"):
         plan_memory(qwen3_moe_config("tiny"), SHAPE, seq_len=512)

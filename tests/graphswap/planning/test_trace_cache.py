@@ -3,6 +3,7 @@ the budget, the memory) replay the step traced before; what a trace reads traces
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -11,11 +12,12 @@ from transformers import PretrainedConfig
 
 from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import PlanSettingError, _trace_cache, fit_sequence, plan_memory
-from graphswap.planning.trace import StepShape, StepTrace
+from graphswap.planning.trace import StepShape, StepTrace, SwapSchedule
 
 SHAPE_BUT_LENGTH = {"batch_size": 2, "dtype": torch.float32, "device": "cpu"}
-SHAPE = {"seq_len": 512, **SHAPE_BUT_LENGTH}
+SHAPE = StepShape(seq_len=512, **SHAPE_BUT_LENGTH)
 """sdpa's query and output are 1 MiB a layer here: ``auto`` swaps them."""
+NO_HOST = SwapSchedule(max_host_bytes=0)
 
 
 def tiny(num_hidden_layers: int = 2) -> PretrainedConfig:
@@ -42,11 +44,11 @@ def test_a_plan_of_another_schedule_replays_the_step_traced_before(
     traces: list[StepTrace],
 ) -> None:
     config = tiny()
-    first = plan_memory(config, activation_swap="auto", **SHAPE)
-    again = plan_memory(config, activation_swap="auto", max_host_bytes=0, **SHAPE)
+    first = plan_memory(config, SHAPE, activation_swap="auto")
+    again = plan_memory(config, SHAPE, activation_swap="auto", schedule=NO_HOST)
     assert len(traces) == 1
     _trace_cache._traces.clear()
-    fresh = plan_memory(config, activation_swap="auto", max_host_bytes=0, **SHAPE)
+    fresh = plan_memory(config, SHAPE, activation_swap="auto", schedule=NO_HOST)
     assert len(traces) == 2
     assert again == fresh
     assert first != again, "no host memory changed nothing: the test shows no replay"
@@ -55,26 +57,26 @@ def test_a_plan_of_another_schedule_replays_the_step_traced_before(
 def test_a_budget_plan_made_again_traces_nothing(traces: list[StepTrace]) -> None:
     config = tiny()
     with pytest.raises(PlanSettingError) as refused:
-        plan_memory(config, activation_swap="budget", activation_memory_budget=1, **SHAPE)
+        plan_memory(config, SHAPE, activation_swap="budget", activation_memory_budget=1)
     traced = len(traces)
     options = refused.value.options  # type: ignore[attr-defined]
     budget = min(option.peak_bytes for option in options)
-    plan = plan_memory(config, activation_swap="budget", activation_memory_budget=budget, **SHAPE)
+    plan = plan_memory(config, SHAPE, activation_swap="budget", activation_memory_budget=budget)
     assert len(traces) == traced
     assert plan.timeline.peak_bytes <= budget
 
 
 def test_what_a_trace_reads_traces_again(traces: list[StepTrace]) -> None:
     config = tiny()
-    plan_memory(config, activation_swap="attention", **SHAPE)
-    plan_memory(config, activation_swap="attention", **{**SHAPE, "seq_len": 256})
-    plan_memory(config, activation_swap="attention", profile="h100", **SHAPE)
-    plan_memory(config, activation_swap="attention", optimizer=False, **SHAPE)
-    assert len(plan_memory(tiny(3), activation_swap="attention", **SHAPE).layers) == 3
+    plan_memory(config, SHAPE, activation_swap="attention")
+    plan_memory(config, dataclasses.replace(SHAPE, seq_len=256), activation_swap="attention")
+    plan_memory(config, SHAPE, activation_swap="attention", profile="h100")
+    plan_memory(config, SHAPE, activation_swap="attention", optimizer=False)
+    assert len(plan_memory(tiny(3), SHAPE, activation_swap="attention").layers) == 3
     eager = tiny()
     eager._experts_implementation = "eager"  # private: not in the config's JSON
     with pytest.raises(PlanSettingError, match="experts_implementation"):
-        plan_memory(eager, activation_swap="attention", **SHAPE)
+        plan_memory(eager, SHAPE, activation_swap="attention")
     assert len(traces) == 5
 
 
@@ -82,7 +84,7 @@ def test_a_refused_plan_is_refused_again(traces: list[StepTrace]) -> None:
     config = tiny()
     for _ in range(2):
         with pytest.raises(PlanSettingError, match="tp_size"):
-            plan_memory(config, activation_swap="attention", tp_size=3, **SHAPE)
+            plan_memory(config, dataclasses.replace(SHAPE, tp_size=3), activation_swap="attention")
     assert traces == []
 
 

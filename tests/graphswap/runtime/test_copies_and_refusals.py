@@ -89,7 +89,9 @@ def test_gradient_checkpointing_by_hand_after_the_rewrite_is_refused(
     tiny_model, reentrant: bool
 ) -> None:
     model, manager = rewritten(tiny_model)
-    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    # transformers 5.23 renamed gradient_checkpointing_enable to activation_checkpointing_enable.
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": reentrant})
     model.train()
     ids = torch.randint(0, VOCAB, (1, 16))
     with pytest.raises(SwapExclusionError, match="excludes activation_checkpointing"):

@@ -208,6 +208,7 @@ def test_the_no_op_device_copies_at_once_and_orders_nothing() -> None:
     assert type(pickle.loads(pickle.dumps(engine))) is NoOpAccelerator
 
 
+@pytest.mark.compat
 def test_an_engine_written_for_0_1_implements_loads_and_is_told_reloads() -> None:
     """0.1.0's ``CopyEngine.loads`` is ``reloads`` (one word per concept), until 0.3: an
     engine that implements ``loads`` serves reloads through it, with a warning."""

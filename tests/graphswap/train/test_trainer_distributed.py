@@ -98,6 +98,7 @@ def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas_and_swap_moves_the_pl
     the threshold), swapped through their shards and rebuilt with the same placements;
     each rank moves what the plan predicts for one tensor-parallel shard."""
     from graphswap.planning import plan_memory
+    from graphswap.planning.trace import StepShape
     from graphswap.train.build import trainer_hf_config
 
     settings = {"seq_len": 1024, "attn_implementation": "sdpa", "steps": 1}
@@ -110,8 +111,7 @@ def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas_and_swap_moves_the_pl
     assert swapped["applied_passes"] == ["swap", "tensor_parallel", "fsdp"]
     assert plain["losses"][0] == pytest.approx(sum(replicas) / 2, rel=LOSS_RTOL)
     assert swapped["losses"] == plain["losses"]
-    plan = plan_memory(
-        trainer_hf_config(single),
+    shape = StepShape(
         seq_len=1024,
         batch_size=SETTINGS["batch_size"],
         dtype=torch.float32,
@@ -119,6 +119,7 @@ def test_tp2_by_dp_shard2_loss_is_the_mean_of_the_replicas_and_swap_moves_the_pl
         device="cpu",
         tp_size=2,
     )
+    plan = plan_memory(trainer_hf_config(single), shape)
     assert plan.swapped_bytes > 0
     assert swapped["swap"]["offloaded_bytes"] >= 0.95 * plan.swapped_bytes
     assert swapped["swap"]["reloaded_bytes"] == swapped["swap"]["offloaded_bytes"]

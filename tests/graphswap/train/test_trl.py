@@ -241,18 +241,30 @@ def test_sft_trainer_trains_a_budget_plan_that_recomputes_whole_layers(
     report.check()
 
 
-def _planned(config: Any, **settings: Any) -> Any:
-    """``config``'s plan of the step these tests run: ``SEQ`` x ``BATCH`` in fp32 on CPU."""
+def _planned(
+    config: Any,
+    activation_swap: str,
+    activation_memory_budget: int | None = None,
+    **shape: Any,
+) -> Any:
+    """``config``'s plan of the step these tests run: ``SEQ`` x ``BATCH`` in fp32 on CPU,
+    with ``shape``'s other settings of the step (the head, LoRA's)."""
     from graphswap.planning import plan_memory
+    from graphswap.planning.trace import StepShape
 
-    return plan_memory(
-        config,
+    step = StepShape(
         seq_len=SEQ,
         batch_size=BATCH,
         dtype=torch.float32,
         attn_implementation=config._attn_implementation,
         device="cpu",
-        **settings,
+        **shape,
+    )
+    return plan_memory(
+        config,
+        step,
+        activation_swap=activation_swap,
+        activation_memory_budget=activation_memory_budget,
     )
 
 
