@@ -26,6 +26,8 @@ from graphswap.passes.plan_executor import (
 from graphswap.train.build import build
 from graphswap.train.config import TrainerConfig
 
+pytestmark = pytest.mark.compat
+
 RENAMED = {
     "AutoSwap": PlanExecutor,
     "AutoSwapPolicy": PlanPolicy,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import graphswap.runtime
+from graphswap.errors import GraphswapDeprecationWarning
 from graphswap.hf.presets import preset_config, qwen3_moe_config
 from graphswap.passes.swap import apply_swap, verify_swap
 from graphswap.planning import PlanSettingError, fit_sequence
@@ -34,16 +35,18 @@ from graphswap.runtime import SwapManager, SwapStats, default_max_host_bytes, sw
 from graphswap.runtime.policy import size_threshold_policy
 from graphswap.runtime.profile import device_profile
 
+pytestmark = pytest.mark.compat
+
 
 @contextmanager
 def one_warning(*names: str) -> Iterator[list[warnings.WarningMessage]]:
-    """Exactly one ``DeprecationWarning``, at this file's line, naming each of ``names``."""
+    """Exactly one ``GraphswapDeprecationWarning``, at this file's line, naming each of ``names``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield caught
     assert len(caught) == 1, [str(w.message) for w in caught]
     (warning,) = caught
-    assert warning.category is DeprecationWarning and warning.filename == __file__
+    assert warning.category is GraphswapDeprecationWarning and warning.filename == __file__
     assert "removed in 0.3" in str(warning.message)
     for name in names:
         assert name in str(warning.message)
