@@ -27,7 +27,11 @@ every saved tensor of every wrapped forward, so it is written for the interprete
   class, chosen once in ``_Forward.offload``, is the one place the two are told apart
   (``copy()``: what the engine is handed back in ``after``; ``in_order``). The pack hands
   ``_offload_into`` the size, device and storage it has already read: ``Tensor.nbytes``,
-  ``.device`` and ``.untyped_storage()`` cost a hundred-odd nanoseconds each.
+  ``.device``, ``.untyped_storage()`` and the like cost a hundred-odd nanoseconds each, so
+  none is read twice per tensor: the storage key goes from the pack to ``offload``, a host
+  buffer keeps its view's stride (``HostBuffer.view_stride``: a saved tensor with that
+  stride is contiguous, not asked), and a reload counts its group's bytes with its
+  offload's ``nbytes``, not the host tensor's.
 - Storages are keyed by ``UntypedStorage._cdata`` (the C pointer, stable while alive):
   one host copy per storage however many views are saved (I10).
 - The parameter check is inline in the pack hook (``type(t) is Tensor``, ``_base``,

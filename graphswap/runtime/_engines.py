@@ -383,8 +383,11 @@ class _Offload(Copy):
     ``offload`` makes, or of the runtime's own per-storage record (``_handles._Entry``,
     a subclass), so that a swapped storage costs one object, not two."""
 
-    __slots__ = ("_batch", "_hold", "_producer")
+    __slots__ = ("_batch", "_hold", "_producer", "nbytes")
 
+    nbytes: int
+    """The bytes copied, its host buffer's: a reload after it counts its group's bytes
+    with them, not with ``Tensor.nbytes`` (a call)."""
     _batch: _Batch
     """The module boundary's batch: its mark ends this copy."""
     _producer: Stream
@@ -534,7 +537,8 @@ class AcceleratorCopyEngine(CopyEngine):
     def offload(self, src: torch.Tensor, host: torch.Tensor, after: Sequence[Copy]) -> Copy:
         """Queued at once, whatever its size (the runtime groups its own, ``_offload_into``)."""
         record = _Offload()
-        self._offload_into(record, src, host, after, host.nbytes, src.device, src.untyped_storage())
+        nbytes = record.nbytes = host.nbytes
+        self._offload_into(record, src, host, after, nbytes, src.device, src.untyped_storage())
         lane = record._batch.lane
         if lane.pending:
             lane.issue()
@@ -551,8 +555,9 @@ class AcceleratorCopyEngine(CopyEngine):
         storage: torch.UntypedStorage,
     ) -> None:
         """``offload``, its fields written into ``record`` (the runtime's entry for the
-        storage) rather than into a record of its own, and queued with the pending ones
-        once they reach ``GROUP_BYTES`` (else at the latest when the batch is sealed).
+        storage, whose ``nbytes`` its maker set) rather than into a record of its own, and
+        queued with the pending ones once they reach ``GROUP_BYTES`` (else at the latest
+        when the batch is sealed).
 
         ``nbytes`` (``host``'s), ``device`` and ``storage`` (``src``'s) are what the
         caller knows already: read from the tensors, they cost a hundred-odd nanoseconds
@@ -607,8 +612,10 @@ class AcceleratorCopyEngine(CopyEngine):
         mark = _Mark(free)  # the open group's, recorded once it holds ``group_bytes``
         nbytes = 0
         for (host, after), dst in zip(items, dsts, strict=True):
+            size = -1
             for copy in after:
                 if type(copy) in _RECORDS:  # its own record, or an entry it filled
+                    size = copy.nbytes  # type: ignore[attr-defined]  # into ``host``
                     batch = copy._batch  # type: ignore[attr-defined]
                     seq = batch.seq or batch.sealed().seq
                     if seq > ordered:
@@ -616,7 +623,7 @@ class AcceleratorCopyEngine(CopyEngine):
                         ordered = lane.h2d_after_d2h = seq
             to_device(h2d, host, dst)
             append(_Reload(lane, mark, dst))
-            nbytes += host.nbytes
+            nbytes += size if size >= 0 else host.nbytes
             if nbytes >= group_bytes:
                 mark.event = record(h2d, free.pop() if free else interface.new_event("reload"))
                 progress.marks += 1

@@ -147,7 +147,7 @@ class _Forward(dict[int, _Entry]):
                 protected = self.protected = _state_storages(group.module)
             if protected is not None and key in protected:
                 return (t.detach(), version, self)
-            entry = self.offload(local, storage)
+            entry = self.offload(local, storage, key)
             if entry is None:
                 return (t.detach(), version, self)
             entry.version = version
@@ -161,9 +161,11 @@ class _Forward(dict[int, _Entry]):
     def name(self) -> str:
         return self.group.name
 
-    def offload(self, local: torch.Tensor, storage: torch.UntypedStorage) -> _Entry | None:
-        """Copy ``storage`` (``local``'s) to a pooled host buffer; None when it stays on
-        device (the kept last layer, a capture, a full pool), counted by reason."""
+    def offload(
+        self, local: torch.Tensor, storage: torch.UntypedStorage, key: int
+    ) -> _Entry | None:
+        """Copy ``storage`` (``local``'s, keyed ``key``) to a pooled host buffer; None when
+        it stays on device (the kept last layer, a capture, a full pool), counted by reason."""
         nbytes = storage.nbytes()
         ctx = self.ctx
         device = local.device
@@ -181,19 +183,20 @@ class _Forward(dict[int, _Entry]):
                 _count_kept(stats, nbytes, buf.value)
                 return None
             dtype = local.dtype
-            first: Layout | None
-            if (
-                dtype in TYPED_VIEWS
-                and local.storage_offset() == 0
-                and local.nbytes == nbytes
-                and local.is_contiguous()
-            ):
-                src = local
+            first: Layout | None = None
+            src: torch.Tensor | None = None  # ``local`` when it covers its storage contiguously
+            if dtype in TYPED_VIEWS and local.storage_offset() == 0 and local.nbytes == nbytes:
                 size = local.size()
                 host = buf.view(dtype, size, nbytes)
-                stride = local.stride()  # a size-1 dimension may have any stride
-                first = None if stride == host.stride() else (0, dtype, size, stride)
-            else:
+                stride = local.stride()
+                # Laid out as ``host`` (so contiguous, the usual case: no call to ask), or
+                # contiguous with another stride on a size-1 dimension.
+                if stride == buf.view_stride:
+                    src = local
+                elif local.is_contiguous():
+                    src = local
+                    first = (0, dtype, size, stride)
+            if src is None:
                 src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
                 host = buf.view(torch.uint8, src.size(), nbytes)
                 first = layout_in(local, host)
@@ -218,7 +221,7 @@ class _Forward(dict[int, _Entry]):
                     first,
                     foreign=engine.offload(src, host, buf.last_use),
                 )
-            self[storage._cdata] = entry
+            self[key] = entry
             if not self.queued:
                 self.queued = True
                 ctx.in_flight.append(weakref.ref(self))  # ``_latest``'s: no new object

@@ -134,7 +134,6 @@ class _Entry(_Offload):
         "held",
         "host",
         "name",
-        "nbytes",
         "prefetched",
         "refs",
         "released",
@@ -163,7 +162,7 @@ class _Entry(_Offload):
         self.stats = stats  # the wrapped module's stats: reloads and prefetch hits count there
         self.device = device  # where the storage lived and its reloads go
         self.engine = engine  # the device's copy engine: issues this entry's copies
-        self.nbytes = nbytes  # the storage's size, copied whole
+        self.nbytes = nbytes  # the storage's size, copied whole (the offload's field)
         self.buf: HostBuffer | None = buf  # the pool buffer; None: released, bytes gone
         self.host: torch.Tensor | None = host  # ``buf``'s view holding it; None: released
         self.first = first  # the layout of the save that made it (``layout_in``), found then

@@ -155,6 +155,7 @@ class HostBuffer:
         "last_use",
         "nbytes",
         "tensor",
+        "view_stride",
     )
 
     def __init__(
@@ -166,15 +167,18 @@ class HostBuffer:
         self.engine = engine  # the engine that allocated it, told when it is dropped
         self.last_use: tuple[Copy, ...] = ()  # copies the next offload into it waits for
         self.idle_since = 0  # the pool's release count when it came back: trim's order
-        self._view = tensor
-        self._dtype = tensor.dtype
-        self._shape = tensor.shape
+        self._view = tensor  # the view ``view`` made last
+        self._dtype = tensor.dtype  # its dtype
+        self._shape = tensor.shape  # its shape
+        self.view_stride: tuple[int, ...] = tensor.stride()
+        """Its stride: the pack compares the saved tensor's with it, without a call."""
 
     def view(self, dtype: torch.dtype, shape: torch.Size, nbytes: int) -> torch.Tensor:
         """The buffer's first ``nbytes`` bytes as a contiguous tensor of ``dtype`` and ``shape``."""
         if dtype is not self._dtype or shape != self._shape:
-            self._view = self.tensor[:nbytes].view(dtype).view(shape)
+            view = self._view = self.tensor[:nbytes].view(dtype).view(shape)
             self._dtype, self._shape = dtype, shape
+            self.view_stride = view.stride()
         return self._view
 
 
