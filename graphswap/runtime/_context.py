@@ -4,7 +4,7 @@ One of the runtime's objects (``_manager.py`` lists them): ``_Context`` holds wh
 the forwards (``_forward._Forward``) and the handles (``_handles``) of one
 ``SwapManager`` share, the copy engines, the host pool, the offloads in flight, the
 lock and the capture flag, and runs the module boundary, where offloads are fenced
-``offload_lag`` forwards later and their sources dropped. It knows forwards only as
+``swap_offload_lag`` forwards later and their sources dropped. It knows forwards only as
 ``InFlight`` (what a boundary asks of one), so it imports neither of their modules.
 """
 
@@ -29,7 +29,7 @@ class InFlight(Protocol):
 
     @property
     def seq(self) -> int:
-        """The manager's forward count when it opened: ``offload_lag``'s clock."""
+        """The manager's forward count when it opened: ``swap_offload_lag``'s clock."""
 
     def fence_newest(self) -> None:
         """Order the producing stream after its newest offload (and all before it)."""
@@ -57,21 +57,25 @@ class _Context:
         "engines",
         "in_flight",
         "lock",
-        "offload_lag",
         "pool",
-        "prefetch_depth",
         "seq",
         "sole_engine",
+        "swap_offload_lag",
+        "swap_prefetch_depth",
         "warned_not_freed",
     )
 
     def __init__(
-        self, pool: HostPool, engine: CopyEngine | None, prefetch_depth: int, offload_lag: int
+        self,
+        pool: HostPool,
+        engine: CopyEngine | None,
+        swap_prefetch_depth: int,
+        swap_offload_lag: int,
     ) -> None:
         self.pool = pool  # pinned host buffers the offloads copy into, capped
         self.engine_override = engine  # the manager's ``engine`` option; None: each device's own
-        self.prefetch_depth = prefetch_depth  # earlier forwards a backward begin reloads
-        self.offload_lag = offload_lag  # forwards after which an offload is fenced
+        self.swap_prefetch_depth = swap_prefetch_depth  # earlier forwards a backward begin reloads
+        self.swap_offload_lag = swap_offload_lag  # forwards after which an offload is fenced
         self.engines: dict[str, CopyEngine] = {}  # the copy engine per device type met
         self.sole_engine: CopyEngine | None = None  # the one engine, while only one was met
         # Per device met, its engine and the one device object its entries name.
@@ -106,7 +110,7 @@ class _Context:
 
     def boundary(self, seq: int) -> None:
         """A module boundary: the one capture query until the next; the offloads since
-        the last boundary are closed as a batch; offloads of forwards ``offload_lag``
+        the last boundary are closed as a batch; offloads of forwards ``swap_offload_lag``
         forwards back are fenced (their producing stream waits for the newest of them,
         which ends all before it) and their sources dropped; finished ones too."""
         sole = self.sole_engine
@@ -127,7 +131,7 @@ class _Context:
         queue = self.in_flight
         if not queue:
             return
-        limit = seq - self.offload_lag
+        limit = seq - self.swap_offload_lag
         self.lock.acquire()  # not ``with``: it makes two bound methods a call
         try:
             newest = None

@@ -87,7 +87,7 @@ class _Forward(dict[int, _Entry]):
     ) -> None:
         self.ctx = ctx  # the manager's shared state: engines, pool, lock, in-flight queue
         self.group = group  # the wrapped module this forward ran
-        self.seq = seq  # the manager's forward count when it opened: offload_lag's clock
+        self.seq = seq  # the manager's forward count when it opened: swap_offload_lag's clock
         self.stats = stats  # the group's stats, counted into by every pack and reload
         self.keep = keep  # the end of a linked chain (keep_last): nothing is swapped
         self.prev = prev
@@ -248,7 +248,7 @@ class _Forward(dict[int, _Entry]):
 
     def release(self, due: bool) -> bool:
         """Drop the device sources of this forward's offloads, in saving order: fenced
-        first when ``due`` (``offload_lag`` forwards later), else those done only; False
+        first when ``due`` (``swap_offload_lag`` forwards later), else those done only; False
         at the first still in flight, which waits for a later boundary. A source another
         reference keeps is watched until its reload (``_Entry.held``, I12)."""
         for entry in self.values():
@@ -307,13 +307,13 @@ class _Forward(dict[int, _Entry]):
         """Backward reached this forward: at its first unpack (a hook on its outputs
         would cost more than the whole swap of a small layer), or, for a forward that
         saved nothing, at its outputs (``begin_at_outputs``). The forwards up to
-        ``prefetch_depth`` before it start coming back."""
+        ``swap_prefetch_depth`` before it start coming back."""
         ctx = self.ctx
         ctx.boundary(ctx.seq)
         if ctx.capturing:
             self._refuse_reload_under_capture()
         target = self.prev
-        for _ in range(ctx.prefetch_depth):
+        for _ in range(ctx.swap_prefetch_depth):
             if target is None:
                 break
             target.prefetch()
@@ -335,7 +335,7 @@ class _Forward(dict[int, _Entry]):
         host buffers that other steps reuse by then (I6). Checked before any copy is
         issued, for this forward and the forwards its backward prefetches."""
         target = self
-        for _ in range(self.ctx.prefetch_depth + 1):
+        for _ in range(self.ctx.swap_prefetch_depth + 1):
             if any(entry.buf is not None for entry in target.values()):
                 raise SwapExclusionError(
                     f"activation swap excludes capturing a backward whose forward ran outside"

@@ -134,12 +134,12 @@ class SwapManager:
     @property
     def swap_prefetch_depth(self) -> int:
         """How many earlier layers come back when a layer's backward begins."""
-        return self._ctx.prefetch_depth
+        return self._ctx.swap_prefetch_depth
 
     @property
     def swap_offload_lag(self) -> int:
         """Forwards after which a layer's swapped storages have left device memory."""
-        return self._ctx.offload_lag
+        return self._ctx.swap_offload_lag
 
     # 0.2.0's names of the two options, readable until 0.3.
     prefetch_depth = _compat.Renamed("swap_prefetch_depth")
