@@ -72,6 +72,9 @@ Private torch entry points, all of them, and why:
   offloaded source on device (copied but not freed, I12).
 - ``torch._C._set_grad_enabled`` (``_engines``): grad off while a group of offloads is
   queued at a module boundary, without ``torch.no_grad()``'s object and calls.
+- ``torch._C._DisableTorchDispatch`` (``_handles``): the one empty tensor per device
+  that version aliases hold is made unseen by any dispatch mode, so the step that
+  happens to make it (a planner's trace, a clocked step) does not count it as its own.
 - ``Tensor._base``, ``Tensor._version``, ``Tensor._is_param``, ``UntypedStorage._cdata``
   (``_forward``, ``_handles``, ``_recompute``, ``policy``, ``sim``, ``timeline``): views of
   parameters, the in-place check, the flag ``Parameter``'s instance check reads on a plain

@@ -61,7 +61,19 @@ def layout_in(local: torch.Tensor, host: torch.Tensor) -> Layout | None:
 
 _NO_BYTES: dict[torch.device, torch.Tensor] = {}
 """One empty tensor per device: what a swapped tensor's version alias holds instead of
-its bytes."""
+its bytes. Read through :func:`_no_bytes` the first time."""
+
+
+def _no_bytes(device: torch.device) -> torch.Tensor:
+    """The empty tensor of ``device``, made on first use below every dispatch mode: it
+    lives as long as the process, not as long as the step a mode watches (the planner's
+    trace, a clocked step), which would otherwise see it born in whichever step first
+    swaps or recomputes, and in no later one."""
+    empty = _NO_BYTES.get(device)
+    if empty is None:
+        with torch._C._DisableTorchDispatch():
+            empty = _NO_BYTES[device] = torch.empty(0, device=device)
+    return empty
 
 
 def version_alias(t: torch.Tensor) -> torch.Tensor:
@@ -69,10 +81,7 @@ def version_alias(t: torch.Tensor) -> torch.Tensor:
     and so every view's and detached alias's, and holds none of its bytes: what an
     in-place check keeps when the tensor itself is not kept."""
     alias = t.detach()
-    empty = _NO_BYTES.get(t.device)
-    if empty is None:
-        empty = _NO_BYTES[t.device] = torch.empty(0, device=t.device)
-    alias.data = empty
+    alias.data = _no_bytes(t.device)
     return alias
 
 
@@ -261,7 +270,7 @@ class _Swapped:
         counter = t.detach()
         empty = _NO_BYTES.get(entry.device)
         if empty is None:
-            empty = _NO_BYTES[entry.device] = torch.empty(0, device=entry.device)
+            empty = _no_bytes(entry.device)
         if local is t:
             counter.data = empty
         else:

@@ -8,17 +8,19 @@ with the length is traced where they change.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from graphswap.hf.presets import qwen3_moe_config
-from graphswap.planning._lengths import TraceLengths
+from graphswap.planning._lengths import ELIGIBLE, TraceLengths, _structure
 from graphswap.planning._trace import Event
 from graphswap.planning._units import RecomputeKind
 from graphswap.planning.saved_tensors import build_meta_model
 from graphswap.planning.trace import StepShape, StepTrace, trace_step
+from graphswap.runtime import _handles
 from graphswap.runtime.policy import MIN_SWAP_TENSOR_BYTES, SwapPolicy, swap_large_activations
 from graphswap.runtime.profile import device_profile
 
@@ -119,3 +121,20 @@ def test_a_recompute_level_takes_the_checked_ranges_from_three_traces(one_thread
         made = lengths(seq)
         _assert_same_step(made, trace(seq, swap_large_activations))
         assert made.recomputed_bytes == trace(seq, swap_large_activations).recomputed_bytes
+
+
+def test_the_first_recompute_step_of_a_process_is_traced_as_every_later_one(
+    one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime makes one empty tensor per device, once per process, when a recompute
+    first keeps a version alias: no traced step counts it as its own storage. Were it
+    counted, the first step traced in a fresh process (a user's ``--fit``) would hold a
+    storage no later one holds, and a range checked without it would be traced length
+    by length."""
+    monkeypatch.setattr(_handles, "_NO_BYTES", {})  # as a fresh process has it
+    trace = _tracer(lambda seq: 2, "sdpa", ("norms",))
+    first, again = trace(GRID[0], ELIGIBLE), trace(GRID[0], ELIGIBLE)
+    assert _structure(first) == _structure(again)
+    assert first.blocks == again.blocks
+    counts = collections.Counter(event for event, _ in first.events)
+    assert counts[Event.ALLOC] == counts[Event.FREE]  # every storage of the step dies in it
