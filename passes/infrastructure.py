@@ -24,7 +24,7 @@ from graphswap.passes.loss_head import apply_loss_head, resize_loss_head
 from graphswap.passes.mesh import Meshes, resolve_meshes
 from graphswap.passes.pass_plan import PassPlan, pass_plan_of
 from graphswap.passes.specs import pass_specs
-from graphswap.passes.swap import apply_swap, plan_auto_swap, swap_engine
+from graphswap.passes.swap import apply_swap, plan_swap, swap_engine
 from graphswap.passes.tensor_parallel import apply_tensor_parallel, check_heads_divisible
 from graphswap.planning._registry import memory_strategy
 from graphswap.rewriting.loss_head import loss_head_chunk_size
@@ -50,13 +50,14 @@ class InfrastructureResult:
     applied: tuple[str, ...]
     mesh: DeviceMesh | None
     """The device mesh the distributed passes used; ``None`` when none ran."""
-    auto_swap: PlanExecutor | None = None
+    plan_executor: PlanExecutor | None = None
     """``activation_swap: auto`` or ``budget``: the plan and the policies carrying it out."""
     loss_head_chunk_size: int | None = None
     """``loss_head: chunked``: the tokens per chunk of the head installed before the first
     pass; ``None``: the model computes its own loss."""
 
     plan = Renamed("pass_plan")  # 0.1.0's name: "plan" alone also named the memory plan
+    auto_swap = Renamed("plan_executor")  # 0.2.0's name, after one of the two modes
 
 
 @dataclass
@@ -65,24 +66,24 @@ class _Run:
     config: PassSettings
     meshes: Meshes
     report: RewriteReport | None = None
-    auto_swap: PlanExecutor | None = None
+    executor: PlanExecutor | None = None
 
 
 def _swap(run: _Run) -> None:
     config = run.config
     if memory_strategy(config.activation_swap).executes_plan:
         shards = run.meshes.dp_shard
-        run.auto_swap = plan_auto_swap(
+        run.executor = plan_swap(
             run.model, config, state_shards=1 if shards is None else shards.size()
         )
-        resize_loss_head(run.model, run.auto_swap.plan.loss_head_chunk_size)
+        resize_loss_head(run.model, run.executor.plan.loss_head_chunk_size)
     run.report = apply_swap(
         run.model,
         activation_swap=config.activation_swap,
         swap_prefetch_depth=config.swap_prefetch_depth,
         swap_offload_lag=config.swap_offload_lag,
         engine=swap_engine(config.device),
-        auto=run.auto_swap,
+        executor=run.executor,
     )
 
 
@@ -137,7 +138,7 @@ def apply_model_infrastructure(
     if chunk_size is not None:
         chunk_size = loss_head_chunk_size(model)  # the budget's choice, when it made one
     return InfrastructureResult(
-        model, checked, run.report, tuple(applied), meshes.world, run.auto_swap, chunk_size
+        model, checked, run.report, tuple(applied), meshes.world, run.executor, chunk_size
     )
 
 

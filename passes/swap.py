@@ -54,7 +54,7 @@ _PLANNED_KEYS = (
 """The config's keys the planner takes as they are: the planner spells them alike."""
 
 
-@_compat.renamed_kwargs(**_compat.RENAMED_SWAP_OPTIONS)
+@_compat.renamed_kwargs(**_compat.RENAMED_SWAP_OPTIONS, auto="executor")
 def apply_swap(
     model: nn.Module,
     *,
@@ -62,30 +62,31 @@ def apply_swap(
     swap_prefetch_depth: int = 1,
     swap_offload_lag: int | None = None,
     engine: CopyEngine | None = None,
-    auto: PlanExecutor | None = None,
+    executor: PlanExecutor | None = None,
 ) -> RewriteReport:
-    """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``) in place;
-    the returned report owns the ``SwapManager``. ``auto`` needs the plan to carry out
-    (:func:`plan_auto_swap`). ``engine``: the copy engine (None: the device's own).
-    ``swap_offload_lag`` unset: the lag the ``auto`` plan was made at, else 1. 0.2.0's
-    names (``prefetch_depth=``, ``offload_lag=``) warn and work until 0.3."""
+    """Wrap the attentions (``attention``) or the layers (``layer``, ``auto``,
+    ``budget``) in place; the returned report owns the ``SwapManager``. ``auto`` and
+    ``budget`` need the executor of their plan (``executor=``, made by
+    :func:`plan_swap`). ``engine``: the copy engine (None: the device's own).
+    ``swap_offload_lag`` unset: the lag the plan was made at, else 1. 0.2.0's names
+    (``prefetch_depth=``, ``offload_lag=``, ``auto=``) warn and work until 0.3."""
     if activation_swap not in SWAP_RULES:
         raise PassSettingError(
             f"activation_swap: {activation_swap} has no swap rule; use one of {list(SWAP_RULES)}"
         )
-    if STRATEGIES[activation_swap].executes_plan != (auto is not None):
+    if STRATEGIES[activation_swap].executes_plan != (executor is not None):
         raise PassSettingError(
-            "apply_swap: a plan (auto=) goes with activation_swap: auto or budget, and only"
-            " there; make one with plan_auto_swap, or drop auto= for the other modes"
+            "apply_swap: a plan (executor=) goes with activation_swap: auto or budget, and only"
+            " there; make one with plan_swap, or drop executor= for the other modes"
         )
-    if auto is not None and auto.plan.activation_swap != activation_swap:
+    if executor is not None and executor.plan.activation_swap != activation_swap:
         raise PassSettingError(
             f"apply_swap: activation_swap: {activation_swap} was given a plan of"
-            f" {auto.plan.activation_swap}; plan again with activation_swap: {activation_swap}"
+            f" {executor.plan.activation_swap}; plan again with activation_swap: {activation_swap}"
         )
-    rule = auto.rule() if auto is not None else SWAP_RULES[activation_swap]
+    rule = executor.rule() if executor is not None else SWAP_RULES[activation_swap]
     if swap_offload_lag is None:
-        swap_offload_lag = 1 if auto is None else auto.plan.swap_offload_lag
+        swap_offload_lag = 1 if executor is None else executor.plan.swap_offload_lag
     manager = SwapManager(
         swap_prefetch_depth=swap_prefetch_depth, swap_offload_lag=swap_offload_lag, engine=engine
     )
@@ -94,6 +95,9 @@ def apply_swap(
         model, report, swap_prefetch_depth=swap_prefetch_depth, activation_swap=activation_swap
     )
     return report
+
+
+__getattr__ = _compat.module_getattr(__name__)  # plan_auto_swap, renamed, until 0.3
 
 
 def swap_engine(device: str) -> CopyEngine | None:
@@ -146,7 +150,7 @@ def verify_swap(
         )
 
 
-def plan_auto_swap(
+def plan_swap(
     model: nn.Module,
     config: PassSettings,
     *,

@@ -62,6 +62,8 @@ NAMES: dict[str, str] = {
     "graphswap.passes.plan": "graphswap.passes:pass_plan",
     "graphswap.passes.PlanError": "graphswap.passes.errors:PassPlanError",
     "graphswap.passes.errors.PlanError": "graphswap.passes.errors:PassPlanError",
+    # The swap pass's planning call, named after one of the two modes whose plan it makes.
+    "graphswap.passes.swap.plan_auto_swap": "graphswap.passes.swap:plan_swap",
     "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._settings:DEFAULT_HIDE_MARGIN",
     # The executor of auto and budget plans, named after one of the two modes it runs; at
     # its module and at that module's 0.1.0 paths. Pickles of a model it rewrote name

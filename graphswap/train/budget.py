@@ -27,7 +27,7 @@ from graphswap.errors import SwapExclusionError
 from graphswap.hf import trl_head
 from graphswap.passes import InfrastructureResult, pass_plan
 from graphswap.passes.plan_executor import PlanExecutor
-from graphswap.passes.swap import apply_swap, plan_auto_swap, swap_engine
+from graphswap.passes.swap import apply_swap, plan_swap, swap_engine
 from graphswap.rewriting.apply import RewriteReport, rewrite_report
 from graphswap.train.config import ConfigError, TrainerConfig
 
@@ -88,7 +88,7 @@ def apply_budget(
     was made without it.
 
     Returns what ``graphswap.passes.apply_model_infrastructure`` returns: the rewrite's
-    report (its ``manager.stats``) and the plan (``auto_swap.plan``; ``auto_swap.check()``
+    report (its ``manager.stats``) and the plan (``plan_executor.plan``; ``plan_executor.check()``
     after a step). ``graphswap.unrewrite(model)`` undoes it, checkpointing switch included.
     """
     unknown = sorted(set(settings) - set(PLANNING_KEYS))
@@ -119,7 +119,7 @@ def apply_budget(
     for module in checkpointed:  # the request is the plan's now: Hugging Face's is off
         module.gradient_checkpointing = False
     try:
-        auto = plan_auto_swap(
+        auto = plan_swap(
             model,
             config,
             device=device,
@@ -132,7 +132,7 @@ def apply_budget(
             swap_prefetch_depth=config.swap_prefetch_depth,
             swap_offload_lag=config.swap_offload_lag,
             engine=swap_engine(config.device),
-            auto=auto,
+            executor=auto,
         )
     except BaseException:
         for module in checkpointed:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, get_args
 
 import torch
 
+from graphswap._compat import Renamed
 from graphswap.hf.checkpoints import (
     build_model,
     checkpoint_dtype,
@@ -48,9 +49,12 @@ class BuiltModel:
         return report.manager if report is not None else None
 
     @property
-    def auto_swap(self) -> PlanExecutor | None:
-        """``activation_swap: auto``: the plan and its policies (``check()`` after a step)."""
-        return self.infrastructure.auto_swap
+    def plan_executor(self) -> PlanExecutor | None:
+        """``activation_swap: auto`` or ``budget``: the plan and the policies carrying it
+        out (``check()`` after a step)."""
+        return self.infrastructure.plan_executor
+
+    auto_swap = Renamed("plan_executor")  # 0.2.0's name, after one of the two modes
 
 
 def build(

@@ -30,7 +30,7 @@ from graphswap.hf.checkpoints import (
 from graphswap.passes import SWAP_RULES, PassPlan, PassRequirementError
 from graphswap.passes.pass_plan import pass_plan_of
 from graphswap.passes.plan_executor import check_measurable
-from graphswap.passes.swap import plan_auto_swap
+from graphswap.passes.swap import plan_swap
 from graphswap.passes.tensor_parallel import check_head_layout, check_heads_divisible
 from graphswap.rewriting.rules import check_rule
 from graphswap.train.build import trainer_hf_config
@@ -117,7 +117,7 @@ def check_swap_rule(config: TrainerConfig, hf_config: PretrainedConfig) -> None:
 def check_budget_plan(
     config: TrainerConfig, hf_config: PretrainedConfig, *, world_size: int | None
 ) -> None:
-    """``activation_swap: budget``: the swap pass's plan (``plan_auto_swap``) of the model
+    """``activation_swap: budget``: the swap pass's plan (``plan_swap``) of the model
     built on meta, so that ``train`` and ``passes`` refuse a budget no plan meets, or one
     above the device's memory, alike and before a model is built (the swap pass plans
     again from the traces this leaves in the planner's cache). With ``fsdp`` a rank's
@@ -127,7 +127,7 @@ def check_budget_plan(
         return
     shards = (world_size or 1) // config.tp_size if config.fsdp else 1
     model = build_model(hf_config, device="meta", dtype=getattr(torch, config.dtype))
-    plan_auto_swap(model, config, state_shards=shards, device=resolve_device(config))
+    plan_swap(model, config, state_shards=shards, device=resolve_device(config))
 
 
 def resolve_device(config: TrainerConfig) -> torch.device:

@@ -165,8 +165,8 @@ class _Run:
         self.seconds.append(time.perf_counter() - start)
         if clock is not None:
             self.timelines.append(clock.timeline)
-        if self.built.auto_swap is not None:
-            self.built.auto_swap.check()
+        if self.built.plan_executor is not None:
+            self.built.plan_executor.check()
         if self.device.type == "cuda":
             rise = torch.cuda.max_memory_allocated(self.device) - before
             self.peak_rise = max(self.peak_rise, rise)
@@ -202,7 +202,7 @@ class _Run:
         else:
             peak, kind = self.resident, "saved activations resident at end of forward (measured)"
         manager = self.built.swap_manager
-        auto = self.built.auto_swap
+        auto = self.built.plan_executor
         return TrainResult(
             activation_swap=config.activation_swap,
             attn_implementation=config.attn_implementation,

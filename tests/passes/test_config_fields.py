@@ -162,8 +162,8 @@ that each setting can move it either way."""
 def planned_bytes(config: TrainerConfig, **changes: Any) -> int:
     auto = dataclasses.replace(config, activation_swap="auto", **{**AUTO, **changes})
     built = build(auto)
-    assert built.auto_swap is not None
-    return int(built.auto_swap.to_dict()["swapped_bytes"])
+    assert built.plan_executor is not None
+    return int(built.plan_executor.to_dict()["swapped_bytes"])
 
 
 @case("swap_bandwidth_gbps")

@@ -167,10 +167,10 @@ def _level_budget(model: nn.Module, composition: Composition, state_shards: int)
     """The peak of the composition's recompute level swapping what hides, as the swap pass
     plans it on this rank (a budget of one byte is refused, listing every option)."""
     from graphswap.passes.errors import PassSettingError
-    from graphswap.passes.swap import plan_auto_swap
+    from graphswap.passes.swap import plan_swap
 
     with pytest.raises(PassSettingError) as refused:
-        plan_auto_swap(model, composition.config, state_shards=state_shards)
+        plan_swap(model, composition.config, state_shards=state_shards)
     options = refused.value.__cause__.options  # type: ignore[union-attr]
     level = (composition.recompute, "auto")
     return next(o.peak_bytes for o in options if (o.recompute, o.swap) == level)
@@ -200,7 +200,7 @@ def _worker(rank: int, init_method: str, queue: Any, out: Path) -> None:
             if rank == 0:
                 torch.save(params, out / f"{name}.pt")
             stats = result.report.manager.stats
-            planned = result.auto_swap.plan if result.auto_swap is not None else None
+            planned = result.plan_executor.plan if result.plan_executor is not None else None
             queue.put(
                 (
                     name,

@@ -98,7 +98,7 @@ def test_whole_layer_modes_wrap_and_link_every_layer(tiny_model: Model, mode: st
     assert all(is_swap_wrapped(layer) and swap_manager_of(layer) is manager for layer in layers)
     assert not any(is_swap_wrapped(layer.self_attn) for layer in layers)
     assert len(manager.links) == len(layers) - 1
-    assert (result.auto_swap is not None) == (mode == "auto")
+    assert (result.plan_executor is not None) == (mode == "auto")
 
 
 def test_layer_post_condition_catches_an_unwrapped_layer(tiny_model: Model) -> None:

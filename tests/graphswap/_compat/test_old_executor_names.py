@@ -7,6 +7,7 @@ its plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import warnings
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from graphswap import rewrite_report
-from graphswap.passes import plan_executor
+from graphswap.passes import plan_executor, swap
 from graphswap.passes.plan_executor import (
     PlanExecutor,
     PlanMismatchError,
@@ -141,3 +142,32 @@ def test_a_model_pickled_under_the_old_names_loads_and_runs_its_plan(one_thread:
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         _load(buffer.getvalue())
+
+
+def test_the_swap_pass_and_the_built_model_answer_to_their_old_executor_names(
+    one_thread: None,
+) -> None:
+    """``plan_auto_swap``, ``apply_swap(auto=)`` and the results' ``auto_swap``: 0.2.0's
+    names, after one of the two modes, warn naming the new ones and do the same."""
+    torch.manual_seed(0)
+    config = TrainerConfig(activation_swap="auto", num_layers=2, swap_bandwidth_gbps=1e9)
+    built = build(config)
+    with pytest.warns(
+        DeprecationWarning, match=r"BuiltModel\.auto_swap .*BuiltModel\.plan_executor"
+    ):
+        assert built.auto_swap is built.plan_executor is not None
+    with pytest.warns(DeprecationWarning, match=r"\.auto_swap .*\.plan_executor"):
+        assert built.infrastructure.auto_swap is built.plan_executor
+    with pytest.warns(
+        DeprecationWarning, match=r"swap\.plan_auto_swap is deprecated: use .*plan_swap"
+    ):
+        from graphswap.passes.swap import plan_auto_swap
+    assert plan_auto_swap is swap.plan_swap
+    plain = build(
+        dataclasses.replace(config, activation_swap="none", swap_bandwidth_gbps=None)
+    ).model
+    executor = swap.plan_swap(plain, config)
+    said = r"apply_swap\(auto=...\) is deprecated: use executor="
+    with pytest.warns(DeprecationWarning, match=said):
+        report = swap.apply_swap(plain, activation_swap="auto", auto=executor)
+    assert len(report.manager.links) == 1 and executor.plan is not None

@@ -40,7 +40,8 @@ pytestmark = pytest.mark.compat
 
 @contextmanager
 def one_warning(*names: str) -> Iterator[list[warnings.WarningMessage]]:
-    """Exactly one ``GraphswapDeprecationWarning``, at this file's line, naming each of ``names``."""
+    """Exactly one ``GraphswapDeprecationWarning``, at this file's line, naming each of
+    ``names``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield caught

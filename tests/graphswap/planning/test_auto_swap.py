@@ -168,16 +168,16 @@ def test_auto_with_a_very_fast_link_swaps_what_layer_swaps(run: Run, one_thread:
     built = _build("auto", swap_bandwidth_gbps=1e9)
     _, auto = _resident_and_stats(built)
     assert auto == layer and sum(auto.values()) > 0
-    assert built.auto_swap is not None
-    assert built.auto_swap.plan.swapped_bytes == built.auto_swap.plan.layer_swappable_bytes
+    assert built.plan_executor is not None
+    assert built.plan_executor.plan.swapped_bytes == built.plan_executor.plan.layer_swappable_bytes
 
 
 def test_auto_with_a_very_slow_link_swaps_nothing_and_says_so(run: Run, one_thread: None) -> None:
     built = _build("auto", swap_bandwidth_gbps=1e-3)
     resident, offloaded = _resident_and_stats(built)
     assert resident == run("none")[0] and sum(offloaded.values()) == 0
-    assert built.auto_swap is not None
-    report = format_auto_report(built.auto_swap.to_dict())
+    assert built.plan_executor is not None
+    report = format_auto_report(built.plan_executor.to_dict())
     assert "auto swaps nothing: the smallest swappable tensor (1.00 MiB, model.layers.0)" in report
     assert report.count("none swapped") == 3
 
@@ -187,8 +187,8 @@ def test_auto_in_between_swaps_exactly_the_planned_bytes_and_every_copy_hides(
 ) -> None:
     built = _build("auto", **MIDDLE)
     resident, offloaded = _resident_and_stats(built)
-    assert built.auto_swap is not None
-    plan = built.auto_swap.plan
+    assert built.plan_executor is not None
+    plan = built.plan_executor.plan
     assert 0 < plan.swapped_bytes < plan.layer_swappable_bytes
     assert [layer.verdict() for layer in plan.layers] == ["hides"] * 3 + ["kept on device"]
     for layer in plan.layers[:-1]:
@@ -196,7 +196,7 @@ def test_auto_in_between_swaps_exactly_the_planned_bytes_and_every_copy_hides(
         assert layer.forward_stall == layer.backward_stall == 0
         assert offloaded[layer.name] == pytest.approx(layer.swappable_bytes, rel=0.01)
     assert run("none")[0] - resident == pytest.approx(plan.swapped_bytes, rel=0.01)
-    built.auto_swap.check()
+    built.plan_executor.check()
 
 
 def _run_at_another_shape(model: torch.nn.Module) -> list[warnings.WarningMessage]:
@@ -221,14 +221,14 @@ def test_a_model_run_at_another_shape_keeps_the_tensors_and_check_names_the_sett
 ) -> None:
     built = _build("auto", num_layers=2, swap_bandwidth_gbps=1e9)
     caught = _run_at_another_shape(built.model)
-    assert built.swap_manager is not None and built.auto_swap is not None
+    assert built.swap_manager is not None and built.plan_executor is not None
     assert built.swap_manager.stats.offloaded_bytes == 0
-    assert built.auto_swap.mismatched_tensors > 0
-    assert built.swap_manager.stats.plan_mismatches == built.auto_swap.mismatched_tensors
+    assert built.plan_executor.mismatched_tensors > 0
+    assert built.swap_manager.stats.plan_mismatches == built.plan_executor.mismatched_tensors
     assert len(caught) == 1, "warned once per model, not per save or per step"
     _check_names_both_shapes(str(caught[0].message))
     with pytest.raises(PlanMismatchError) as info:
-        built.auto_swap.check()
+        built.plan_executor.check()
     _check_names_both_shapes(str(info.value))
 
 
@@ -298,21 +298,21 @@ def test_auto_under_tensor_parallel_plans_one_ranks_saves(
     )
     built = build(config, mesh=fake_tp_mesh)
     built.model(input_ids=_ids(), labels=_ids(), use_cache=False).loss.backward()
-    assert built.swap_manager is not None and built.auto_swap is not None
-    planned = built.auto_swap.plan.layers[0]
-    assert planned.swappable_bytes > 0 and built.auto_swap.plan.tp_size == 2
+    assert built.swap_manager is not None and built.plan_executor is not None
+    planned = built.plan_executor.plan.layers[0]
+    assert planned.swappable_bytes > 0 and built.plan_executor.plan.tp_size == 2
     assert built.swap_manager.stats.offloaded_bytes == planned.swappable_bytes
-    built.auto_swap.check()
+    built.plan_executor.check()
 
 
 def test_the_plan_is_in_the_prefetch_graph_nodes() -> None:
     built = _build("auto", num_layers=3, **MIDDLE)
     report = built.infrastructure.report
-    assert report is not None and built.auto_swap is not None
+    assert report is not None and built.plan_executor is not None
     assert str(report) == "auto_swap: 3 modules wrapped, 2 prefetch links"
     nodes = {node["id"]: node for node in report.to_dict()["prefetch_graph"]["nodes"]}
     first, last = nodes["model.layers.0"], nodes["model.layers.2"]
-    planned = built.auto_swap.plan.layers[0]
+    planned = built.plan_executor.plan.layers[0]
     assert first["auto_swapped_saves"] == ",".join(str(s.index) for s in planned.swapped_saves)
     assert (first["auto_swapped_bytes"], first["auto_kept_bytes"]) == (
         planned.swappable_bytes,

@@ -145,10 +145,10 @@ def test_a_budget_plan_made_under_autocast_is_the_step_autocast_runs() -> None:
     torch.manual_seed(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         built = build(trainer, hf_config=copy.deepcopy(config))
-    assert built.auto_swap is not None
-    plan = built.auto_swap.plan
+    assert built.plan_executor is not None
+    plan = built.plan_executor.plan
     assert plan.autocast_dtype == "bfloat16" and plan.recompute
-    assert "dtype: float32 under bfloat16 autocast" in built.auto_swap.made_for
+    assert "dtype: float32 under bfloat16 autocast" in built.plan_executor.made_for
     saved = {save.dtype for layer in plan.layers for save in layer.saved_tensors}
     assert torch.bfloat16 in saved and torch.float32 in saved
     ids = torch.randint(0, config.vocab_size, (BATCH_SIZE, seq_len))

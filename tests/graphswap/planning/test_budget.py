@@ -120,8 +120,8 @@ def _trains_as_planned(config: Any, budget: int, *, eval_too: bool = False) -> A
     plain = from_config(config)
     torch.manual_seed(0)
     built = build(trainer, hf_config=config)
-    assert built.auto_swap is not None
-    plan = built.auto_swap.plan
+    assert built.plan_executor is not None
+    plan = built.plan_executor.plan
     budgeted = built.model
     loss, grads = _step(plain)
     budget_loss, budget_grads = _step(budgeted)
@@ -530,8 +530,8 @@ def recomputing_norms() -> Callable[[], Any]:
         )
         torch.manual_seed(0)
         built = build(trainer, hf_config=copy.deepcopy(config))
-        assert built.auto_swap is not None
-        plan = built.auto_swap.plan
+        assert built.plan_executor is not None
+        plan = built.plan_executor.plan
         assert plan.recompute == ("norms",) and plan.swapped_bytes == 0
         return built
 
@@ -563,7 +563,7 @@ def test_a_step_as_planned_matches_its_plan_layer_by_layer(
     built = recomputing_norms()
     assert _steps(built.model, 512) == [""], "no warning, and check() passes"
     stats = built.swap_manager.stats
-    assert stats.recomputed_bytes == 2 * built.auto_swap.plan.recomputed_bytes
+    assert stats.recomputed_bytes == 2 * built.plan_executor.plan.recomputed_bytes
     assert stats.plan_mismatches == 0
 
 
@@ -594,7 +594,7 @@ def test_whole_layer_recompute_under_autocast_warns_naming_the_bytes() -> None:
         attn_implementation="sdpa",
     )
     built = build(trainer, hf_config=config)
-    assert built.auto_swap is not None and built.auto_swap.plan.recompute == ("layer",)
+    assert built.plan_executor is not None and built.plan_executor.plan.recompute == ("layer",)
     *warned, error = _steps(built.model, 512, autocast=True)
     assert len(warned) == 1 and re.search(r"recomputed \d+ bytes in one forward", warned[0])
     assert "layer forward(s) did not match the plan" in error

@@ -106,7 +106,7 @@ def measure(
         planned = mode in ("auto", "budget")
         auto = PlanExecutor(plan, made_for="the agreement test") if planned else None
         report = apply_swap(
-            model, activation_swap=mode, swap_offload_lag=offload_lag, engine=sim, auto=auto
+            model, activation_swap=mode, swap_offload_lag=offload_lag, engine=sim, executor=auto
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(

@@ -121,12 +121,12 @@ def assert_same(run: Run, plain: Run) -> None:
 def assert_recomputed_whole_layers(result: Any) -> None:
     """The plan recomputes every whole layer, the step ran it (the recomputed bytes of
     two steps), and every save matched the plan."""
-    plan = result.auto_swap.plan
+    plan = result.plan_executor.plan
     assert plan.recompute == ("layer",) and plan.loss_head in ("trl", "full")
     stats = result.report.manager.stats
     assert stats.recomputed_bytes == STEPS * plan.recomputed_bytes > 0
     assert stats.offloaded_bytes == STEPS * plan.swapped_bytes
-    result.auto_swap.check()
+    result.plan_executor.check()
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +152,9 @@ def test_sft_trainer_defaults_train_a_budget_plan_like_the_plain_run(
     net = model(preset)
     args = sft_args(tmp_path)
     result = apply_budget(net, BUDGET, args)
-    assert result.auto_swap.plan.loss_head == "trl"
-    assert result.auto_swap.plan.autocast_dtype == "bfloat16"  # SFTConfig's bf16
-    assert "seq_len: 256, batch_size: 2" in result.auto_swap.made_for
+    assert result.plan_executor.plan.loss_head == "trl"
+    assert result.plan_executor.plan.autocast_dtype == "bfloat16"  # SFTConfig's bf16
+    assert "seq_len: 256, batch_size: 2" in result.plan_executor.made_for
     run, trainer = sft(net, args)
     assert not _checkpointed(trainer.model)
     assert_same(run, plain[preset])
@@ -174,7 +174,7 @@ def test_applied_to_the_model_the_trainer_holds_it_plans_trls_head_and_trains_th
     run, _ = sft(model("tiny-llama"), sft_args(tmp_path), prepare=budget)
     assert_same(run, plain["tiny-llama"])
     [result] = applied
-    assert result.auto_swap.plan.loss_head == "trl"
+    assert result.plan_executor.plan.loss_head == "trl"
     assert_recomputed_whole_layers(result)
 
 
@@ -209,7 +209,7 @@ def test_sft_trainer_defaults_with_peft_config_train_a_budget_plan_like_the_plai
     assert not _checkpointed(trainer.model)
     assert_same(run, plain)
     [result] = applied
-    assert (result.auto_swap.plan.lora_rank, result.auto_swap.plan.loss_head) == (8, "trl")
+    assert (result.plan_executor.plan.lora_rank, result.plan_executor.plan.loss_head) == (8, "trl")
     assert_recomputed_whole_layers(result)
 
 
@@ -234,7 +234,7 @@ def test_hf_trainer_with_checkpointing_trains_a_budget_plan_like_the_plain_run(
         )
         if budget:
             result = apply_budget(net, BUDGET, args, seq_len=SEQ)
-            assert result.auto_swap.plan.loss_head == "full"
+            assert result.plan_executor.plan.loss_head == "full"
         data = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)} for r in rows()]
         trainer = Trainer(model=net, args=args, train_dataset=data)
         trainer.train()
@@ -255,7 +255,7 @@ def test_a_later_request_to_checkpoint_a_plan_made_without_it_is_refused() -> No
     the fix, and Hugging Face's checkpointing stays off."""
     net = model("tiny-llama")
     result = apply_budget(net, BUDGET, seq_len=SEQ, batch_size=BATCH)
-    assert result.auto_swap.plan.recompute == ()
+    assert result.plan_executor.plan.recompute == ()
     with pytest.raises(SwapExclusionError) as info:
         getattr(net, f"{CHECKPOINTING}_enable")()
     message = str(info.value)
@@ -272,8 +272,8 @@ def test_checkpointing_already_on_is_taken_over_and_given_back_on_unrewrite() ->
     enable = f"{CHECKPOINTING}_enable"
     getattr(net, enable)()
     result = apply_budget(net, BUDGET, seq_len=SEQ, batch_size=BATCH)
-    assert result.auto_swap.plan.recompute == ("layer",)
-    assert "activation_checkpointing: true" in result.auto_swap.made_for
+    assert result.plan_executor.plan.recompute == ("layer",)
+    assert "activation_checkpointing: true" in result.plan_executor.made_for
     assert not _checkpointed(net)
     getattr(net, enable)({"use_reentrant": False})  # honoured by the plan: nothing set
     assert not _checkpointed(net)

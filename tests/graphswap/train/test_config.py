@@ -187,7 +187,7 @@ def test_auto_plans_on_the_device_profile_unless_told_otherwise() -> None:
     profiles = []
     for extra in ({}, {"swap_tflops": 7.0}):
         sim = TrainerConfig(**small, device="sim:h100,link_gbps=10", **extra)
-        auto = build(sim).auto_swap
+        auto = build(sim).plan_executor
         assert auto is not None
         profiles.append(auto.plan.profile)
     assert [(p.d2h_gbps, p.tflops) for p in profiles] == [(10.0, 400.0), (10.0, 7.0)]

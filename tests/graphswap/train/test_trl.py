@@ -298,10 +298,10 @@ def test_a_plan_for_sft_trainer_counts_trls_head_as_it_runs(
     )
     torch.manual_seed(0)
     built = build(trainer_config, hf_config=config)
-    assert built.auto_swap is not None and built.auto_swap.plan.loss_head == "trl"
-    assert "loss_head: trl" in built.auto_swap.made_for
+    assert built.plan_executor is not None and built.plan_executor.plan.loss_head == "trl"
+    assert "loss_head: trl" in built.plan_executor.made_for
     assert sft(built.model, tmp_path / "planned", bf16=False) == plain_fp32
-    built.auto_swap.check()
+    built.plan_executor.check()
 
 
 def test_a_model_sft_trainer_holds_is_planned_for_its_head_unasked(
@@ -326,9 +326,9 @@ def test_a_model_sft_trainer_holds_is_planned_for_its_head_unasked(
     losses = sft(build_model(config), tmp_path / "planned", bf16=False, prepare=rewrite)
     assert losses == plain_fp32
     [result] = applied
-    assert result.auto_swap is not None and result.auto_swap.plan.loss_head == "trl"
-    assert "loss_head: trl" in result.auto_swap.made_for
-    result.auto_swap.check()
+    assert result.plan_executor is not None and result.plan_executor.plan.loss_head == "trl"
+    assert "loss_head: trl" in result.plan_executor.made_for
+    result.plan_executor.check()
 
 
 LORA_TARGETS = {
@@ -402,13 +402,13 @@ def test_sft_trainer_with_peft_config_trains_a_budget_plan_like_the_plain_lora_r
     )
     assert losses == plain_lora[preset]
     [result] = applied
-    plan = result.auto_swap.plan
+    plan = result.plan_executor.plan
     assert plan.lora_rank == 8 and plan.loss_head == "trl" and plan.recompute
-    assert "lora_rank: 8" in result.auto_swap.made_for
+    assert "lora_rank: 8" in result.plan_executor.made_for
     stats = result.report.manager.stats
     assert stats.recomputed_bytes == STEPS * plan.recomputed_bytes > 0
     assert stats.offloaded_bytes == STEPS * plan.swapped_bytes
-    result.auto_swap.check()
+    result.plan_executor.check()
 
 
 def test_a_lora_plan_counts_the_adapters_state_and_peaks_as_the_clocked_peft_step(
