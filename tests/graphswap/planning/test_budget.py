@@ -43,17 +43,21 @@ def _shape(config: Any) -> tuple[int, int]:
     return SHAPES.get(config.model_type, (2048, 2))
 
 
+def _cpu_step(config: Any, seq_len: int, batch_size: int) -> StepShape:
+    """The fp32 CPU step of ``config``'s attention at that shape, as these tests run it."""
+    return StepShape(
+        seq_len=seq_len,
+        batch_size=batch_size,
+        dtype=torch.float32,
+        attn_implementation=config._attn_implementation,
+        device="cpu",
+    )
+
+
 def _plan(config: Any, budget: int) -> Any:
-    seq_len, batch_size = _shape(config)
     return plan_memory(
         config,
-        StepShape(
-            seq_len=seq_len,
-            batch_size=batch_size,
-            dtype=torch.float32,
-            attn_implementation=config._attn_implementation,
-            device="cpu",
-        ),
+        _cpu_step(config, *_shape(config)),
         activation_swap="budget",
         activation_memory_budget=budget,
     )
@@ -499,13 +503,7 @@ def _options_at(config: Any, seq_len: int, batch_size: int) -> tuple[Any, ...]:
     with pytest.raises(PlanSettingError) as info:
         plan_memory(
             config,
-            StepShape(
-                seq_len=seq_len,
-                batch_size=batch_size,
-                dtype=torch.float32,
-                attn_implementation=config._attn_implementation,
-                device="cpu",
-            ),
+            _cpu_step(config, seq_len, batch_size),
             activation_swap="budget",
             activation_memory_budget=1,
         )

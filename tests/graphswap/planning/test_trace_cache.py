@@ -14,8 +14,7 @@ from graphswap.hf.presets import qwen3_moe_config
 from graphswap.planning import PlanSettingError, _trace_cache, fit_sequence, plan_memory
 from graphswap.planning.trace import StepShape, StepTrace, SwapSchedule
 
-SHAPE_BUT_LENGTH = {"batch_size": 2, "dtype": torch.float32, "device": "cpu"}
-SHAPE = StepShape(seq_len=512, **SHAPE_BUT_LENGTH)
+SHAPE = StepShape(seq_len=512, batch_size=2, dtype=torch.float32, device="cpu")
 """sdpa's query and output are 1 MiB a layer here: ``auto`` swaps them."""
 NO_HOST = SwapSchedule(max_host_bytes=0)
 
@@ -90,10 +89,9 @@ def test_a_refused_plan_is_refused_again(traces: list[StepTrace]) -> None:
 
 def test_a_fit_in_less_memory_traces_nothing(traces: list[StepTrace]) -> None:
     config = tiny()
-    step = StepShape(**SHAPE)  # type: ignore[arg-type]
-    roomy = fit_sequence(config, step, modes=("attention",))
+    roomy = fit_sequence(config, SHAPE, modes=("attention",))
     assert len(traces) == len(roomy.traced) > 1
     peak = roomy.modes[0].points[1].peak_bytes
-    tight = fit_sequence(config, step, memory_bytes=peak, modes=("attention",))
+    tight = fit_sequence(config, SHAPE, memory_bytes=peak, modes=("attention",))
     assert len(traces) == len(roomy.traced)
     assert tight.modes[0].seq_len == 1024 < roomy.modes[0].seq_len  # type: ignore[operator]
