@@ -460,7 +460,7 @@ def _budget_record(budget: Any, how: dict[str, Any], run: dict[str, Any]) -> dic
         "budget_bytes": plan.activation_memory_budget,
         "recompute": list(plan.recompute),
         "swap": plan.budget_swap,
-        "offload_lag": plan.swap_offload_lag,
+        "swap_offload_lag": plan.swap_offload_lag,
         "predicted_peak_bytes": plan.timeline.peak_bytes,
         "predicted_step_ratio": plan.step_ratio,
         "recomputed_bytes": plan.recomputed_bytes,

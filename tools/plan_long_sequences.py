@@ -2,7 +2,7 @@
 
 For each model and length: what ``auto`` moves against the link's bound (the link's
 bandwidth times the forward time of the layers that may swap: bytes leave only during
-forward), at ``offload_lag`` 1 and at the lag the plan chooses; and the step ratio of
+forward), at ``swap_offload_lag`` 1 and at the lag the plan chooses; and the step ratio of
 ``auto``'s choice when it was planned with every attention score timed (the old timing,
 here the causal kernel at half its rate) and replayed with the scores a causal kernel
 computes, beside the choice planned on causal timing. Then ``--fit`` per model. Writes
@@ -114,7 +114,7 @@ def fit_rows(name: str) -> list[dict[str, Any]]:
             "fits": [list(run) for run in mode.fits],
             "step_ratio": None if mode.plan is None else mode.plan.step_ratio,
             "host_peak_gib": None if mode.plan is None else mode.plan.host_peak_bytes / GIB,
-            "offload_lag": None if mode.plan is None else mode.plan.swap_offload_lag,
+            "swap_offload_lag": None if mode.plan is None else mode.plan.swap_offload_lag,
             "seconds": seconds,
             "traced": len(fit.traced),
             "planned": fit.planned,
@@ -129,7 +129,7 @@ def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> str:
         "state_shards 8)",
         "",
         "`auto`'s bytes against the link's bound (50 GB/s x the forward time of the 47 layers "
-        "that may swap), at offload_lag 1 and at the lag the plan chose; and the step ratio "
+        "that may swap), at swap_offload_lag 1 and at the lag the plan chose; and the step ratio "
         "of auto planned with every attention score timed (old timing: the causal kernel at "
         "half its rate, lag 1) when the step runs with causal attention.",
         "",
@@ -160,7 +160,7 @@ def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> str:
             host = "-" if f["host_peak_gib"] is None else f"{f['host_peak_gib']:.1f}"
             lines.append(
                 f"| {f['model']} | {f['mode']} | {f['seq']} | {f['fits']} | {ratio} | {host} | "
-                f"{f['offload_lag']} | {f['seconds']:.1f} ({f['traced']} / {f['planned']}) |"
+                f"{f['swap_offload_lag']} | {f['seconds']:.1f} ({f['traced']} / {f['planned']}) |"
             )
     return "\n".join(lines) + "\n"
 
