@@ -64,6 +64,15 @@ NAMES: dict[str, str] = {
     "graphswap.passes.errors.PlanError": "graphswap.passes.errors:PassPlanError",
     # The swap pass's planning call, named after one of the two modes whose plan it makes.
     "graphswap.passes.swap.plan_auto_swap": "graphswap.passes.swap:plan_swap",
+    # The config group read by auto and budget, named after auto alone (0.2.0).
+    **{
+        f"{module}.{old}": f"graphswap.train.config:{new}"
+        for module in ("graphswap.config", "graphswap.train.config")
+        for old, new in (
+            ("AutoSwapSettings", "SwapPlanSettings"),
+            ("AUTO_ONLY_SETTINGS", "PLAN_ONLY_SETTINGS"),
+        )
+    },
     "graphswap.config.DEFAULT_SWAP_HIDE_MARGIN": "graphswap.planning._settings:DEFAULT_HIDE_MARGIN",
     # The executor of auto and budget plans, named after one of the two modes it runs; at
     # its module and at that module's 0.1.0 paths. Pickles of a model it rewrote name

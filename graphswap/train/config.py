@@ -23,6 +23,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from graphswap._compat import module_getattr
 from graphswap.errors import GraphswapError
 from graphswap.hf.loss_head import LossHead
 from graphswap.hf.presets import preset_names
@@ -85,9 +86,9 @@ class SwapSettings:
 
 
 @dataclass(frozen=True)
-class AutoSwapSettings:
-    """What ``activation_swap: auto`` plans with; another mode must leave them at their
-    defaults (a value it would not read is an error)."""
+class SwapPlanSettings:
+    """What ``activation_swap: auto`` and ``budget`` plan with; another mode must leave
+    them at their defaults (a value it would not read is an error)."""
 
     swap_bandwidth_gbps: SwapBandwidth | None = None
     """The host link in GB/s per direction, or ``measure`` (timed on the training device);
@@ -190,7 +191,7 @@ class TrainerConfig(
     TrainingSettings,
     ModelSettings,
     LossHeadSettings,
-    AutoSwapSettings,
+    SwapPlanSettings,
     SwapSettings,
 ):
     """Everything ``graphswap train`` reads, in groups, one flat key per field (the groups'
@@ -262,7 +263,7 @@ class TrainerConfig(
         self._check_budget()
         if self.activation_swap in ("auto", "budget"):
             return
-        for key, default in AUTO_ONLY_SETTINGS.items():
+        for key, default in PLAN_ONLY_SETTINGS.items():
             value = getattr(self, key)
             if value != default:
                 raise ConfigError(
@@ -319,8 +320,10 @@ SWAP_ONLY_SETTINGS = {
 }
 """Settings of the swap runtime that ``activation_swap: none`` must leave at their defaults."""
 
-AUTO_ONLY_SETTINGS = {f.name: f.default for f in dataclasses.fields(AutoSwapSettings)}
-"""Settings that only ``activation_swap: auto`` reads, with their defaults."""
+PLAN_ONLY_SETTINGS = {f.name: f.default for f in dataclasses.fields(SwapPlanSettings)}
+"""Settings that only ``activation_swap: auto`` and ``budget`` read, with their defaults."""
+
+__getattr__ = module_getattr(__name__)  # AutoSwapSettings and AUTO_ONLY_SETTINGS, until 0.3
 
 
 def resolve_config(

@@ -70,7 +70,7 @@ def _as_mode(config: Any, mode: str) -> Any:
     the budget reset (``none`` refuses them), and the swap pass left out of a
     ``pass_order``, whose other passes keep their order."""
     # Deferred so that `graphswap --help` does not load torch (see graphswap.train.cli).
-    from graphswap.train.config import AUTO_ONLY_SETTINGS, SWAP_ONLY_SETTINGS
+    from graphswap.train.config import PLAN_ONLY_SETTINGS, SWAP_ONLY_SETTINGS
 
     if mode == "none":
         order = config.pass_order
@@ -80,7 +80,7 @@ def _as_mode(config: Any, mode: str) -> Any:
             activation_memory_budget=None,
             pass_order=None if order is None else tuple(n for n in order if n != "swap"),
             **SWAP_ONLY_SETTINGS,
-            **AUTO_ONLY_SETTINGS,
+            **PLAN_ONLY_SETTINGS,
         )
     return dataclasses.replace(config, activation_swap=mode)
 

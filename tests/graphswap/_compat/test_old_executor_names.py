@@ -171,3 +171,15 @@ def test_the_swap_pass_and_the_built_model_answer_to_their_old_executor_names(
     with pytest.warns(DeprecationWarning, match=said):
         report = swap.apply_swap(plain, activation_swap="auto", auto=executor)
     assert len(report.manager.links) == 1 and executor.plan is not None
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("AutoSwapSettings", "SwapPlanSettings"), ("AUTO_ONLY_SETTINGS", "PLAN_ONLY_SETTINGS")],
+)
+def test_the_config_group_auto_and_budget_read_answers_to_its_old_name(old: str, new: str) -> None:
+    from graphswap.train import config
+
+    said = rf"^graphswap\.train\.config\.{old} is deprecated: use graphswap\.train\.config\.{new}"
+    with pytest.warns(DeprecationWarning, match=said):
+        assert getattr(config, old) is getattr(config, new)
