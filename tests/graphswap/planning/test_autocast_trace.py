@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,29 @@ def _saves(scopes: dict) -> dict:
     }
 
 
+def _bf16_step(attn: str, **lora: Any) -> StepShape:
+    """The step these tests run: fp32 weights under CPU bf16 autocast."""
+    return StepShape(
+        seq_len=SEQ_LEN,
+        batch_size=BATCH_SIZE,
+        dtype=torch.float32,
+        autocast_dtype=torch.bfloat16,
+        attn_implementation=attn,
+        device="cpu",
+        **lora,
+    )
+
+
+def _real_saves(model: torch.nn.Module, collected: torch.nn.Module, vocab_size: int) -> dict:
+    """What ``collected`` (``model`` or the model inside it) saves in a real forward of
+    ``model`` under CPU bf16 autocast, by scope."""
+    collector = SavedTensorCollector(collected, swap_large_activations)
+    ids = torch.randint(0, vocab_size, (BATCH_SIZE, SEQ_LEN))
+    with collector.collect(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    return _saves(collector.saves)
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_the_trace_saves_what_a_real_cpu_autocast_step_saves(preset: str, attn: str) -> None:
@@ -50,20 +74,8 @@ def test_the_trace_saves_what_a_real_cpu_autocast_step_saves(preset: str, attn: 
     config.num_hidden_layers = 1
     torch.manual_seed(0)
     model = build_model(config, dtype=torch.float32).train()
-    collector = SavedTensorCollector(model, swap_large_activations)
-    ids = torch.randint(0, config.vocab_size, (BATCH_SIZE, SEQ_LEN))
-    with collector.collect(), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(input_ids=ids, labels=ids, use_cache=False)
-    shape = StepShape(
-        seq_len=SEQ_LEN,
-        batch_size=BATCH_SIZE,
-        dtype=torch.float32,
-        autocast_dtype=torch.bfloat16,
-        attn_implementation=attn,
-        device="cpu",
-    )
-    traced = _saves(trace_saved_tensors(config, shape).scopes())
-    real = _saves(collector.saves)
+    real = _real_saves(model, model, config.vocab_size)
+    traced = _saves(trace_saved_tensors(config, _bf16_step(attn)).scopes())
     assert traced == real
     assert any(dtype == torch.bfloat16 for saves in real.values() for _, dtype, _, _ in saves)
 
@@ -89,25 +101,12 @@ def test_the_trace_saves_what_a_real_peft_model_saves_under_cpu_autocast(
     )
     if checkpointing:
         model.enable_input_require_grads()
-    collector = SavedTensorCollector(model.get_base_model(), swap_large_activations)
-    ids = torch.randint(0, config.vocab_size, (BATCH_SIZE, SEQ_LEN))
-    with collector.collect(), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(input_ids=ids, labels=ids, use_cache=False)
-    shape = StepShape(
-        seq_len=SEQ_LEN,
-        batch_size=BATCH_SIZE,
-        dtype=torch.float32,
-        autocast_dtype=torch.bfloat16,
-        attn_implementation="eager",
-        device="cpu",
-        lora_rank=8,
-        lora_target_modules=tuple(targets),
-    )
+    real = _real_saves(model, model.get_base_model(), config.vocab_size)
+    shape = _bf16_step("eager", lora_rank=8, lora_target_modules=tuple(targets))
     meta = build_meta_model(config, shape, activation_checkpointing=checkpointing)
     traced_collector = SavedTensorCollector(meta.model, swap_large_activations)
     with traced_collector.collect(), meta.tracing():
         meta.forward()
-    real = _saves(collector.saves)
     assert _saves(traced_collector.saves) == real
     _, dtype, _, _ = real["model.layers.0"][0]  # the norm's input, or the adapters' cast
     assert dtype == (torch.float32 if checkpointing else torch.bfloat16)
